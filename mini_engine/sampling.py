@@ -29,3 +29,46 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
+    """A request's own random stream: its draws depend on its seed alone, not on what else is in the batch."""
+    if params.greedy or params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits of each row (ties at the boundary kept), set the rest to -inf."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (nucleus sampling)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits.float(), dim=-1)
+    # Drop a token when the mass of the tokens strictly before it already reaches p; the first always stays.
+    drop_sorted = (probs.cumsum(-1) - probs) >= p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None] | None = None) -> list[int]:
+    """One next token per row of logits [S, vocab], each row with its own parameters and random stream."""
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"params must have one entry per logits row: {len(params)} != {logits.shape[0]}")
+    generators = generators or [None] * len(params)
+    tokens = logits.argmax(dim=-1).tolist()  # the greedy answer, replaced below for sampled rows
+    for i, (sp, gen) in enumerate(zip(params, generators)):
+        if sp.greedy:
+            continue
+        row = logits[i].float() / sp.temperature
+        row = apply_top_p(apply_top_k(row, sp.top_k), sp.top_p)
+        tokens[i] = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen))
+    return tokens

@@ -1,0 +1,117 @@
+"""Attention backends and the one metadata object a forward step carries.
+
+Tokens of a step are packed: the step holds `query_lens[i]` new tokens of sequence i, laid end to end
+(no padding). Sequence i attends to its first `context_lens[i]` positions: what the cache already holds
+plus the new tokens. With no cache (`slots is None`) a sequence attends to its new tokens only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("naive", "torch", "triton")
+
+
+@dataclass
+class AttentionMetadata:
+    query_lens: list[int]
+    context_lens: list[int]
+    positions: torch.Tensor           # [T] absolute position of each packed token (drives RoPE)
+    slots: list[int] | None = None    # cache row of each sequence; None: no cache
+    slot_mapping: torch.Tensor | None = None  # [T] cache row of each token, for the cache write
+    logits_indices: torch.Tensor | None = None  # packed rows whose logits are wanted (None: all)
+
+    @classmethod
+    def build(cls, query_lens, context_lens=None, slots=None, device="cpu", last_only=False):
+        context_lens = list(query_lens) if context_lens is None else list(context_lens)
+        if len(context_lens) != len(query_lens):
+            raise ValueError("context_lens and query_lens must have one entry per sequence")
+        if any(q < 1 or c < q for q, c in zip(query_lens, context_lens)):
+            raise ValueError(f"each query_len must be >= 1 and <= its context_len: {query_lens} / {context_lens}")
+        positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)]).to(device)
+        slot_mapping = None
+        if slots is not None:
+            slot_mapping = torch.repeat_interleave(torch.tensor(slots), torch.tensor(query_lens)).to(device)
+        logits_indices = None
+        if last_only:
+            logits_indices = (torch.tensor(query_lens).cumsum(0) - 1).to(device)
+        return cls(list(query_lens), context_lens, positions, None if slots is None else list(slots),
+                   slot_mapping, logits_indices)
+
+
+def _sdpa(q, k, v, causal_offset: int | None, backend: str):
+    """q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D]. causal_offset: query i sees keys j <= i + offset (None: all keys)."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    if backend == "naive":
+        # Materialise the full scores matrix: the O(N^2) memory FlashAttention removes (chapter 05).
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        if causal_offset is not None:
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(causal_offset)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    gqa = q.shape[1] != k.shape[1]
+    if causal_offset is None or n_q == 1 and causal_offset >= n_k - 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if causal_offset == 0 and n_q == n_k:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(causal_offset)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def attention_no_cache(q, k, v, meta: AttentionMetadata, backend: str):
+    """Causal attention of each sequence over its own packed tokens. q [T,Hq,D], k/v [T,Hkv,D]."""
+    lens = meta.query_lens
+    if len(set(lens)) == 1:  # equal lengths: one batched call
+        b, n = len(lens), lens[0]
+        qb, kb, vb = (x.view(b, n, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        return _sdpa(qb, kb, vb, 0, backend).transpose(1, 2).reshape(q.shape)
+    outs = [_sdpa(*(x.T.unsqueeze(0) for x in (qs, ks, vs)), 0, backend)[0].transpose(0, 1)
+            for qs, ks, vs in zip(q.split(lens), k.split(lens), v.split(lens))]
+    return torch.cat(outs)
+
+
+def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: str):
+    """Attend packed queries q [T,Hq,D] to cached keys/values k_cache [slots,Hkv,max_len,D] (already written)."""
+    out = torch.empty_like(q)
+    starts = [0]
+    for n in meta.query_lens:
+        starts.append(starts[-1] + n)
+    decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    if len(decodes) > 1:
+        _batched_decode(q, k_cache, v_cache, meta, decodes, starts, out, backend)
+        decodes = set(decodes)
+    else:
+        decodes = set()
+    for i, (n, ctx, slot) in enumerate(zip(meta.query_lens, meta.context_lens, meta.slots)):
+        if i in decodes:
+            continue
+        qs = q[starts[i]:starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1,Hq,n,D]
+        ks = k_cache[slot:slot + 1, :, :ctx]                           # a view: no copy of the cache
+        vs = v_cache[slot:slot + 1, :, :ctx]
+        out[starts[i]:starts[i + 1]] = _sdpa(qs, ks, vs, ctx - n, backend)[0].transpose(0, 1)
+    return out
+
+
+def _batched_decode(q, k_cache, v_cache, meta, rows, starts, out, backend):
+    """One call for all single-token queries: gather their cache rows up to the longest context, mask the rest."""
+    slots = torch.tensor([meta.slots[i] for i in rows], device=q.device)
+    ctx = torch.tensor([meta.context_lens[i] for i in rows], device=q.device)
+    longest = int(ctx.max())
+    k = k_cache[slots, :, :longest]  # [S,Hkv,L,D]
+    v = v_cache[slots, :, :longest]
+    qi = torch.tensor([starts[i] for i in rows], device=q.device)
+    qs = q[qi].unsqueeze(2)  # [S,Hq,1,D]
+    valid = torch.arange(longest, device=q.device)[None, :] < ctx[:, None]  # [S,L]
+    mask = valid[:, None, None, :]
+    if backend == "naive":
+        rep = qs.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (qs @ k.transpose(-1, -2)) * qs.shape[-1] ** -0.5
+        o = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), -1).to(q.dtype) @ v
+    else:
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=qs.shape[1] != k.shape[1])
+    out[qi] = o.squeeze(2)

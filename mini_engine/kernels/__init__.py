@@ -1,0 +1,8 @@
+"""Triton kernels, each next to its torch reference and wrapper.
+
+Importing this package imports triton but never sets TRITON_INTERPRET: to run the kernels on CPU
+tensors, set TRITON_INTERPRET=1 in the environment before importing it.
+"""
+from .flash_attention import attention_reference, flash_attention, flash_attention_varlen
+
+__all__ = ["flash_attention", "flash_attention_varlen", "attention_reference"]

@@ -1,0 +1,36 @@
+"""The contiguous KV cache: every sequence slot reserves room for `max_len` positions up front.
+
+Layout follows the seed chapter: [layers, K/V, slots (batch), kv_heads, positions, head_dim]. Simple and
+fast to index, but a slot's unused tail is wasted memory: the "before" picture for PagedAttention.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class ContiguousKVCache:
+    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, device="cpu", dtype=torch.float32):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        self.num_slots, self.max_len = num_slots, max_len
+        self.data = torch.zeros(config.num_layers, 2, num_slots, config.num_kv_heads, max_len, config.head_dim,
+                                device=device, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, 0], self.data[i, 1]
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions) -> None:
+        """Store the new tokens' keys/values (k/v [T,Hkv,D]) at (slot, position) of layer i."""
+        if int(positions.max()) >= self.max_len:
+            raise ValueError(f"position {int(positions.max())} is past the cache's max_len {self.max_len}")
+        k_cache, v_cache = self.layer(i)
+        k_cache[slot_mapping, :, positions] = k
+        v_cache[slot_mapping, :, positions] = v

