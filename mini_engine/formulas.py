@@ -363,7 +363,8 @@ def prefix_cache_savings(prefix_len, suffix_len, n_requests, model) -> PrefixSav
     once and every request runs only its suffix against the cached prefix, prefill_flops(S, past=P).
     TTFT ratio = prefill_flops(P + S) / prefill_flops(S, past=P) ≈ (P + S) / S when the matmuls dominate:
     a 2000-token system prompt with 50-token questions gives about 40× (the seed's figure), and for a
-    13B model over 1000 requests skips about 52 PFLOP of weight matmuls (2 · 13e9 · 2000 · 1000).
+    13B model over 1000 requests skips about 52 PFLOP of weight matmuls (2 · 13.0e9 · 2000 · 999), plus
+    about 3 PFLOP of attention.
     """
     _check_at_least("prefix_len", prefix_len, 0)
     _check_at_least("suffix_len", suffix_len, 1)

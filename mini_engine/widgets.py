@@ -40,15 +40,18 @@ def _live(controls: dict[str, W.Widget], render: Callable[..., tuple[str, Figure
     """Wire controls to `render(**values) -> (summary html, figure)` and draw once."""
     summary, plot, errors = W.HTML(), W.Image(format="png"), W.Output()
 
-    def refresh(_change=None):
+    def draw():
+        text, fig = render(**{name: w.value for name, w in controls.items()})
+        summary.value, plot.value = text, _png(fig)
+
+    def redraw(_change):
         errors.outputs = ()  # clear_output() would also print terminal escape codes outside a kernel
-        with errors:  # in a notebook a failure is printed here instead of vanishing into the browser log
-            text, fig = render(**{name: w.value for name, w in controls.items()})
-            summary.value, plot.value = text, _png(fig)
+        with errors:  # in a notebook a failure is shown here instead of vanishing into the browser log
+            draw()
 
     for w in controls.values():
-        w.observe(refresh, names="value")
-    refresh()
+        w.observe(redraw, names="value")
+    draw()  # outside `errors`, so a widget that cannot draw fails loudly where it is built (and in CI)
     panel = W.Box(list(controls.values()), layout=W.Layout(flex_flow="row wrap"))
     return W.VBox([panel, summary, plot, errors])
 

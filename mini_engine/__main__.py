@@ -1,0 +1,90 @@
+"""Command line: `python -m mini_engine demo | generate "prompt" | bench`."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .devices import default_device
+
+
+def _stream_printer(tok):
+    """Print tokens as they arrive; decode the whole answer each time so multi-byte characters come out whole."""
+    ids, shown = [], [""]
+
+    def on_token(token):
+        ids.append(token)
+        text = tok.decode(ids)
+        sys.stdout.write(text[len(shown[0]):])
+        sys.stdout.flush()
+        shown[0] = text
+    return on_token
+
+
+def cmd_generate(args) -> None:
+    import mini_engine as me
+    model, tok = me.load_model(args.model, device=args.device, dtype=args.dtype)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
+    params = me.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                               max_tokens=args.max_tokens, seed=args.seed)
+    loop = me.generate_naive if args.naive else me.generate_cached
+    t0 = time.perf_counter()
+    out = loop(model, prompt, args.max_tokens, params, eos_token_id=tok.eos_token_id, on_token=_stream_printer(tok))
+    dt = time.perf_counter() - t0
+    print(f"\n[{len(out)} tokens in {dt:.2f} s = {len(out) / dt:.1f} tok/s, "
+          f"{'naive (no cache)' if args.naive else 'KV cache'}, {args.device} {args.dtype}]")
+
+
+def cmd_demo(args) -> None:
+    import mini_engine as me
+    t0 = time.perf_counter()
+    model, tok = me.load_model(args.model, device=args.device, dtype=args.dtype)
+    print(f"loaded {args.model}: {model.config.num_params / 1e6:.1f}M parameters, "
+          f"{model.config.num_layers} layers, on {args.device} ({args.dtype}) in {time.perf_counter() - t0:.1f} s")
+    question = "What is the capital of France? Answer in one sentence."
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
+    print(f"\nuser: {question}\nprompt: {len(prompt)} tokens")
+    for name, loop in [("naive (full recompute)", me.generate_naive), ("KV cache", me.generate_cached)]:
+        print(f"\n{name}: ", end="")
+        t0 = time.perf_counter()
+        out = loop(model, prompt, 48, eos_token_id=tok.eos_token_id, on_token=_stream_printer(tok))
+        dt = time.perf_counter() - t0
+        print(f"\n  -> {len(out)} tokens, {len(out) / dt:.1f} tok/s")
+
+
+def cmd_bench(args) -> None:
+    from .bench import bench
+    rungs = args.rung or ["naive", "cached"]
+    bench(rungs, args.tokens, args.device, args.dtype, with_hf=not args.no_hf)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mini_engine", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default="smollm2-135m", help="embedded name, .gguf file or HF folder")
+    common.add_argument("--device", default=default_device())
+    common.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sub.add_parser("demo", parents=[common], help="load the embedded model and chat, naive vs cached")
+    g = sub.add_parser("generate", parents=[common], help="stream a chat answer")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--naive", action="store_true", help="full recompute instead of the KV cache")
+    b = sub.add_parser("bench", parents=[common], help="benchmark table: mini_engine rungs vs HF transformers")
+    b.add_argument("--rung", action="append", choices=["naive", "cached"],
+                   help="repeatable; default: naive and cached")
+    b.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
+    args = parser.parse_args(argv)
+    try:
+        {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench}[args.cmd](args)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

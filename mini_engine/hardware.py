@@ -1,0 +1,53 @@
+"""Measure this machine's ceilings: matmul FLOP/s and memory bandwidth, the two roofs of the roofline."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .devices import synchronize
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    device: str
+    dtype: str
+    peak_flops: float   # FLOP/s of a large square matmul
+    peak_bw: float      # bytes/s of a large tensor copy (bytes read + bytes written)
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOPs per byte above which a kernel is compute-bound on this machine."""
+        return self.peak_flops / self.peak_bw
+
+
+def _best_time(fn, device, repeats: int) -> float:
+    fn()  # warm-up: first call pays for allocation and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_matmul_flops(device: str = "cpu", dtype=torch.float32, n: int = 1024, repeats: int = 5) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / _best_time(lambda: a @ b, device, repeats)
+
+
+def measure_memory_bandwidth(device: str = "cpu", mib: int = 256, repeats: int = 5) -> float:
+    """A copy much larger than the caches: every byte goes to and from main memory."""
+    src = torch.empty(mib * 2**20 // 4, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), device, repeats)
+
+
+def measure_ceilings(device: str = "cpu", dtype=torch.float32, quick: bool = False) -> Ceilings:
+    n, mib = (512, 64) if quick else ((4096, 1024) if device.startswith("cuda") else (2048, 256))
+    return Ceilings(device, str(dtype).removeprefix("torch."), measure_matmul_flops(device, dtype, n),
+                    measure_memory_bandwidth(device, mib))

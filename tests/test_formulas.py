@@ -1,0 +1,251 @@
+"""The closed forms reproduce the seed chapters' numbers and agree with brute-force sums."""
+import numpy as np
+import pytest
+
+from mini_engine import formulas as F
+from mini_engine.config import PRESETS
+
+A100 = dict(peak_flops=312e12, peak_bw=2.039e12)
+TINY = F.ModelShape(n_params=1000, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_size=32)
+ATTENTION_ONLY = F.ModelShape(n_params=0, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_size=32)
+MATMUL_ONLY = F.ModelShape(n_params=1000, n_layers=2, n_heads=0, n_kv_heads=2, head_dim=8, hidden_size=32)
+
+
+# ---------------------------------------------------------------- KV memory
+
+def test_kv_cache_seed_numbers():
+    assert F.kv_cache_bytes(32, 32, 128, seq_len=4096, dtype_bytes=2) == 2 * F.GiB  # Llama-7B at 4K
+    assert F.kv_bytes_per_token(40, 40, 128, 2) / F.MiB == pytest.approx(0.78, abs=0.005)  # Llama-2-13B
+    assert F.kv_cache_bytes(80, 8, 128, 131072) / F.GiB == pytest.approx(40)  # Llama-70B, GQA
+    assert F.kv_cache_bytes(80, 64, 128, 131072) / F.GiB == pytest.approx(320)  # Llama-70B, 64 KV heads
+
+
+def test_kv_cache_seed_table():
+    # The seed's exercise table (GiB, fp16, batch 1), rows Llama-7B / 13B / 70B with 64 heads.
+    expected = {"llama-7b": [0.50, 2.00, 16.00, 64.00],
+                "llama-2-13b": [0.78, 3.12, 25.00, 100.00],
+                "llama-70b-mha": [2.50, 10.00, 80.00, 320.00]}
+    contexts = np.array([1024, 4096, 32768, 131072])
+    for name, row in expected.items():
+        got = F.kv_cache_bytes_for(name, contexts) / F.GiB
+        np.testing.assert_allclose(got, row, atol=0.005)
+
+
+def test_kv_cache_scales_linearly_and_override_heads():
+    one = F.kv_cache_bytes_for("llama-7b", 100)
+    assert F.kv_cache_bytes_for("llama-7b", 100, batch=3) == 3 * one
+    assert F.kv_cache_bytes_for("llama-7b", 300) == 3 * one
+    assert F.kv_cache_bytes_for("llama-7b", 100, dtype_bytes=1) * 2 == one
+    assert F.kv_cache_bytes_for("llama-7b", 100, n_kv_heads=1) * 32 == one  # MQA
+    assert F.kv_cache_bytes_for("llama-70b-mha", 10) == 8 * F.kv_cache_bytes_for("llama-70b-gqa", 10)
+
+
+def test_max_concurrent_requests_reproduces_35_on_an_80gb_a100():
+    # Assumptions (documented in the docstring): 80 GiB card, fp16 weights, 2048 fp16 KV tokens per request.
+    kv = F.kv_cache_bytes_for("llama-2-13b", 2048)
+    fits = F.max_concurrent_requests(80 * F.GiB, F.weight_bytes("llama-2-13b", 2), kv)
+    assert fits == 35
+    free = 80 * F.GiB - F.weight_bytes("llama-2-13b", 2)
+    assert fits * kv <= free < (fits + 1) * kv
+
+
+def test_max_concurrent_requests_is_zero_when_weights_do_not_fit():
+    assert F.max_concurrent_requests(16 * F.GiB, F.weight_bytes("llama-70b-gqa"), 1) == 0
+    np.testing.assert_array_equal(F.max_concurrent_requests(np.array([10, 20, 35]), 5, 10), [0, 1, 3])
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def _attention_flops_by_loops(shape, n_queries, n_keys):
+    """Count the multiply-adds of QKᵀ and PV one query, key, head and layer at a time."""
+    macs = 0
+    for _layer in range(shape.n_layers):
+        for _head in range(shape.n_heads):
+            for _q in range(n_queries):
+                for _k in range(n_keys):
+                    macs += shape.head_dim  # one score q·k
+                    macs += shape.head_dim  # its share of p·v
+    return 2 * macs
+
+
+def test_flops_per_token_counts_matmuls_and_attention():
+    assert F.attention_flops(TINY, 3, 5) == _attention_flops_by_loops(TINY, 3, 5)
+    assert F.flops_per_token(TINY, 7) == 2 * TINY.n_params + _attention_flops_by_loops(TINY, 1, 7)
+    assert F.prefill_flops(TINY, 6) == 6 * 2 * TINY.n_params + _attention_flops_by_loops(TINY, 6, 6)
+    assert F.prefill_flops(TINY, 4, past=3) == 4 * 2 * TINY.n_params + _attention_flops_by_loops(TINY, 4, 7)
+    assert F.decode_flops(TINY, 9, batch=5) == 5 * F.flops_per_token(TINY, 9)
+
+
+def test_model_can_be_a_config_a_preset_name_or_a_shape():
+    cfg = PRESETS["llama-7b"]
+    shape = F.ModelShape.of(cfg)
+    assert shape.n_params == cfg.num_params and shape.n_kv_heads == 32
+    assert F.flops_per_token("llama-7b", 100) == F.flops_per_token(cfg, 100) == F.flops_per_token(shape, 100)
+    with pytest.raises(ValueError, match="model"):
+        F.flops_per_token("no-such-model", 1)
+
+
+@pytest.mark.parametrize("prompt_len,new_tokens", [(1, 1), (1, 9), (5, 1), (7, 13)])
+def test_generation_closed_forms_equal_step_sums(prompt_len, new_tokens):
+    naive = sum(F.naive_step_flops(TINY, prompt_len + s) for s in range(new_tokens))
+    cached = F.prefill_flops(TINY, prompt_len) + sum(
+        F.decode_flops(TINY, prompt_len + s) for s in range(1, new_tokens))
+    assert F.naive_generation_flops(TINY, prompt_len, new_tokens) == pytest.approx(naive, rel=1e-12)
+    assert F.cached_generation_flops(TINY, prompt_len, new_tokens) == pytest.approx(cached, rel=1e-12)
+
+
+def test_generation_flops_accept_arrays():
+    lengths = np.array([1, 2, 50, 1024])
+    got = F.naive_generation_flops("llama-7b", 3, lengths)
+    np.testing.assert_allclose(got, [F.naive_generation_flops("llama-7b", 3, int(n)) for n in lengths], rtol=1e-12)
+
+
+def test_growth_orders_of_naive_and_cached_generation():
+    # Doubling N: attention costs 8× (O(N³)) without a cache and 4× (O(N²)) with one; matmuls 4× and 2×.
+    n = 4096
+    ratio = lambda fn, shape: fn(shape, 1, 2 * n) / fn(shape, 1, n)
+    assert ratio(F.naive_generation_flops, ATTENTION_ONLY) == pytest.approx(8, rel=1e-3)
+    assert ratio(F.cached_generation_flops, ATTENTION_ONLY) == pytest.approx(4, rel=1e-3)
+    assert ratio(F.naive_generation_flops, MATMUL_ONLY) == pytest.approx(4, rel=1e-3)
+    assert ratio(F.cached_generation_flops, MATMUL_ONLY) == pytest.approx(2, rel=1e-3)
+
+
+def test_attention_work_ratio_is_about_700_at_1024():
+    n = 1024
+    brute = sum(i * i for i in range(1, n + 1)) / sum(range(1, n + 1))
+    assert F.attention_work_ratio(n) == pytest.approx(brute)
+    assert round(F.attention_work_ratio(n)) == 683  # the seed rounds it to "about 700"
+    # The same ratio falls out of the cost model once the matmuls are taken away.
+    assert F.naive_generation_flops(ATTENTION_ONLY, 1, n) / F.cached_generation_flops(ATTENTION_ONLY, 1, n) \
+        == pytest.approx(brute)
+
+
+def test_bad_lengths_are_rejected_by_name():
+    with pytest.raises(ValueError, match="prompt_len"):
+        F.naive_generation_flops(TINY, 0, 5)
+    with pytest.raises(ValueError, match="new_tokens"):
+        F.cached_generation_flops(TINY, 3, 0)
+    with pytest.raises(ValueError, match="seq_len"):
+        F.kv_cache_bytes(1, 1, 1, -1)
+
+
+# ---------------------------------------------------------------- bytes, intensity, roofline
+
+def test_decode_at_batch_1_moves_about_one_byte_per_flop():
+    # fp16: two FLOPs and two bytes per weight, the KV read adds a little.
+    assert F.decode_intensity("llama-7b", 1, 1024, 2) == pytest.approx(1.0, abs=0.05)
+    assert F.decode_intensity("llama-7b", 1, 1024, 4) == pytest.approx(0.5, abs=0.03)
+
+
+def test_decode_intensity_grows_with_batch_then_saturates_on_kv_reads():
+    batches = np.array([1, 2, 8, 64, 512, 4096])
+    intensity = F.decode_intensity("llama-7b", batches, 4096, 2)
+    assert np.all(np.diff(intensity) > 0)
+    # Per sequence a step does flops_per_token(context) and moves `context` KV entries: the ceiling.
+    ceiling = F.flops_per_token("llama-7b", 4096) / (F.kv_bytes_per_token_for("llama-7b", 2) * 4096)
+    assert intensity[-1] < ceiling < F.ridge_point(**A100)
+
+
+def test_prefill_intensity_grows_with_prompt_length():
+    assert F.prefill_intensity("llama-7b", 1, 2) == pytest.approx(F.decode_intensity("llama-7b", 1, 1, 2))
+    assert F.prefill_bytes("llama-7b", 1, 2, past=99) == F.decode_bytes("llama-7b", 1, 100, 2)
+    assert F.prefill_intensity("llama-7b", 2048, 2) > F.ridge_point(**A100)
+
+
+def test_roofline_pieces():
+    ridge = F.ridge_point(**A100)
+    assert ridge == pytest.approx(312e12 / 2.039e12)
+    assert F.attainable_flops(ridge / 2, **A100) == pytest.approx(A100["peak_flops"] / 2)
+    assert F.attainable_flops(ridge * 2, **A100) == A100["peak_flops"]
+    assert F.roofline_time(1e12, 1e9, 1e12, 1e9) == 1.0
+    assert F.roofline_time(2e12, 1e9, 1e12, 1e9) == 2.0
+    assert F.roofline_bound(1.0, 1.0, **A100) == "memory"
+    assert F.roofline_bound(1e6, 1.0, **A100) == "compute"
+
+
+def test_predicted_decode_rate_on_an_a100():
+    # Batch 1 is bound by reading the fp16 weights once per token: about 2.04 TB/s / 13.5 GB ≈ 150 tok/s.
+    one = F.predicted_decode_tok_s("llama-7b", 1, 1024, 2, **A100)
+    assert one == pytest.approx(A100["peak_bw"] / F.decode_bytes("llama-7b", 1, 1024, 2))
+    assert 100 < one < 200
+    assert F.predicted_decode_tok_s("llama-7b", 32, 1024, 2, **A100) > 10 * one
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+def _expected_tokens_by_cases(k, alpha):
+    """Sum over how many drafts are accepted: j < k with probability αʲ(1−α), all k with αᵏ; +1 target token."""
+    return sum((j + 1) * alpha**j * (1 - alpha) for j in range(k)) + (k + 1) * alpha**k
+
+
+def test_expected_tokens_per_step():
+    assert F.expected_tokens_per_step(4, 0.8) == pytest.approx(3.36, abs=0.005)
+    for k in (0, 1, 3, 7):
+        for alpha in (0.0, 0.3, 0.9):
+            assert F.expected_tokens_per_step(k, alpha) == pytest.approx(_expected_tokens_by_cases(k, alpha))
+    assert F.expected_tokens_per_step(5, 1.0) == 6
+
+
+def test_speculative_speedup_reproduces_the_seed_table():
+    ks, alphas = [1, 3, 5, 7, 10], [0.3, 0.5, 0.7, 0.9]
+    seed = [[1.21, 1.40, 1.59, 1.78],
+            [1.28, 1.69, 2.28, 3.10],
+            [1.24, 1.71, 2.56, 4.07],
+            [1.20, 1.67, 2.64, 4.79],
+            [1.14, 1.60, 2.61, 5.49]]
+    table = F.speculative_speedup_table(ks, alphas, draft_cost=0.02, overhead=0.05)
+    assert table.shape == (5, 4)
+    np.testing.assert_allclose(table, seed, atol=0.006)
+    assert table[2, 2] == F.speculative_speedup(k=5, alpha=0.7, draft_cost=0.02, overhead=0.05)
+
+
+def test_speculative_speedup_is_tokens_over_round_cost():
+    assert F.speculative_speedup(4, 0.8, draft_cost=0.1) == pytest.approx(3.3616 / 1.4)
+    assert F.speculative_speedup(0, 0.5, draft_cost=0.1) == 1.0  # no drafts: plain decoding
+    with pytest.raises(ValueError, match="alpha"):
+        F.speculative_speedup(4, 1.5, 0.02)
+    with pytest.raises(ValueError, match="draft_cost"):
+        F.speculative_speedup(4, 0.5, -0.1)
+
+
+# ---------------------------------------------------------------- paging and prefix caching
+
+def test_paged_waste_is_the_tail_of_the_last_block():
+    assert F.paged_waste_tokens(17, 16) == 15
+    assert F.paged_waste_tokens(32, 16) == 0
+    assert F.blocks_needed(33, 16) == 3
+    lengths = np.arange(1, 200)
+    waste = F.paged_waste_tokens(lengths, 16)
+    assert np.all((waste >= 0) & (waste < 16))
+    np.testing.assert_array_equal((lengths + waste) % 16, 0)
+
+
+def test_contiguous_waste_fraction():
+    assert F.contiguous_waste_fraction([512, 1024], 2048) == pytest.approx(1 - 1536 / 4096)
+    with pytest.raises(ValueError, match="actual_lens"):
+        F.contiguous_waste_fraction([3000], 2048)
+
+
+def test_prefix_cache_savings_match_the_seed():
+    # Llama-2-13B, a 2000-token shared prompt, 50-token questions, 1000 requests.
+    s = F.prefix_cache_savings(2000, 50, 1000, "llama-2-13b")
+    assert s.ttft_ratio == pytest.approx(40, rel=0.05)
+    matmul_skipped = 2 * PRESETS["llama-2-13b"].num_params * 2000 * 999
+    assert matmul_skipped / 1e15 == pytest.approx(52, rel=0.01)
+    assert matmul_skipped < s.flops_skipped < 1.1 * matmul_skipped  # attention adds a few percent
+    assert s.flops_with + s.flops_skipped == pytest.approx(s.flops_without)
+
+
+def test_prefix_cache_savings_by_brute_force():
+    p, sfx, n = 6, 3, 4
+    s = F.prefix_cache_savings(p, sfx, n, TINY)
+    without = sum(F.prefill_flops(TINY, p + sfx) for _ in range(n))
+    with_cache = F.prefill_flops(TINY, p) + sum(F.prefill_flops(TINY, sfx, past=p) for _ in range(n))
+    assert s.flops_without == without and s.flops_with == with_cache
+    assert F.prefix_cache_savings(0, sfx, n, TINY).ttft_ratio == 1.0
+
+
+def test_human_bytes():
+    assert F.human_bytes(2 * F.GiB) == "2.00 GiB"
+    assert F.human_bytes(819200) == "800.00 KiB"
+    assert F.human_bytes(12) == "12 B"
