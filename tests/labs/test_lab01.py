@@ -1,0 +1,97 @@
+"""Grades lab 01 (the naive decode loop and a FLOPs counter) in either tree via the `impl` fixture.
+
+    pytest tests/labs/test_lab01.py --impl=labs        # your work
+    pytest tests/labs/test_lab01.py --impl=solutions   # the reference answers
+"""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import mini_engine as me
+from mini_engine.config import ModelConfig
+from mini_engine.model import LlamaModel
+
+LAB = "lab01_naive"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    model = LlamaModel(cfg, attention_backend="naive")  # naive attention: PyTorch can count its FLOPs
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5)  # sharp logits, so greedy choices are never near-ties
+    return model.eval()
+
+
+def measured_flops(fn) -> int:
+    """FLOPs PyTorch itself counts while `fn` runs: the ground truth for your formulas."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def test_naive_generate_matches_reference_loop(impl, tiny):
+    for prompt in ([1, 2, 3], [7] * 20):
+        expected = me.generate_naive(tiny, prompt, max_new_tokens=10)
+        got = impl.naive_generate(tiny, prompt, 10)
+        assert got == expected, ("naive_generate should return only the NEW tokens, chosen greedily "
+                                 f"(argmax of the last position): expected {expected}, got {got}")
+
+
+def test_naive_generate_stops_after_eos(impl, tiny):
+    free = me.generate_naive(tiny, [1, 2, 3], max_new_tokens=10)
+    eos = free[3]
+    got = impl.naive_generate(tiny, [1, 2, 3], 10, eos_token_id=eos)
+    expected = free[:free.index(eos) + 1]
+    assert got == expected, f"stop right after emitting eos_token_id={eos} and include it: expected {expected}, got {got}"
+
+
+def test_naive_generate_recomputes_everything(impl, tiny):
+    prompt, steps = [5, 6, 7, 8], 6
+    flops = measured_flops(lambda: impl.naive_generate(tiny, prompt, steps))
+    expected = sum(measured_flops(lambda n=n: tiny(torch.randint(0, 128, (1, n)))) for n in range(4, 4 + steps))
+    assert flops == expected, ("each step must run one forward pass over the whole sequence so far "
+                               f"(and nothing more): PyTorch counted {flops} FLOPs, expected {expected}")
+
+
+def test_naive_generate_on_the_real_model(impl, real_model):
+    model, tok = real_model
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    got = impl.naive_generate(model, prompt, 12, eos_token_id=tok.eos_token_id)
+    assert "Paris" in tok.decode(got), f"SmolLM2 should answer Paris; your loop produced {tok.decode(got)!r}"
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_linear_flops_match_pytorch_count(impl, tiny, n):
+    expected = measured_flops(lambda: tiny(torch.randint(0, 128, (1, n)), backend="torch"))  # matmuls only
+    got = impl.linear_flops(tiny, n)
+    assert got == expected, (f"linear_flops(model, {n}) = {got}, but PyTorch counts {expected} FLOPs in the "
+                             "linear layers: 2 FLOPs per multiply-add, in*out multiply-adds per token per Linear")
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_forward_flops_match_pytorch_count(impl, tiny, n):
+    expected = measured_flops(lambda: tiny(torch.randint(0, 128, (1, n))))
+    linear = measured_flops(lambda: tiny(torch.randint(0, 128, (1, n)), backend="torch"))
+    assert impl.attention_flops(tiny.config, n) == expected - linear, (
+        f"attention_flops(config, {n}) should be {expected - linear}: two n×n×head_dim products per layer and head")
+    assert impl.forward_flops(tiny, n) == expected, f"forward_flops(model, {n}) should be {expected}"
+
+
+def test_naive_generation_flops_is_the_sum_of_steps(impl, tiny):
+    measured = measured_flops(lambda: impl.naive_generate(tiny, [1, 2, 3, 4, 5], 8))
+    got = impl.naive_generation_flops(tiny, 5, 8)
+    assert got == measured, f"naive_generation_flops(model, 5, 8) = {got}; the loop really did {measured} FLOPs"
+
+
+def test_naive_generation_flops_grow_cubically(impl):
+    cfg = me.PRESETS["smollm2-135m"]
+    big = LlamaModel.__new__(LlamaModel)  # the formula needs shapes only: skip allocating weights
+    torch.nn.Module.__init__(big)
+    big.config = cfg
+    big.add_module("probe", torch.nn.Linear(1, 1, bias=False))
+    a = impl.attention_flops(cfg, 1000)
+    b = impl.attention_flops(cfg, 2000)
+    assert b == 4 * a, "attention work of one step is quadratic in length: doubling n must multiply it by 4"

@@ -1,0 +1,1 @@
+"""Repository tools (run as scripts; importable so tests can reuse their checks)."""
