@@ -6,6 +6,7 @@ plus the new tokens. With no cache (`slots is None`) a sequence attends to its n
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,21 @@ def _sdpa(q, k, v, causal_offset: int | None, backend: str):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def _flash_varlen(q, k, v, query_lens, key_lens):
+    """The Triton FlashAttention kernel over packed sequences (imported here: only this backend needs triton,
+    and TRITON_INTERPRET must be set before triton's first import to run it on CPU tensors)."""
+    from .kernels import flash_attention_varlen
+
+    def cu(lens):
+        return torch.tensor([0, *lens], device=q.device).cumsum(0).to(torch.int32)
+    return flash_attention_varlen(q, k, v, cu(query_lens), cu(key_lens), max(query_lens), max(key_lens), causal=True)
+
+
 def attention_no_cache(q, k, v, meta: AttentionMetadata, backend: str):
     """Causal attention of each sequence over its own packed tokens. q [T,Hq,D], k/v [T,Hkv,D]."""
     lens = meta.query_lens
+    if backend == "triton":
+        return _flash_varlen(q, k, v, lens, lens)
     if len(set(lens)) == 1:  # equal lengths: one batched call
         b, n = len(lens), lens[0]
         qb, kb, vb = (x.view(b, n, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
@@ -77,18 +90,25 @@ def attention_no_cache(q, k, v, meta: AttentionMetadata, backend: str):
 def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: str):
     """Attend packed queries q [T,Hq,D] to cached keys/values k_cache [slots,Hkv,max_len,D] (already written)."""
     out = torch.empty_like(q)
-    starts = [0]
-    for n in meta.query_lens:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(meta.query_lens)]
     decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    if len(decodes) > 1:
+    chunks = [i for i, n in enumerate(meta.query_lens) if n > 1]  # prefill chunks
+    if len(decodes) == 1 and backend != "triton":
+        chunks, decodes = sorted(chunks + decodes), []  # a lone decode reads its cache row as a view: no gather
+    if decodes:
         _batched_decode(q, k_cache, v_cache, meta, decodes, starts, out, backend)
-        decodes = set(decodes)
-    else:
-        decodes = set()
-    for i, (n, ctx, slot) in enumerate(zip(meta.query_lens, meta.context_lens, meta.slots)):
-        if i in decodes:
-            continue
+    if backend == "triton" and chunks:
+        # All prefill chunks in one kernel launch, each attending to its whole cached context.
+        q_lens = [meta.query_lens[i] for i in chunks]
+        k_lens = [meta.context_lens[i] for i in chunks]
+        ks = torch.cat([k_cache[meta.slots[i], :, :meta.context_lens[i]].transpose(0, 1) for i in chunks])
+        vs = torch.cat([v_cache[meta.slots[i], :, :meta.context_lens[i]].transpose(0, 1) for i in chunks])
+        qs = torch.cat([q[starts[i]:starts[i + 1]] for i in chunks])
+        for i, part in zip(chunks, _flash_varlen(qs, ks, vs, q_lens, k_lens).split(q_lens)):
+            out[starts[i]:starts[i + 1]] = part
+        return out
+    for i in chunks:
+        n, ctx, slot = meta.query_lens[i], meta.context_lens[i], meta.slots[i]
         qs = q[starts[i]:starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1,Hq,n,D]
         ks = k_cache[slot:slot + 1, :, :ctx]                           # a view: no copy of the cache
         vs = v_cache[slot:slot + 1, :, :ctx]
@@ -112,6 +132,6 @@ def _batched_decode(q, k_cache, v_cache, meta, rows, starts, out, backend):
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (qs @ k.transpose(-1, -2)) * qs.shape[-1] ** -0.5
         o = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), -1).to(q.dtype) @ v
-    else:
+    else:  # torch, and triton until the paged decode kernel of chapter 07
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=qs.shape[1] != k.shape[1])
     out[qi] = o.squeeze(2)
