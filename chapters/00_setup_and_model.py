@@ -55,7 +55,7 @@ t0 = time.perf_counter()
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 load_s = time.perf_counter() - t0
 cfg = model.config
-print(f"loaded in {load_s:.1f} s")
+print(f"loaded in {load_s:.1f} s; attention backend: {model.attention_backend} (\"auto\" picks triton on a GPU)")
 print(cfg)
 
 # %% [markdown]

@@ -15,6 +15,15 @@ import torch.nn.functional as F
 BACKENDS = ("naive", "torch", "triton")
 
 
+def resolve_backend(name: str, device) -> str:
+    """"auto" means the Triton kernels on a GPU and PyTorch's SDPA on a CPU (where Triton only interprets)."""
+    if name == "auto":
+        return "triton" if str(device).startswith("cuda") else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, got {name!r}")
+    return name
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]

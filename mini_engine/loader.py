@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .attention import resolve_backend
 from .config import ModelConfig
 from .model import LlamaModel
 from .tokenizer import Tokenizer, bpe_from_gguf_metadata
@@ -33,9 +34,11 @@ def embedded_gguf_path(name: str = "smollm2-135m") -> Path:
     return path
 
 
-def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu",
-               dtype: str | torch.dtype = "float32") -> tuple[LlamaModel, Tokenizer]:
-    """`name_or_path`: an embedded model name, a .gguf file, or an HF checkpoint folder."""
+def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: str | torch.dtype = "float32",
+               attention_backend: str = "auto") -> tuple[LlamaModel, Tokenizer]:
+    """`name_or_path`: an embedded model name, a .gguf file, or an HF checkpoint folder.
+    `attention_backend`: "auto" (triton on CUDA, torch on CPU), "torch", "triton" or "naive"."""
+    backend = resolve_backend(attention_backend, device)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch dtype or its name, got {dtype!r}")
@@ -52,7 +55,7 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu",
         config, weights, tokenizer = _read_gguf(path)
     else:
         raise ValueError(f"name_or_path {str(path)!r} is neither a .gguf file nor an HF checkpoint folder")
-    model = LlamaModel(config)
+    model = LlamaModel(config, attention_backend=backend)
     model.load_weights(weights)
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 

@@ -101,6 +101,8 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.attention_backend = attention_backend
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)

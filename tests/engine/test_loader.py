@@ -25,3 +25,10 @@ def test_real_model_shape(real):
     assert c.tie_word_embeddings and c.rope_theta == 100000.0
     assert sum(p.numel() for p in model.parameters()) == c.num_params == 134_515_008
     assert tok.eos_token_id == 2 and tok.decode([tok.eos_token_id], skip_special_tokens=False) == "<|im_end|>"
+
+
+def test_attention_backend_auto_and_bad_name(real):
+    model, _ = real
+    assert model.attention_backend == "torch"  # "auto" on a CPU
+    with pytest.raises(ValueError, match="attention_backend"):
+        me.load_model("smollm2-135m", attention_backend="flash9")
