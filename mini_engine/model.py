@@ -22,9 +22,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # Normalise in fp32 (as the reference does) so bf16/fp16 runs keep the statistic exact.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,10 +35,9 @@ def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.T
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (i, i + D/2) of each head by the position's angle. x [T,H,D], cos/sin [T,D]."""
+    """Rotate pairs (i, i + D/2) of each head by the position's angle. x [T,H,D], cos/sin [T,1,D] in x's dtype."""
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+    return torch.addcmul(x * cos, torch.cat([-x2, x1], dim=-1), sin)
 
 
 class Attention(nn.Module):
@@ -48,16 +45,17 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
+        self.qk_size, self.v_size = q_size + kv_size, kv_size
         # q, k and v come from one matmul: one pass over the input instead of three.
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, layer_idx: int, kv_cache, backend: str):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.qk_size, self.v_size], dim=-1)
+        # q and k sit side by side in the fused output: rotate all their heads in one pass.
+        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if kv_cache is None:
             o = attention_no_cache(q, k, v, meta, backend)
@@ -144,7 +142,9 @@ class LlamaModel(nn.Module):
         if int(meta.positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(meta.positions.max())} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]
+        # Angles are computed in fp32, then cast once per step to the weights' dtype (as the reference does).
+        cos = self.rope_cos[meta.positions, None].to(self.dtype)
+        sin = self.rope_sin[meta.positions, None].to(self.dtype)
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, i, kv_cache, backend)
