@@ -70,13 +70,18 @@ def online_softmax_attention(scores: np.ndarray, values: np.ndarray, tile: int) 
 
 
 def plot_online_softmax(scores: np.ndarray, values: np.ndarray, tile: int, tiles_seen: int):
-    """A figure of the state after `tiles_seen` tiles for one query row: scores [N], values [N, D]."""
-    import matplotlib.pyplot as plt
+    """A standalone matplotlib Figure of the state after `tiles_seen` tiles for one query row.
+
+    scores [N], values [N, D]. Left: the scores, those seen so far in colour, and the running max.
+    Middle: m and l after each tile. Right: the running output next to the exact answer.
+    """
+    from matplotlib.figure import Figure
 
     states = list(online_softmax_states(scores, values, tile))
     state = states[tiles_seen - 1]
     exact = softmax_attention(scores, values)
-    fig, (ax_scores, ax_stats, ax_out) = plt.subplots(1, 3, figsize=(13, 3.4))
+    fig = Figure(figsize=(13, 3.4))
+    ax_scores, ax_stats, ax_out = fig.subplots(1, 3)
 
     seen = np.arange(len(scores)) < state.seen
     ax_scores.bar(np.arange(len(scores)), scores, color=np.where(seen, "tab:blue", "lightgray"))
@@ -98,7 +103,7 @@ def plot_online_softmax(scores: np.ndarray, values: np.ndarray, tile: int, tiles
     ax_out.bar(dims, state.output, color="tab:blue", alpha=0.7, label="running output acc / l")
     ax_out.plot(dims, exact, "k_", markersize=22, mew=2, label="exact softmax(s) @ V")
     error = np.abs(state.output - exact).max()
-    ax_out.set(title=f"output after tile {tiles_seen}/{len(states)}: max error {error:.2e}",
+    ax_out.set(title=f"output after tile {tiles_seen}/{len(states)}: max error {error:.1e}",
                xlabel="output dimension")
     ax_out.legend(fontsize=8)
     fig.tight_layout()
@@ -106,24 +111,32 @@ def plot_online_softmax(scores: np.ndarray, values: np.ndarray, tile: int, tiles
 
 
 def online_softmax_stepper(n: int = 48, tile: int = 8, head_dim: int = 6, seed: int = 0):
-    """An ipywidgets slider over tiles: watch m, l and the running output converge on the exact answer."""
+    """An ipywidgets slider over tiles: watch m, l and the running output converge on the exact answer.
+
+    Returns a VBox (slider, picture, error area). The figure is rendered to PNG in an Image widget,
+    like the course's other widgets, so it redraws the same way in Jupyter, Colab and VS Code.
+    """
+    import io
+
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
-    from IPython.display import display
 
     rng = np.random.default_rng(seed)
     scores = rng.normal(scale=2.0, size=n)
     values = rng.normal(size=(n, head_dim))
-    slider = widgets.IntSlider(value=1, min=1, max=-(-n // tile), description="tiles seen")
-    out = widgets.Output()
+    slider = widgets.IntSlider(value=1, min=1, max=-(-n // tile), description="tiles seen",
+                               continuous_update=False)
+    picture, errors = widgets.Image(format="png"), widgets.Output()
 
-    def show(tiles_seen: int) -> None:
-        with out:
-            out.clear_output(wait=True)
-            fig = plot_online_softmax(scores, values, tile, tiles_seen)
-            display(fig)
-            plt.close(fig)
+    def draw(tiles_seen: int) -> None:
+        buf = io.BytesIO()
+        plot_online_softmax(scores, values, tile, tiles_seen).savefig(buf, format="png", dpi=80)
+        picture.value = buf.getvalue()
 
-    slider.observe(lambda change: show(change["new"]), names="value")
-    show(slider.value)
-    return widgets.VBox([slider, out])
+    def redraw(change) -> None:
+        errors.outputs = ()
+        with errors:  # in a notebook a failure shows under the picture instead of in the browser log
+            draw(change["new"])
+
+    slider.observe(redraw, names="value")
+    draw(slider.value)
+    return widgets.VBox([slider, picture, errors])

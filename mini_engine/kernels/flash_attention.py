@@ -96,7 +96,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     return acc, l_i, m_i
 
 
-@triton.jit
+# Triton compiles a variant per "shape class" of its integer arguments (== 1, divisible by 16). Lengths
+# and the GQA group vary from call to call, so they are not specialised: one compile per dtype, head_dim
+# and mask mode, instead of one per length class (the strides stay specialised; they are multiples of
+# head_dim, so of 16, and the hint lets loads vectorise).
+@triton.jit(do_not_specialize=["seq_len_q", "seq_len_k", "group_size"])
 def _attn_fwd(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
@@ -200,8 +204,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     # Rows with no visible key are all -inf before the softmax (NaN after); the kernel defines them as 0.
-    probs = torch.where(visible.any(dim=-1, keepdim=True), probs, torch.zeros((), dtype=probs.dtype,
-                                                                              device=probs.device))
+    probs = probs.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
     return (probs @ vc).to(q.dtype)
 
 
@@ -241,18 +244,22 @@ def launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> La
 
     GPU: a 128-query tile amortises each K/V load over many rows and 64-key tiles keep the scores
     [128, 64] in registers. Triton pipelines the K/V loads `num_stages` deep, and each stage costs
-    shared memory (a K and a V tile), so we take the largest candidate that fits this GPU's shared
-    memory: A100/H100 take (128, 64, 3 stages); an L4 or a T4 (less shared memory) or fp32 inputs
-    (twice the bytes) fall back to smaller tiles. 8 warps for head_dim >= 128 because the [128, D]
-    fp32 accumulator would otherwise spill out of registers.
+    shared memory (a K and a V tile), so we take the largest candidate whose estimate fits this GPU's
+    shared memory: A100/H100 take (128, 64, 3 stages); an L4 or a T4 fall back to smaller tiles.
+    8 warps once the tile is 128 x 128 or larger, because its fp32 accumulator would otherwise spill
+    out of registers. fp32 inputs (tests, not serving) get exact "ieee" products, which have no
+    tensor-core path: small tiles keep their registers and their compile time in check.
     """
     if device.type != "cuda":
         return LaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     props = torch.cuda.get_device_properties(device)
     smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
     elt = torch.finfo(dtype).bits // 8
-    for block_m, block_n, stages in ((128, 64, 3), (128, 64, 2), (64, 64, 2), (64, 32, 2),
-                                     (64, 32, 1), (32, 16, 1)):
+    if dtype == torch.float32:
+        candidates = ((64, 32, 2), (32, 32, 1), (32, 16, 1))
+    else:
+        candidates = ((128, 64, 3), (128, 64, 2), (64, 64, 2), (64, 32, 2), (64, 32, 1), (32, 16, 1))
+    for block_m, block_n, stages in candidates:
         # Q tile + pipelined K and V tiles + the P tile re-laid out for the second dot, 10% slack.
         need = (block_m * head_dim + stages * 2 * block_n * head_dim + block_m * block_n) * elt
         if need * 1.1 <= smem:
@@ -280,7 +287,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int, lay
     # tl.arange needs a power of two and tl.dot an inner dimension of at least 16.
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"q head_dim must be a power of two in [16, 256], got {head_dim}")
-    hq, hkv = q.shape[-2 if ndim == 3 else 1], k.shape[-2 if ndim == 3 else 1]
+    hq, hkv = q.shape[1], k.shape[1]  # heads sit in dim 1 of both [B, H, N, D] and [tokens, H, D]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"the number of q heads ({hq}) must be a multiple of k/v heads ({hkv})")
     if q.device.type == "cpu" and not INTERPRETED:
@@ -305,7 +312,6 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(q, k, v, out, cu_q, cu_k, strides, grid, seq_len_q, seq_len_k, causal, sm_scale, varlen):
-    # Both layouts keep heads in dim 1 ([B, H, N, D] and [tokens, H, D]), so the GQA group is the same.
     head_dim = q.shape[-1]
     cfg = launch_config(head_dim, q.dtype, q.device)
     scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
@@ -389,7 +395,6 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, strides,
                    lambda block_m: (triton.cdiv(max_seqlen_q, block_m), q.shape[1], num_seqs),
                    max_seqlen_q, max_seqlen_k, causal, sm_scale, varlen=True)
-
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One prepared GPU check, under 8 minutes on a fresh GPU machine with this repository:
+#   1. find a Python whose torch sees the GPU, or build .venv-gpu (pip install torch triton ...;
+#      on a Linux GPU box the default torch wheel is the CUDA one, which is what we want),
+#   2. run tests/kernels natively on the GPU (TRITON_INTERPRET unset), real sizes included,
+#   3. print the FlashAttention vs SDPA vs naive TFLOP/s table, last.
+# Without a GPU it runs the same two steps in Triton's interpreter (the CPU branch): the tests at
+# small sizes and a correctness table instead of timings.
+#
+#   bash benchmarks/gpu_check.sh            # PYTHON=/path/to/python to choose the interpreter
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET  # the tests and the benchmark set it themselves, and only when there is no GPU
+start=$SECONDS
+
+has_torch() { "$1" -c 'import torch, triton' 2>/dev/null; }
+sees_gpu() { "$1" -c 'import sys, torch, triton; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
+
+candidates=("${PYTHON:-}" .venv-gpu/bin/python .venv/bin/python "$(command -v python3 || true)")
+PY=""
+for candidate in "${candidates[@]}"; do
+  if [[ -n "$candidate" && -x "$candidate" ]] && sees_gpu "$candidate"; then PY=$candidate; break; fi
+done
+if [[ -z "$PY" ]] && nvidia-smi >/dev/null 2>&1; then
+  echo "== a GPU is present but no Python here sees it: building .venv-gpu"
+  python3 -m venv .venv-gpu
+  .venv-gpu/bin/python -m pip install -q --upgrade pip
+  .venv-gpu/bin/python -m pip install -q torch triton numpy pytest
+  PY=.venv-gpu/bin/python
+fi
+if [[ -z "$PY" ]]; then
+  for candidate in "${candidates[@]}"; do
+    if [[ -n "$candidate" && -x "$candidate" ]] && has_torch "$candidate"; then PY=$candidate; break; fi
+  done
+  if [[ -z "$PY" ]]; then echo "no Python with torch and triton found: set PYTHON=..." >&2; exit 1; fi
+  echo "== no GPU: CPU branch, kernels in Triton's interpreter"
+fi
+# The online-softmax tests in tests/kernels also draw with matplotlib and ipywidgets.
+"$PY" -c 'import numpy, pytest, matplotlib, ipywidgets' 2>/dev/null \
+  || "$PY" -m pip install -q numpy pytest matplotlib ipywidgets
+"$PY" -c 'import platform, torch, triton
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+print(f"== python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}, GPU: {gpu}")'
+
+echo "== kernel tests"
+tests_rc=0
+timeout 270 "$PY" -m pytest -q -p no:cacheprovider tests/kernels || tests_rc=$?
+
+echo "== benchmark (kernel tests: $([[ $tests_rc -eq 0 ]] && echo passed || echo "FAILED, rc=$tests_rc"); $((SECONDS - start)) s so far)"
+bench_rc=0
+timeout 180 "$PY" benchmarks/bench_attention.py || bench_rc=$?
+exit $(( tests_rc != 0 || bench_rc != 0 ))

@@ -1,0 +1,149 @@
+"""Grades lab 05 (online softmax, the FlashAttention inner step) in either tree via the `impl` fixture.
+
+    pytest tests/labs/test_lab05.py --impl=labs        # your work
+    pytest tests/labs/test_lab05.py --impl=solutions   # the reference answers
+"""
+import numpy as np
+import pytest
+import torch
+import triton
+
+# Without a GPU the lab's kernels run in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET
+# before this module, or the lab file that `impl` imports, is loaded.
+from mini_engine.kernels.flash_attention import attention_reference
+
+LAB = "lab05_flash_attention"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# On a GPU, tl.dot of fp32 tiles uses TF32 unless told otherwise, which costs about 1e-3.
+TOL = dict(atol=1e-4, rtol=1e-4) if DEVICE == "cpu" else dict(atol=1e-2, rtol=1e-2)
+
+
+def call(what, fn, *args, **kwargs):
+    """Run the student's code; turn a stub's NotImplementedError into a failure that says what to do."""
+    try:
+        return fn(*args, **kwargs)
+    except (NotImplementedError, triton.errors.TritonError) as err:
+        # Inside a kernel the stub's error arrives wrapped (interpreter) or as a compile error (GPU).
+        hint = not_implemented_hint(err)
+        if hint is None:
+            raise
+    pytest.fail(f"{what} is not implemented yet ({hint})", pytrace=False)
+
+
+def not_implemented_hint(err):
+    while err is not None:
+        if isinstance(err, NotImplementedError):
+            return str(err)
+        if "NotImplementedError" in str(err) and err.__cause__ is None:
+            return str(err)
+        err = err.__cause__
+    return None
+
+
+def exact_attention(scores, values):
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True) @ values
+
+
+def tiles(scores, values, sizes):
+    """Split the key axis into consecutive tiles of the given sizes, handed out as one-shot generators."""
+    bounds = np.cumsum([0, *sizes])
+    assert bounds[-1] == scores.shape[-1]
+    return ((scores[:, a:b] for a, b in zip(bounds, bounds[1:])),
+            (values[a:b] for a, b in zip(bounds, bounds[1:])))
+
+
+# ---- Part 1 ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sizes", [[24], [8, 8, 8], [5, 1, 11, 7], [1] * 24])
+def test_online_softmax_matches_exact_attention(impl, sizes):
+    rng = np.random.default_rng(0)
+    scores, values = rng.normal(size=(3, 24)), rng.normal(size=(24, 4))
+    got = call("online_softmax", impl.online_softmax, *tiles(scores, values, sizes))
+    assert got.shape == (3, 4), f"online_softmax should return [queries, head_dim] = (3, 4), got {got.shape}"
+    np.testing.assert_allclose(
+        got, exact_attention(scores, values), rtol=1e-10, atol=1e-12,
+        err_msg=f"with tiles of sizes {sizes} the result differs from softmax(S) @ V: when a tile raises the "
+                "max, are l and acc both multiplied by exp(m_old - m_new) before adding the new tile?")
+
+
+def test_online_softmax_survives_large_scores(impl):
+    # exp(800) overflows float64: only subtracting the running max keeps this finite.
+    rng = np.random.default_rng(1)
+    scores, values = rng.normal(scale=400.0, size=(2, 30)), rng.normal(size=(30, 3))
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = call("online_softmax", impl.online_softmax, *tiles(scores, values, [10, 10, 10]))
+    assert np.isfinite(got).all(), "online_softmax overflowed: exponentiate s - m (the running max), never s"
+    np.testing.assert_allclose(got, exact_attention(scores, values), rtol=1e-10, atol=1e-12,
+                               err_msg="large scores: rescale the old sums whenever the running max changes")
+
+
+def test_online_softmax_when_a_late_tile_holds_the_max(impl):
+    scores = np.array([[0.0, 1.0, 2.0, 50.0]])
+    values = np.arange(8.0).reshape(4, 2)
+    got = call("online_softmax", impl.online_softmax, *tiles(scores, values, [2, 2]))
+    np.testing.assert_allclose(got, exact_attention(scores, values), rtol=1e-12,
+                               err_msg="the max arrives in the second tile: the first tile's contribution "
+                                       "must shrink by exp(m_old - m_new), almost to nothing here")
+
+
+# ---- Part 2 ---------------------------------------------------------------------------------------
+def tile_problem(seed, masked=False):
+    gen = torch.Generator().manual_seed(seed)
+    qk = torch.randn(16, 16, generator=gen) * 3
+    if masked:
+        qk[:, 10:] = float("-inf")  # keys past the end of the sequence (or the causal diagonal)
+    v = torch.randn(16, 16, generator=gen)
+    return qk.to(DEVICE), v.to(DEVICE)
+
+
+def expected_step(acc, l_i, m_i, qk, v):
+    m_new = torch.maximum(m_i, qk.max(dim=1).values)
+    alpha = torch.exp2(m_i - m_new)
+    p = torch.exp2(qk - m_new[:, None])
+    return acc * alpha[:, None] + p @ v, l_i * alpha + p.sum(dim=1), m_new
+
+
+def check_step(impl, acc, l_i, m_i, qk, v, situation):
+    got = call("attention_tile_step", impl.run_tile_step, acc, l_i, m_i, qk, v)
+    want = expected_step(acc, l_i, m_i, qk, v)
+    for name, g, w, fix in zip(("acc", "l_i", "m_i"), got, want, (
+            "acc_new = acc * exp2(m_i - m_new)[:, None] + tl.dot(p, v) with p = exp2(qk - m_new[:, None])",
+            "l_new = l_i * exp2(m_i - m_new) + tl.sum(p, 1)",
+            "m_new = tl.maximum(m_i, tl.max(qk, 1)), the larger of the old max and this tile's row max")):
+        assert torch.isfinite(g).all(), f"{situation}: {name} has NaN/inf; expected {fix}"
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m: f"{situation}: wrong {name}, expected {fix}.\n{m}")
+
+
+def test_tile_step_on_the_first_tile(impl):
+    qk, v = tile_problem(0)
+    fresh = (torch.zeros(16, 16, device=DEVICE), torch.zeros(16, device=DEVICE),
+             torch.full((16,), -1e30, device=DEVICE))
+    check_step(impl, *fresh, qk, v, "first tile (acc = l = 0, m = -1e30)")
+
+
+def test_tile_step_rescales_an_earlier_state(impl):
+    qk, v = tile_problem(1)
+    gen = torch.Generator().manual_seed(2)
+    # Half the rows had a larger max before this tile, half get a new max from it.
+    m_i = torch.where(torch.arange(16) % 2 == 0, torch.full((16,), 12.0), torch.full((16,), -3.0))
+    state = (torch.rand(16, 16, generator=gen).to(DEVICE), (1 + torch.rand(16, generator=gen)).to(DEVICE),
+             m_i.to(DEVICE))
+    check_step(impl, *state, qk, v, "a later tile")
+
+
+def test_tile_step_with_masked_scores(impl):
+    qk, v = tile_problem(3, masked=True)
+    state = (torch.ones(16, 16, device=DEVICE), torch.ones(16, device=DEVICE), torch.zeros(16, device=DEVICE))
+    check_step(impl, *state, qk, v, "a tile whose last 6 keys are masked with -inf")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_with_your_step_matches_attention(impl, causal):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 50, 16, generator=gen).to(DEVICE) for _ in range(3))
+    got = call("attention_tile_step (inside attention_kernel)", impl.flash_attention, q, k, v, causal=causal)
+    torch.testing.assert_close(
+        got, attention_reference(q, k, v, causal), **TOL,
+        msg=lambda m: f"the full kernel ({'causal' if causal else 'non-causal'}, 50 tokens in tiles of 16) "
+                      f"disagrees with softmax(QK^T / sqrt(d)) V. If a tile-step test fails too, fix that first; "
+                      f"otherwise check that your step returns (acc, l_i, m_new) in that order.\n{m}")
