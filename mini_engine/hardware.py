@@ -51,3 +51,17 @@ def measure_ceilings(device: str = "cpu", dtype=torch.float32, quick: bool = Fal
     n, mib = (512, 64) if quick else ((4096, 1024) if device.startswith("cuda") else (2048, 256))
     return Ceilings(device, str(dtype).removeprefix("torch."), measure_matmul_flops(device, dtype, n),
                     measure_memory_bandwidth(device, mib))
+
+
+def matmul_floor_s(model, batch: int = 1, repeats: int = 5) -> float:
+    """Seconds for one decode step's weight matmuls alone: every nn.Linear of the model (lm_head included)
+    applied in turn to `batch` rows, with nothing else in between. No engine can decode faster than this on
+    this machine with these weights; `batch / floor` is the tokens/s ceiling the benchmarks compare against."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(batch, m.in_features, device=model.device, dtype=model.dtype) for m in linears]
+
+    def chain():
+        with torch.inference_mode():
+            for m, x in zip(linears, inputs):
+                m(x)
+    return _best_time(chain, str(model.device), repeats)
