@@ -71,7 +71,8 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
                    eos_token_id: int | None = None, on_token=None, kv_cache: ContiguousKVCache | None = None
                    ) -> list[list[int]]:
     """Cached generation for several prompts decoded together, one slot each: every decode step reads the
-    weights once for the whole batch. A finished sequence drops out of the batch."""
+    weights once for the whole batch. A finished sequence drops out of the batch. `on_token` streams only
+    when there is a single prompt (it is how `generate_cached` streams)."""
     params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     if not prompts:
         raise ValueError("prompts must not be empty")

