@@ -51,8 +51,22 @@ class AttentionMetadata:
                    slot_mapping, logits_indices)
 
 
+def _upcast_on_cpu(q, k, v):
+    """PyTorch's CPU attention kernels are 3-4x slower in bf16/fp16 than in fp32 at decode shapes (measured
+    with torch 2.13); converting the few rows involved is cheaper, and fp32 softmax is more exact anyway."""
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        return q.float(), k.float(), v.float()
+    return q, k, v
+
+
 def _sdpa(q, k, v, causal_offset: int | None, backend: str):
     """q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D]. causal_offset: query i sees keys j <= i + offset (None: all keys)."""
+    dtype = q.dtype
+    q, k, v = _upcast_on_cpu(q, k, v)
+    return _sdpa_math(q, k, v, causal_offset, backend).to(dtype)
+
+
+def _sdpa_math(q, k, v, causal_offset: int | None, backend: str):
     n_q, n_k = q.shape[2], k.shape[2]
     if backend == "naive":
         # Materialise the full scores matrix: the O(N^2) memory FlashAttention removes (chapter 05).
@@ -128,19 +142,19 @@ def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: 
 def _batched_decode(q, k_cache, v_cache, meta, rows, starts, out, backend):
     """One call for all single-token queries: gather their cache rows up to the longest context, mask the rest."""
     slots = torch.tensor([meta.slots[i] for i in rows], device=q.device)
-    ctx = torch.tensor([meta.context_lens[i] for i in rows], device=q.device)
-    longest = int(ctx.max())
+    lens = [meta.context_lens[i] for i in rows]
+    ctx, longest = torch.tensor(lens, device=q.device), max(lens)
     k = k_cache[slots, :, :longest]  # [S,Hkv,L,D]
     v = v_cache[slots, :, :longest]
     qi = torch.tensor([starts[i] for i in rows], device=q.device)
-    qs = q[qi].unsqueeze(2)  # [S,Hq,1,D]
+    qs, k, v = _upcast_on_cpu(q[qi].unsqueeze(2), k, v)  # qs [S,Hq,1,D]
     valid = torch.arange(longest, device=q.device)[None, :] < ctx[:, None]  # [S,L]
     mask = valid[:, None, None, :]
     if backend == "naive":
         rep = qs.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (qs @ k.transpose(-1, -2)) * qs.shape[-1] ** -0.5
-        o = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), -1).to(q.dtype) @ v
+        o = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), -1).to(qs.dtype) @ v
     else:  # torch, and triton until the paged decode kernel of chapter 07
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=qs.shape[1] != k.shape[1])
-    out[qi] = o.squeeze(2)
+    out[qi] = o.squeeze(2).to(out.dtype)

@@ -19,18 +19,20 @@ class ContiguousKVCache:
         self.num_slots, self.max_len = num_slots, max_len
         self.data = torch.zeros(config.num_layers, 2, num_slots, config.num_kv_heads, max_len, config.head_dim,
                                 device=device, dtype=dtype)
+        # Views made once: slicing the big tensor anew on every layer of every step is measurable overhead.
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[i, 0], self.data[i, 1]
+        """Keys and values of layer i: [slots, kv_heads, max_len, head_dim] each."""
+        return self._layers[i]
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions) -> None:
-        """Store the new tokens' keys/values (k/v [T,Hkv,D]) at (slot, position) of layer i."""
-        if int(positions.max()) >= self.max_len:
-            raise ValueError(f"position {int(positions.max())} is past the cache's max_len {self.max_len}")
-        k_cache, v_cache = self.layer(i)
+        """Store the new tokens' keys/values (k/v [T,Hkv,D]) at (slot, position) of layer i.
+        The caller checks positions < max_len once per step (see LlamaModel.forward)."""
+        k_cache, v_cache = self._layers[i]
         k_cache[slot_mapping, :, positions] = k
         v_cache[slot_mapping, :, positions] = v

@@ -139,9 +139,11 @@ class LlamaModel(nn.Module):
             raise ValueError("packed 1-D input_ids need an AttentionMetadata (meta)")
         if kv_cache is not None and meta.slots is None:
             raise ValueError("meta.slots must name a cache slot per sequence when kv_cache is given")
-        if int(meta.positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(meta.positions.max())} exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
+        last = max(meta.context_lens) - 1
+        if last >= self.config.max_position_embeddings:
+            raise ValueError(f"position {last} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        if kv_cache is not None and last >= kv_cache.max_len:
+            raise ValueError(f"position {last} is past the KV cache's max_len {kv_cache.max_len}")
         # Angles are computed in fp32, then cast once per step to the weights' dtype (as the reference does).
         cos = self.rope_cos[meta.positions, None].to(self.dtype)
         sin = self.rope_sin[meta.positions, None].to(self.dtype)
