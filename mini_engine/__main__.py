@@ -53,9 +53,19 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import bench
-    rungs = args.rung or ["naive", "cached"]
-    bench(rungs, args.tokens, args.device, args.dtype, with_hf=not args.no_hf)
+    from .bench import SERVING_RUNGS, SINGLE_STREAM_RUNGS, bench, bench_serving
+    rungs = args.rung or []
+    serving = [r for r in rungs if r in SERVING_RUNGS]
+    single = [r for r in rungs if r in SINGLE_STREAM_RUNGS]
+    if serving or args.workload == "serving":
+        if single:
+            raise ValueError(f"--rung {single}: one-stream rungs; the serving workload takes {list(SERVING_RUNGS)}")
+        if args.requests < 1 or args.batch < 1:
+            raise ValueError("--requests and --batch must be >= 1")
+        bench_serving(serving or list(SERVING_RUNGS), args.requests, args.batch, args.device, args.dtype,
+                      with_hf=not args.no_hf)
+    else:
+        bench(single or list(SINGLE_STREAM_RUNGS), args.tokens, args.device, args.dtype, with_hf=not args.no_hf)
 
 
 def main(argv=None) -> None:
@@ -75,9 +85,13 @@ def main(argv=None) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--naive", action="store_true", help="full recompute instead of the KV cache")
     b = sub.add_parser("bench", parents=[common], help="benchmark table: mini_engine rungs vs HF transformers")
-    b.add_argument("--rung", action="append", choices=["naive", "cached"],
-                   help="repeatable; default: naive and cached")
-    b.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    b.add_argument("--rung", action="append", choices=["naive", "cached", "static", "dynamic", "continuous"],
+                   help="repeatable; default: naive and cached (one stream), or all three policies (serving)")
+    b.add_argument("--workload", choices=["single", "serving"], default="single",
+                   help="single: one chat prompt, one stream; serving: many requests (implied by a policy rung)")
+    b.add_argument("--tokens", type=int, default=128, help="single: new tokens of the one request")
+    b.add_argument("--requests", type=int, default=64, help="serving: number of requests (lengths 16-256)")
+    b.add_argument("--batch", type=int, default=16, help="serving: max_num_seqs, and HF's batch size")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     args = parser.parse_args(argv)
     try:

@@ -141,11 +141,16 @@ def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: 
 
 def _batched_decode(q, k_cache, v_cache, meta, rows, starts, out, backend):
     """One call for all single-token queries: gather their cache rows up to the longest context, mask the rest."""
-    slots = torch.tensor([meta.slots[i] for i in rows], device=q.device)
+    slots = [meta.slots[i] for i in rows]
     lens = [meta.context_lens[i] for i in rows]
     ctx, longest = torch.tensor(lens, device=q.device), max(lens)
-    k = k_cache[slots, :, :longest]  # [S,Hkv,L,D]
-    v = v_cache[slots, :, :longest]
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        # Consecutive slots (the scheduler's usual order): a view of the cache, no copy of the rows.
+        k = k_cache[slots[0]:slots[0] + len(slots), :, :longest]  # [S,Hkv,L,D]
+        v = v_cache[slots[0]:slots[0] + len(slots), :, :longest]
+    else:
+        index = torch.tensor(slots, device=q.device)
+        k, v = k_cache[index, :, :longest], v_cache[index, :, :longest]
     qi = torch.tensor([starts[i] for i in rows], device=q.device)
     qs, k, v = _upcast_on_cpu(q[qi].unsqueeze(2), k, v)  # qs [S,Hq,1,D]
     valid = torch.arange(longest, device=q.device)[None, :] < ctx[:, None]  # [S,L]

@@ -1,6 +1,9 @@
 """`python -m mini_engine bench`: each rung of the ladder and HF transformers on one workload, in one run.
 
-Every row is measured in the same process on the same prompt, so the ratio column compares like with like.
+Every row is measured in the same process on the same prompts, so the ratio column compares like with like.
+Two workloads: one chat prompt streamed by one request (rungs `naive`, `cached`), and the serving workload
+(rungs `static`, `dynamic`, `continuous`): N requests with prompt and output lengths uniform in a range,
+ignore_eos, served by our engine under each policy and by HF transformers' static batched `generate`.
 """
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ import torch
 from .generate import generate_cached, generate_naive
 from .metrics import TokenTimer, percentile
 from .sampling import SamplingParams
+
+SINGLE_STREAM_RUNGS = ("naive", "cached")
+SERVING_RUNGS = ("continuous", "static", "dynamic")
 
 BENCH_PROMPT = [{"role": "user", "content": "Explain, step by step, how a bicycle stays upright while moving."}]
 
@@ -85,13 +91,13 @@ def run_hf(hf, prompt: list[int], new_tokens: int, use_cache: bool) -> Row:
 
 
 def format_table(rows: list[Row], baseline: Row | None) -> str:
-    head = (f"{'system':<28} {'workload':<14} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+    head = (f"{'system':<30} {'workload':<18} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
             f"{'TPOT p50':>9} {'TPOT p99':>9} {'peak KV':>9} {'ratio':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         kv = f"{r.kv_bytes / 2**20:.1f}MiB" if r.kv_bytes else "-"
         ratio = f"{r.tok_s / baseline.tok_s:.2f}x" if baseline else "-"
-        lines.append(f"{r.system:<28} {r.workload:<14} {r.tokens:>6} {r.tok_s:>8.2f} "
+        lines.append(f"{r.system:<30} {r.workload:<18} {r.tokens:>6} {r.tok_s:>8.2f} "
                      f"{percentile(r.ttft, 50) * 1e3:>7.1f}ms {percentile(r.ttft, 99) * 1e3:>7.1f}ms "
                      f"{percentile(r.tpot, 50) * 1e3:>7.1f}ms {percentile(r.tpot, 99) * 1e3:>7.1f}ms "
                      f"{kv:>9} {ratio:>7}")
@@ -124,4 +130,133 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} "
              f"prompt={len(prompt)} tokens, new={new_tokens} tokens (greedy, ignore_eos); ratio vs first row")
     print_fn(format_table(rows, baseline))
+    return rows
+
+
+# ---------------------------------------------------------------- the serving workload
+
+
+@dataclass(frozen=True)
+class ServingWorkload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @classmethod
+    def uniform(cls, n: int, low: int = 16, high: int = 256, vocab: int = 49152, seed: int = 0) -> "ServingWorkload":
+        """nano-vllm's offline benchmark: random token ids, prompt and output lengths uniform in [low, high]."""
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(low, high + 1, (2, n), generator=g).tolist()
+        prompts = [torch.randint(0, vocab, (n_in,), generator=g).tolist() for n_in in lens[0]]
+        return cls(prompts, lens[1])
+
+    @property
+    def name(self) -> str:
+        ins, outs = [len(p) for p in self.prompts], self.output_lens
+        return f"{len(ins)} x {min(ins)}-{max(ins)}+{min(outs)}-{max(outs)}"
+
+    @property
+    def longest(self) -> int:
+        return max(len(p) + n for p, n in zip(self.prompts, self.output_lens))
+
+
+def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int, chunk: int | None = 512) -> Row:
+    """Our engine, every request queued at once; TTFT therefore includes the time spent waiting for a slot."""
+    from .engine import LLM
+
+    llm = LLM.from_model(model, tok, scheduling=policy, max_num_seqs=batch, max_model_len=work.longest,
+                         chunked_prefill_tokens=chunk)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(work.prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return Row(f"mini_engine {policy}", work.name, sum(len(o.token_ids) for o in outs), seconds,
+               [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs], llm.engine.kv_cache_bytes)
+
+
+def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int) -> Row:
+    """HF `generate` over batches of `batch` requests in arrival order, prompts left-padded to the longest of
+    their batch, every batch decoding until its longest output is done. Only the tokens each request asked
+    for are counted (the rest is the padding cost); a request's TPOT ends at its own last token."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps: list[float] = []
+
+    class Stamp(StoppingCriteria):  # called once per decoding step of the whole batch
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    ttft, tpot, peak_kv, tokens = [], [], 0, 0
+    t0 = time.perf_counter()
+    for first in range(0, len(work.prompts), batch):
+        prompts, lens = work.prompts[first:first + batch], work.output_lens[first:first + batch]
+        width, new = max(len(p) for p in prompts), max(lens)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
+        stamps.clear()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                        pad_token_id=0, stopping_criteria=StoppingCriteriaList([Stamp()]))
+        for n in lens:
+            ttft.append(stamps[0] - t0)
+            tpot.append((stamps[n - 1] - stamps[0]) / (n - 1) if n > 1 else float("nan"))
+        tokens += sum(lens)
+        peak_kv = max(peak_kv, len(prompts) * (width + new) * kv_bytes_per_token)  # its cache grows to this
+    return Row("HF transformers static batch", work.name, tokens, time.perf_counter() - t0, ttft, tpot, peak_kv)
+
+
+def matmul_floor_tok_s(model, batch: int, repeats: int = 3) -> float:
+    """The decode floor: tokens/s of the model's weight matrix products alone, chained for `batch` rows, with
+    no attention, norms, sampling or Python bookkeeping. No engine can decode `batch` streams faster."""
+    import torch.nn.functional as F
+
+    from .hardware import _best_time
+
+    c = model.config
+    weights = [(layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+                layer.mlp.down_proj.weight) for layer in model.layers]
+    x = torch.randn(batch, c.hidden_size, device=model.device, dtype=model.dtype)
+    attn_width, mlp_width = c.num_heads * c.head_dim, c.intermediate_size
+
+    def chain():
+        h = x
+        for qkv, o, gate_up, down in weights:  # slice each output to the next product's input width
+            h = F.linear(F.linear(h, qkv)[:, :attn_width], o)
+            h = F.linear(F.linear(h, gate_up)[:, :mlp_width], down)
+        return F.linear(h, model.lm_head.weight)
+
+    with torch.inference_mode():
+        return batch / _best_time(chain, str(model.device), repeats)
+
+
+def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtype: str, with_hf: bool = True,
+                  low: int = 16, high: int = 256, print_fn=print) -> list[Row]:
+    from .formulas import kv_bytes_per_token
+    from .loader import load_model
+
+    model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
+    work = ServingWorkload.uniform(requests, low, high, vocab=model.config.vocab_size)
+    warm = ServingWorkload.uniform(2, 4, 8, vocab=model.config.vocab_size, seed=1)
+    run_engine(model, tok, "continuous", warm, batch)  # allocator growth and lazy init stay out of the numbers
+    rows = []
+    if with_hf:
+        try:
+            hf = load_hf(device, model.dtype)
+        except ImportError:
+            print_fn("transformers is not installed: HF row skipped (pip install -e '.[dev]')")
+        else:
+            c = model.config  # the same weights as ours, so the same KV bytes per token
+            per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype.itemsize)
+            run_hf_static(hf, warm, batch, per_token)
+            rows.append(run_hf_static(hf, work, batch, per_token))
+            del hf
+    rows += [run_engine(model, tok, rung, work, batch) for rung in rungs]
+    floor = matmul_floor_tok_s(model, batch)
+    print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} workload: {requests} requests, "
+             f"prompt and output lengths uniform in {low}-{high} (seed 0), ignore_eos, batch {batch}; "
+             f"ratio vs first row")
+    print_fn(format_table(rows, rows[0] if rows else None))
+    for r in rows:
+        print_fn(f"{r.system}: {r.tok_s:.1f} tok/s = {100 * r.tok_s / floor:.0f}% of this machine's matmul floor "
+                 f"at batch {batch} ({floor:.0f} tok/s: the weight products alone, chained)")
     return rows

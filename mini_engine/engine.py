@@ -1,0 +1,281 @@
+"""The serving engine: `LLMEngine` runs the step loop (schedule, run the model, sample, update); `LLM` wraps it
+in one call, `generate(prompts, sampling_params)`, as vLLM does.
+
+Every step packs the scheduled chunks of all running requests end to end, without padding, into one forward
+pass over the contiguous slot cache (one `max_model_len` slot per running request). Only the rows that end
+a request's uncomputed tokens are sent through the LM head and sampled: a prompt chunk that does not finish
+its prompt produces no token.
+
+A request's length is capped at `max_model_len` tokens, prompt and output together: a prompt must leave room
+for at least one new token (longer ones are rejected), and an output that would run past the cap stops
+there with finish_reason "length", whatever its max_tokens (vLLM does the same).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import numbers
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata
+from .engine_config import EngineConfig
+from .formulas import human_bytes
+from .kv_cache import ContiguousKVCache
+from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Chunk, Request, Scheduler, make_policy
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Per-request latencies in seconds, all measured from the request's arrival (add_request)."""
+    queue_s: float        # arrival until first scheduled
+    ttft_s: float         # arrival until the first output token
+    tpot_s: float         # mean time between output tokens after the first (NaN for one token)
+    e2e_s: float          # arrival until the last output token
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    arrival_time: float   # time.perf_counter() clock
+    token_times: tuple[float, ...]  # when each output token was sampled, same clock
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None      # None when the engine has no tokenizer
+    finish_reason: str    # "stop" (stop or EOS token, included in token_ids) or "length"
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step ran: (request_id, slot, num_tokens, sampled) per chunk, and when."""
+    step: int
+    start: float
+    end: float
+    chunks: tuple[tuple[int, int, int, bool], ...]
+    num_waiting: int
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class ModelRunner:
+    """Owns the tensors: turns a step's chunks into packed ids and attention metadata, runs the model."""
+
+    def __init__(self, model, kv_cache: ContiguousKVCache, backend: str):
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+
+    def execute(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Logits [number of sampling chunks, vocab], in chunk order."""
+        ids, query_lens, context_lens, slots, rows = [], [], [], [], []
+        for c in chunks:
+            r = c.request
+            ids += r.tokens[c.start:c.start + c.num_tokens]
+            query_lens.append(c.num_tokens)
+            context_lens.append(c.start + c.num_tokens)
+            slots.append(r.slot)
+            if c.samples:
+                rows.append(len(ids) - 1)
+        device = self.model.device
+        meta = AttentionMetadata.build(query_lens, context_lens, slots, device=device)
+        meta.logits_indices = torch.tensor(rows, dtype=torch.long, device=device)
+        return self.model(torch.tensor(ids, device=device), meta, self.kv_cache, backend=self.backend)
+
+
+class LLMEngine:
+    """Step-level engine: `add_request` at any time, `step()` until `has_unfinished()` is False."""
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+        config = config or EngineConfig(model="(in-memory model)", device=str(model.device),
+                                        dtype=_dtype_name(model.dtype))
+        if torch.device(config.device).type != model.device.type or config.dtype != _dtype_name(model.dtype):
+            raise ValueError(f"config asks for device={config.device!r} dtype={config.dtype!r} but the model is on "
+                             f"{model.device} in {_dtype_name(model.dtype)}")
+        self.config = config.resolved(str(model.device), model.config.max_position_embeddings)
+        self.model, self.tokenizer = model, tokenizer
+        c = self.config
+        cache = ContiguousKVCache(model.config, c.max_num_seqs, c.max_model_len, model.device, model.dtype)
+        self.runner = ModelRunner(model, cache, c.attention_backend)
+        policy = make_policy(c.scheduling, c.max_num_seqs, c.dynamic_bucket_width, c.dynamic_timeout_s)
+        self.scheduler = Scheduler(policy, c.max_num_seqs, c.max_model_len, c.chunked_prefill_tokens)
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        self.eos_token_id = model.config.eos_token_id if eos is None else eos
+        self.trace: list[StepRecord] = []
+        self._generators: dict[int, torch.Generator | None] = {}
+        self._ids = itertools.count()
+        self._num_steps = 0
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **engine_kwargs) -> "LLMEngine":
+        kwargs = {"model": "(in-memory model)", "device": str(model.device), "dtype": _dtype_name(model.dtype),
+                  **engine_kwargs}
+        return cls(model, tokenizer, EngineConfig(**kwargs))
+
+    def __repr__(self) -> str:
+        c = self.config
+        chunking = "off" if c.chunked_prefill_tokens is None else f"{c.chunked_prefill_tokens} tokens/step"
+        return (f"LLMEngine(scheduling={c.scheduling}, {c.max_num_seqs} slots x {c.max_model_len} positions "
+                f"(contiguous KV cache, {human_bytes(self.kv_cache_bytes)}), chunked prefill {chunking}, "
+                f"attention={c.attention_backend}, {c.device} {c.dtype})")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Memory the cache reserves: with contiguous slots, its peak from the start."""
+        return self.runner.kv_cache.nbytes
+
+    def validate(self, prompt, params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+        """Check one request without adding it: (prompt token ids, a private copy of the params), or a
+        ValueError naming the bad argument."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # re-runs its checks (fields may have been changed) and copies it
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but this engine has no tokenizer; pass token ids")
+            prompt = self.tokenizer.encode(prompt)
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        prompt = [int(t) for t in prompt]
+        if len(prompt) >= self.config.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len={self.config.max_model_len} leaves "
+                             "room for at most max_model_len - 1")
+        return prompt, params
+
+    def add_request(self, prompt, params: SamplingParams | None = None) -> int:
+        """Queue a request (a string or token ids); it joins the batch at a step the policy allows.
+        Returns its id. A bad request raises ValueError and changes nothing."""
+        prompt, params = self.validate(prompt, params)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos and self.eos_token_id is not None:
+            stop.add(self.eos_token_id)
+        request = Request(next(self._ids), prompt, params, frozenset(stop), time.perf_counter())
+        self._generators[request.request_id] = make_generator(params, self.model.device)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one packed forward pass, sample; return the requests that finished in this step."""
+        start = time.perf_counter()
+        chunks = self.scheduler.schedule(start)
+        if not chunks:
+            wait = self.scheduler.seconds_until_admission(start)
+            if self.has_unfinished() and wait <= 0:
+                raise RuntimeError("scheduler made no progress with requests pending")
+            time.sleep(max(wait, 0.0))  # a dynamic batcher waiting for its bucket: nothing to compute
+            return []
+        logits = self.runner.execute(chunks)
+        samplers = [c.request for c in chunks if c.samples]
+        tokens = sample(logits, [r.params for r in samplers], [self._generators[r.request_id] for r in samplers])
+        end = time.perf_counter()  # sample() read the tokens back, so the device has finished the step
+        if self.config.record_trace:
+            self.trace.append(StepRecord(self._num_steps, start, end, tuple(
+                (c.request.request_id, c.request.slot, c.num_tokens, c.samples) for c in chunks),
+                len(self.scheduler.waiting)))
+        self._num_steps += 1
+        return [self._output(r) for r in self.scheduler.update(chunks, tokens, end)]
+
+    def _output(self, r: Request) -> RequestOutput:
+        del self._generators[r.request_id]
+        n, first, last = len(r.output_ids), r.token_times[0], r.token_times[-1]
+        metrics = RequestMetrics(
+            queue_s=r.first_scheduled_time - r.arrival_time, ttft_s=first - r.arrival_time,
+            tpot_s=(last - first) / (n - 1) if n > 1 else float("nan"), e2e_s=last - r.arrival_time,
+            num_preemptions=r.num_preemptions, num_prompt_tokens=len(r.prompt_ids), num_output_tokens=n,
+            arrival_time=r.arrival_time, token_times=tuple(r.token_times))
+        text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else None
+        return RequestOutput(r.request_id, r.prompt_ids, list(r.output_ids), text, r.finish_reason, metrics)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and all(isinstance(t, int) for t in prompts)):
+        return [prompts]  # one prompt: a string or one list of token ids
+    return list(prompts)
+
+
+class LLM:
+    """Offline serving in one call, vLLM style:
+
+        llm = LLM("smollm2-135m", max_num_seqs=16)
+        outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
+
+    `LLM.from_model(model, tokenizer, **engine_kwargs)` serves weights already in memory."""
+
+    def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
+                 kv_cache: str = "contiguous", block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = False, chunked_prefill_tokens: int | None = 512,
+                 scheduling: str = "continuous", speculative: dict | None = None, attention_backend: str = "auto",
+                 **engine_kwargs):
+        from .loader import load_model
+
+        config = EngineConfig(  # checked before the weights load
+            model=model, device=device, dtype=dtype, kv_cache=kv_cache, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, chunked_prefill_tokens=chunked_prefill_tokens,
+            scheduling=scheduling, speculative=speculative, attention_backend=attention_backend, **engine_kwargs)
+        weights, tokenizer = load_model(model, device=device, dtype=dtype)
+        self.engine = LLMEngine(weights, tokenizer, config)
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **engine_kwargs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine.from_model(model, tokenizer, **engine_kwargs)
+        return llm
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def __repr__(self) -> str:
+        return repr(self.engine).replace("LLMEngine", "LLM", 1)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt (strings or token-id lists) to completion; outputs in prompt order.
+        `sampling_params`: one for all, or a list with one per prompt. Every request is checked before
+        any runs: a bad one raises ValueError naming its index, and nothing is queued."""
+        from tqdm import tqdm
+
+        prompts = _as_prompt_list(prompts)
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(prompts)
+        checked = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            try:
+                checked.append(self.engine.validate(prompt, sp))
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        ids = [self.engine.add_request(prompt, sp) for prompt, sp in checked]
+        wanted = set(ids)
+        outputs: dict[int, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
+            while len(outputs) < len(ids):
+                for out in self.engine.step():
+                    if out.request_id in wanted:  # the engine may also hold requests added step by step
+                        outputs[out.request_id] = out
+                        bar.update(1)
+        return [outputs[i] for i in ids]

@@ -1,0 +1,79 @@
+"""EngineConfig: every knob of the serving engine, checked where it is made.
+
+Features of later chapters are named here already, so the signature stays the same as they land; until
+then asking for one is a clear error that says where it arrives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULING = ("static", "dynamic", "continuous")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "naive")
+
+# The contiguous cache reserves max_model_len positions for each of max_num_seqs slots up front. SmolLM2-135M
+# keeps 46 KB per token in fp32, so 64 slots x 2048 positions would pin 6 GB: a CPU gets a smaller default.
+DEFAULT_LIMITS = {"cuda": (64, 2048), "cpu": (16, 1024)}  # (max_num_seqs, max_model_len)
+
+
+def _not_yet(argument: str, chapter: str, instead: str = "") -> ValueError:
+    return ValueError(f"{argument} is not in this engine yet: it arrives with chapter {chapter}{instead}")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache: str = "contiguous"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int | None = None     # None: 64 on a GPU, 16 on a CPU (DEFAULT_LIMITS)
+    max_model_len: int | None = None    # None: 2048 on a GPU, 1024 on a CPU, capped by the model's positions
+    enable_prefix_caching: bool = False
+    chunked_prefill_tokens: int | None = 512  # tokens per step; None turns chunking off (prompts run whole)
+    scheduling: str = "continuous"
+    speculative: dict | None = None
+    attention_backend: str = "auto"
+    dynamic_bucket_width: int = 64      # scheduling="dynamic": prompt-length bucket, in tokens
+    dynamic_timeout_s: float = 0.05     # scheduling="dynamic": longest wait for a bucket to fill
+    record_trace: bool = False          # keep a StepRecord per step (which request ran in which slot)
+
+    def __post_init__(self):
+        if self.kv_cache == "paged":
+            raise _not_yet("kv_cache='paged'", "07 (PagedAttention)", "; use kv_cache='contiguous' until then")
+        if self.kv_cache != "contiguous":
+            raise ValueError(f"kv_cache must be 'contiguous' (or 'paged' from chapter 07), got {self.kv_cache!r}")
+        if self.num_kv_blocks is not None:
+            raise _not_yet("num_kv_blocks (the paged KV pool)", "07 (PagedAttention)")
+        if self.enable_prefix_caching:
+            raise _not_yet("enable_prefix_caching=True", "08 (prefix caching)")
+        if self.speculative is not None:
+            raise _not_yet("speculative", "06 (speculative decoding)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("block_size", "max_num_seqs", "max_model_len", "chunked_prefill_tokens", "dynamic_bucket_width"):
+            value = getattr(self, name)
+            optional = name in ("max_num_seqs", "max_model_len", "chunked_prefill_tokens")
+            if not (value is None and optional) and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must leave room for a prompt token and a new one, got {self.max_model_len}")
+        if not isinstance(self.dynamic_timeout_s, (int, float)) or self.dynamic_timeout_s < 0:
+            raise ValueError(f"dynamic_timeout_s must be >= 0, got {self.dynamic_timeout_s!r}")
+
+    def resolved(self, device: str, max_positions: int) -> "EngineConfig":
+        """A copy with the device's default limits filled in, checked against the model's positions."""
+        seqs, length = DEFAULT_LIMITS["cuda" if str(device).startswith("cuda") else "cpu"]
+        max_model_len = self.max_model_len or min(length, max_positions)
+        if max_model_len > max_positions:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {max_positions} positions")
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if str(device).startswith("cuda") else "torch"
+        return EngineConfig(**{**vars(self), "device": str(device), "max_num_seqs": self.max_num_seqs or seqs,
+                               "max_model_len": max_model_len, "attention_backend": backend})

@@ -1,0 +1,251 @@
+"""Requests, their states, and the scheduler that decides what runs at each step. Pure Python: no tensors.
+
+A request's tokens are its prompt followed by what it has generated so far; `num_computed` of them already
+have their keys and values in the cache. One step of the engine runs, for every scheduled request, the
+next chunk of its uncomputed tokens: the rest of its prompt (prefill), part of it (a chunked prefill), or
+the one token it sampled last (decode). A request gets a new token only from a step that computes its
+last uncomputed token.
+
+Three admission policies share the rest of the machinery:
+
+- static: a batch of up to `num_slots` requests is admitted only when the previous batch has fully
+  finished, so every batch advances at the pace of its longest request;
+- dynamic: like static, but the batch is one length bucket (prompts of similar length), released when it
+  is full or when its oldest request has waited `timeout_s`;
+- continuous (Orca's iteration-level scheduling): every step evicts finished requests and admits waiting
+  ones into the freed slots.
+
+Chunked prefill caps the tokens of one step at `token_budget`: decodes first (one token each, never
+skipped, so running requests keep their pace), then prompt chunks in arrival order with what is left.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # sent back to the queue; its cache is dropped and recomputed on readmission
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    arrival_time: float
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0          # tokens whose keys/values are in the cache
+    slot: int | None = None        # cache slot while running
+    finish_reason: str | None = None  # "stop" (a stop token) or "length" (max_tokens or max_model_len)
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token was sampled
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing its prompt (or, after a preemption, recomputing prompt and output)."""
+        return self.num_uncomputed > 1 or not self.output_ids and self.num_uncomputed == 1
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens start .. start + num_tokens − 1 of `request`, run in this step. `samples`: the chunk reaches
+    the request's last token, so the step samples its next one."""
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool
+
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> "Chunk":
+        start = request.num_computed
+        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
+
+
+# ---------------------------------------------------------------- admission policies
+
+class StaticPolicy:
+    """A new batch, first come first served, only once every request of the previous one has finished."""
+    name = "static"
+
+    def admit(self, waiting: list[Request], running: list[Request], free_slots: int, budget: float,
+              now: float) -> list[Request]:
+        return [] if running else waiting[:free_slots]
+
+    def seconds_until_admission(self, waiting: list[Request], running: list[Request], now: float) -> float:
+        return 0.0
+
+
+@dataclass
+class DynamicPolicy:
+    """Request-level batches of similar prompt length: requests fall into buckets of `bucket_width` tokens;
+    when the previous batch has finished, a full bucket runs at once, and a partial one only after its oldest
+    request has waited `timeout_s`: fewer wasted (padded) tokens per batch, paid for in queueing time."""
+    batch_size: int
+    bucket_width: int = 64
+    timeout_s: float = 0.05
+    name = "dynamic"
+
+    def _buckets(self, waiting: list[Request]) -> list[list[Request]]:
+        buckets: dict[int, list[Request]] = {}
+        for r in waiting:  # waiting is in arrival order, so each bucket is too: its head is its oldest
+            buckets.setdefault((r.num_tokens - 1) // self.bucket_width, []).append(r)
+        return sorted(buckets.values(), key=lambda b: b[0].arrival_time)
+
+    def _ready(self, bucket: list[Request], now: float) -> bool:
+        return len(bucket) >= self.batch_size or now - bucket[0].arrival_time >= self.timeout_s
+
+    def admit(self, waiting, running, free_slots, budget, now) -> list[Request]:
+        if running:
+            return []
+        ready = [b for b in self._buckets(waiting) if self._ready(b, now)]
+        # Full buckets first (no waste, no wait), then the one whose oldest request has waited longest.
+        ready.sort(key=lambda b: (len(b) < self.batch_size, b[0].arrival_time))
+        return ready[0][:free_slots] if ready else []
+
+    def seconds_until_admission(self, waiting, running, now) -> float:
+        if running or not waiting:
+            return 0.0
+        buckets = self._buckets(waiting)
+        if any(self._ready(b, now) for b in buckets):
+            return 0.0
+        return min(b[0].arrival_time + self.timeout_s for b in buckets) - now
+
+
+class ContinuousPolicy:
+    """Iteration level: every step, waiting requests take the free slots in arrival order, as long as the
+    step's token budget has room to start their prompts."""
+    name = "continuous"
+
+    def admit(self, waiting, running, free_slots, budget, now) -> list[Request]:
+        admitted = []
+        for r in waiting:
+            if len(admitted) == free_slots or budget <= 0:
+                break
+            admitted.append(r)
+            budget -= r.num_uncomputed
+        return admitted
+
+    def seconds_until_admission(self, waiting, running, now) -> float:
+        return 0.0
+
+
+def make_policy(name: str, num_slots: int, bucket_width: int = 64, timeout_s: float = 0.05):
+    if name == "static":
+        return StaticPolicy()
+    if name == "dynamic":
+        return DynamicPolicy(num_slots, bucket_width, timeout_s)
+    if name == "continuous":
+        return ContinuousPolicy()
+    raise ValueError(f"scheduling must be 'static', 'dynamic' or 'continuous', got {name!r}")
+
+
+# ---------------------------------------------------------------- the scheduler
+
+class Scheduler:
+    """Owns the queue, the running set and the cache slots; plans each step and applies its results."""
+
+    def __init__(self, policy, num_slots: int, max_model_len: int, token_budget: int | None = None):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1 or None (no chunking), got {token_budget}")
+        self.policy, self.num_slots, self.max_model_len, self.token_budget = policy, num_slots, max_model_len, token_budget
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # in admission order
+        self.free_slots = list(range(num_slots - 1, -1, -1))  # a stack: pop() hands out slot 0 first
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def seconds_until_admission(self, now: float) -> float:
+        """How long nothing can start: a dynamic batcher waiting for its bucket to fill (0 otherwise)."""
+        return self.policy.seconds_until_admission(self.waiting, self.running, now)
+
+    def schedule(self, now: float) -> list[Chunk]:
+        """Admit what the policy allows, then spend the step's token budget: decodes, then prompt chunks."""
+        budget = math.inf if self.token_budget is None else self.token_budget
+        # Decodes in slot order: with every slot busy their cache rows are adjacent, which attention can read
+        # as one slice instead of gathering them.
+        decodes = sorted((r for r in self.running if not r.is_prefill), key=lambda r: r.slot)
+        budget -= len(decodes)
+        for r in self.policy.admit(self.waiting, self.running, len(self.free_slots), budget, now):
+            self.waiting.remove(r)
+            r.status, r.slot = RequestStatus.RUNNING, self.free_slots.pop()
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            self.running.append(r)
+        chunks = [Chunk.of(r, 1) for r in decodes]
+        for r in self.running:
+            if r.is_prefill and budget > 0:
+                n = int(min(r.num_uncomputed, budget))
+                chunks.append(Chunk.of(r, n))
+                budget -= n
+        return chunks
+
+    def update(self, chunks: list[Chunk], sampled: list[int], now: float) -> list[Request]:
+        """Apply a step's results: `sampled` holds one token per chunk that `samples`, in chunk order.
+        Returns the requests that finished, their slots already free."""
+        samplers = [c for c in chunks if c.samples]
+        if len(sampled) != len(samplers):
+            raise ValueError(f"sampled has {len(sampled)} tokens for {len(samplers)} sampling chunks")
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+        finished = []
+        for c, token in zip(samplers, sampled):
+            r = c.request
+            r.output_ids.append(token)
+            r.token_times.append(now)
+            reason = self._finish_reason(r, token)
+            if reason:
+                r.finish_reason, r.status = reason, RequestStatus.FINISHED
+                self._release(r)
+                finished.append(r)
+        return finished
+
+    def preempt(self, request: Request) -> None:
+        """Take a running request off its slot and put it first in the queue; its cache is lost, so it
+        recomputes prompt and output so far when readmitted (its sampling state is kept)."""
+        if request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request.request_id} is {request.status.value}, not running")
+        self._release(request)
+        request.status, request.num_computed = RequestStatus.PREEMPTED, 0
+        request.num_preemptions += 1
+        self.waiting.insert(0, request)
+
+    def _release(self, request: Request) -> None:
+        self.running.remove(request)
+        self.free_slots.append(request.slot)
+        request.slot = None
+
+    def _finish_reason(self, r: Request, token: int) -> str | None:
+        if token in r.stop_ids:
+            return "stop"
+        if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+            return "length"
+        return None
