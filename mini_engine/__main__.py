@@ -65,7 +65,8 @@ def cmd_bench(args) -> None:
         bench_serving(serving or list(SERVING_RUNGS), args.requests, args.batch, args.device, args.dtype,
                       with_hf=not args.no_hf)
     else:
-        bench(single or list(SINGLE_STREAM_RUNGS), args.tokens, args.device, args.dtype, with_hf=not args.no_hf)
+        bench(single or list(SINGLE_STREAM_RUNGS), args.tokens, args.device, args.dtype, with_hf=not args.no_hf,
+              hf_dtype=args.hf_dtype)
 
 
 def main(argv=None) -> None:
@@ -93,6 +94,8 @@ def main(argv=None) -> None:
     b.add_argument("--requests", type=int, default=64, help="serving: number of requests (lengths 16-256)")
     b.add_argument("--batch", type=int, default=16, help="serving: max_num_seqs, and HF's batch size")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
+    b.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="single: HF's dtype when it should differ from --dtype (e.g. our bf16 vs HF fp32)")
     args = parser.parse_args(argv)
     try:
         {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench}[args.cmd](args)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .generate import generate_cached, generate_naive
+from .hardware import matmul_floor_tok_s
 from .metrics import TokenTimer, percentile
 from .sampling import SamplingParams
 
@@ -105,7 +106,8 @@ def format_table(rows: list[Row], baseline: Row | None) -> str:
 
 
 def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: bool = True, warmup: bool = True,
-          print_fn=print) -> list[Row]:
+          hf_dtype: str | None = None, print_fn=print) -> list[Row]:
+    """Single stream: HF transformers (in `hf_dtype`, default the same dtype) then our rungs, one prompt."""
     from .loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
@@ -115,7 +117,7 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     rows = []
     if with_hf:
         try:
-            hf = load_hf(device, model.dtype)
+            hf = load_hf(device, getattr(torch, hf_dtype) if hf_dtype else model.dtype)
         except ImportError:
             print_fn("transformers is not installed: HF rows skipped (pip install -e '.[dev]')")
         else:
@@ -130,6 +132,10 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} "
              f"prompt={len(prompt)} tokens, new={new_tokens} tokens (greedy, ignore_eos); ratio vs first row")
     print_fn(format_table(rows, baseline))
+    floor = matmul_floor_tok_s(model, 1)
+    for r in rows[len(rows) - len(rungs):]:
+        print_fn(f"{r.system}: {100 * r.tok_s / floor:.0f}% of this machine's {dtype} matmul floor for one "
+                 f"stream ({floor:.1f} tok/s: the weight products alone, chained)")
     return rows
 
 
@@ -205,30 +211,6 @@ def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int
     return Row("HF transformers static batch", work.name, tokens, time.perf_counter() - t0, ttft, tpot, peak_kv)
 
 
-def matmul_floor_tok_s(model, batch: int, repeats: int = 3) -> float:
-    """The decode floor: tokens/s of the model's weight matrix products alone, chained for `batch` rows, with
-    no attention, norms, sampling or Python bookkeeping. No engine can decode `batch` streams faster."""
-    import torch.nn.functional as F
-
-    from .hardware import _best_time
-
-    c = model.config
-    weights = [(layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
-                layer.mlp.down_proj.weight) for layer in model.layers]
-    x = torch.randn(batch, c.hidden_size, device=model.device, dtype=model.dtype)
-    attn_width, mlp_width = c.num_heads * c.head_dim, c.intermediate_size
-
-    def chain():
-        h = x
-        for qkv, o, gate_up, down in weights:  # slice each output to the next product's input width
-            h = F.linear(F.linear(h, qkv)[:, :attn_width], o)
-            h = F.linear(F.linear(h, gate_up)[:, :mlp_width], down)
-        return F.linear(h, model.lm_head.weight)
-
-    with torch.inference_mode():
-        return batch / _best_time(chain, str(model.device), repeats)
-
-
 def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtype: str, with_hf: bool = True,
                   low: int = 16, high: int = 256, print_fn=print) -> list[Row]:
     from .formulas import kv_bytes_per_token
@@ -241,7 +223,7 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     rows = []
     if with_hf:
         try:
-            hf = load_hf(device, model.dtype)
+            hf = load_hf(device, getattr(torch, hf_dtype) if hf_dtype else model.dtype)
         except ImportError:
             print_fn("transformers is not installed: HF row skipped (pip install -e '.[dev]')")
         else:

@@ -53,15 +53,23 @@ def measure_ceilings(device: str = "cpu", dtype=torch.float32, quick: bool = Fal
                     measure_memory_bandwidth(device, mib))
 
 
-def matmul_floor_s(model, batch: int = 1, repeats: int = 5) -> float:
-    """Seconds for one decode step's weight matmuls alone: every nn.Linear of the model (lm_head included)
-    applied in turn to `batch` rows, with nothing else in between. No engine can decode faster than this on
-    this machine with these weights; `batch / floor` is the tokens/s ceiling the benchmarks compare against."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(batch, m.in_features, device=model.device, dtype=model.dtype) for m in linears]
+def matmul_floor_tok_s(model, batch: int = 1, repeats: int = 3) -> float:
+    """The decode floor: tokens/s of the model's weight matrix products alone, chained for `batch` rows, with
+    no attention, norms, sampling or Python bookkeeping. No engine can decode `batch` streams faster."""
+    import torch.nn.functional as F
+
+    c = model.config
+    weights = [(layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+                layer.mlp.down_proj.weight) for layer in model.layers]
+    x = torch.randn(batch, c.hidden_size, device=model.device, dtype=model.dtype)
+    attn_width, mlp_width = c.num_heads * c.head_dim, c.intermediate_size
 
     def chain():
-        with torch.inference_mode():
-            for m, x in zip(linears, inputs):
-                m(x)
-    return _best_time(chain, str(model.device), repeats)
+        h = x
+        for qkv, o, gate_up, down in weights:  # slice each output to the next product's input width
+            h = F.linear(F.linear(h, qkv)[:, :attn_width], o)
+            h = F.linear(F.linear(h, gate_up)[:, :mlp_width], down)
+        return F.linear(h, model.lm_head.weight)
+
+    with torch.inference_mode():
+        return batch / _best_time(chain, str(model.device), repeats)
