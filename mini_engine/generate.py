@@ -35,7 +35,7 @@ def generate_naive(model, prompt_ids: list[int], max_new_tokens: int = 32, param
     stops, gen = _stops(model, params, eos_token_id), make_generator(params, model.device)
     seq, out = list(prompt_ids), []
     for _ in range(max_new_tokens):
-        logits = model(torch.tensor([seq], device=model.device))[0, -1:]  # O(len(seq)) work, every step
+        logits = model(torch.tensor([seq], device=model.device), last_only=True)[0]  # O(len(seq)) work, every step
         token = sample(logits, [params], [gen])[0]
         out.append(token)
         seq.append(token)

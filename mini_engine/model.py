@@ -122,8 +122,9 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata | None = None, kv_cache=None,
-                backend: str | None = None) -> torch.Tensor:
-        """input_ids [B, N] with nothing else: full causal forward, logits [B, N, vocab].
+                backend: str | None = None, last_only: bool = False) -> torch.Tensor:
+        """input_ids [B, N] with nothing else: full causal forward, logits [B, N, vocab] ([B, 1, vocab] with
+        last_only: generation needs only the last position, and the vocab projection is a fifth of the model).
         input_ids [T] packed, with `meta` (and optionally a KV cache): logits [T or len(logits_indices), vocab]."""
         backend = backend or self.attention_backend
         if backend not in BACKENDS:
@@ -133,7 +134,7 @@ class LlamaModel(nn.Module):
             if meta is not None or kv_cache is not None:
                 raise ValueError("input_ids must be packed 1-D [T] when meta or kv_cache is given")
             b, n = input_ids.shape
-            meta = AttentionMetadata.build([n] * b, device=input_ids.device)
+            meta = AttentionMetadata.build([n] * b, device=input_ids.device, last_only=last_only)
             input_ids = input_ids.reshape(-1)
         elif meta is None:
             raise ValueError("packed 1-D input_ids need an AttentionMetadata (meta)")
@@ -153,7 +154,7 @@ class LlamaModel(nn.Module):
         if meta.logits_indices is not None:
             x = x[meta.logits_indices]
         logits = self.lm_head(self.norm(x))
-        return logits.view(b, n, -1) if batched else logits
+        return logits.view(b, 1 if last_only else n, -1) if batched else logits
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load a flat dict keyed like `layers.3.q_proj` / `embed_tokens` (separate q/k/v, gate/up) into the

@@ -43,3 +43,8 @@ def test_bad_prompts_are_rejected(tiny, bad, match):
 def test_seeded_sampling_reproducible(tiny):
     p = me.SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10)
     assert me.generate_naive(tiny, [5, 6], 10, p) == me.generate_naive(tiny, [5, 6], 10, p)
+
+
+def test_last_only_logits_equal_the_last_row(tiny):
+    ids = torch.randint(0, 128, (2, 9))
+    torch.testing.assert_close(tiny(ids, last_only=True), tiny(ids)[:, -1:], atol=1e-5, rtol=0)
