@@ -86,12 +86,8 @@ def test_naive_generation_flops_is_the_sum_of_steps(impl, tiny):
     assert got == measured, f"naive_generation_flops(model, 5, 8) = {got}; the loop really did {measured} FLOPs"
 
 
-def test_naive_generation_flops_grow_cubically(impl):
-    cfg = me.PRESETS["smollm2-135m"]
-    big = LlamaModel.__new__(LlamaModel)  # the formula needs shapes only: skip allocating weights
-    torch.nn.Module.__init__(big)
-    big.config = cfg
-    big.add_module("probe", torch.nn.Linear(1, 1, bias=False))
+def test_attention_flops_grow_quadratically(impl):
+    cfg = me.PRESETS["smollm2-135m"]  # the formula needs shapes only: no weights are allocated
     a = impl.attention_flops(cfg, 1000)
     b = impl.attention_flops(cfg, 2000)
     assert b == 4 * a, "attention work of one step is quadratic in length: doubling n must multiply it by 4"
