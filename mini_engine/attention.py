@@ -25,6 +25,54 @@ def resolve_backend(name: str, device) -> str:
 
 
 @dataclass
+class DecodeGroup:
+    """The sequences of a step that bring one new token each, prepared once per step. Every layer reads the
+    same rows, and on a CPU a decode step is dominated by per-op overhead, so slicing and masking are decided
+    here once rather than in each of the model's layers."""
+    tokens: slice | torch.Tensor   # their rows in the packed step; slice(None) when the step is all decodes
+    slots: slice | torch.Tensor    # the cache slots read: a slice (a view of the cache) or, rarely, a gather
+    rows: torch.Tensor | None      # where each decode sits among the slots read; None: one slot per decode
+    max_context: int               # key positions read per slot: the group's longest context
+    mask: torch.Tensor | None      # [slots read,1,1,max_context] True within a slot's context; None: all full
+
+    @classmethod
+    def build(cls, query_lens, context_lens, slots, device) -> "DecodeGroup | None":
+        seqs = [i for i, n in enumerate(query_lens) if n == 1]
+        if not seqs:
+            return None
+        if len(seqs) == len(query_lens):
+            tokens = slice(None)
+        else:
+            starts = list(itertools.accumulate(query_lens, initial=0))
+            tokens = torch.tensor([starts[i] for i in seqs], device=device)
+        group_slots, lens = [slots[i] for i in seqs], [context_lens[i] for i in seqs]
+        lo, hi = min(group_slots), max(group_slots) + 1
+        rows = None
+        if group_slots == list(range(lo, hi)):  # the scheduler's usual order: a view of the cache, no copy
+            slot_index = slice(lo, hi)
+        elif hi - lo <= 2 * len(seqs):
+            # Gaps (slots whose requests are prefilling or gone): copying the rows out of the cache costs more
+            # than reading the whole range as a view and dropping the extra rows' results.
+            slot_index, rows = slice(lo, hi), torch.tensor([s - lo for s in group_slots], device=device)
+            range_lens = [1] * (hi - lo)
+            for s, n in zip(group_slots, lens):
+                range_lens[s - lo] = n
+            lens = range_lens
+        else:
+            slot_index = torch.tensor(group_slots, device=device)
+        longest = max(lens)
+        mask = None
+        if min(lens) < longest:
+            mask = torch.arange(longest, device=device) < torch.tensor(lens, device=device)[:, None]
+            mask = mask[:, None, None, :]
+        return cls(tokens, slot_index, rows, longest, mask)
+
+    @property
+    def is_whole_step(self) -> bool:
+        return isinstance(self.tokens, slice)
+
+
+@dataclass
 class AttentionMetadata:
     query_lens: list[int]
     context_lens: list[int]
@@ -32,6 +80,7 @@ class AttentionMetadata:
     slots: list[int] | None = None    # cache row of each sequence; None: no cache
     slot_mapping: torch.Tensor | None = None  # [T] cache row of each token, for the cache write
     logits_indices: torch.Tensor | None = None  # packed rows whose logits are wanted (None: all)
+    decode: DecodeGroup | None = None  # the single-token sequences (cached steps only)
 
     @classmethod
     def build(cls, query_lens, context_lens=None, slots=None, device="cpu", last_only=False):
@@ -40,15 +89,18 @@ class AttentionMetadata:
             raise ValueError("context_lens and query_lens must have one entry per sequence")
         if any(q < 1 or c < q for q, c in zip(query_lens, context_lens)):
             raise ValueError(f"each query_len must be >= 1 and <= its context_len: {query_lens} / {context_lens}")
-        positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)]).to(device)
-        slot_mapping = None
+        # Built from Python lists in one call each: this runs every step, and small tensor ops add up.
+        positions = torch.tensor([p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)],
+                                 device=device)
+        slot_mapping = decode = None
         if slots is not None:
-            slot_mapping = torch.repeat_interleave(torch.tensor(slots), torch.tensor(query_lens)).to(device)
+            slot_mapping = torch.tensor([s for s, q in zip(slots, query_lens) for _ in range(q)], device=device)
+            decode = DecodeGroup.build(query_lens, context_lens, slots, device)
         logits_indices = None
         if last_only:
-            logits_indices = (torch.tensor(query_lens).cumsum(0) - 1).to(device)
+            logits_indices = torch.tensor(list(itertools.accumulate(query_lens)), device=device) - 1
         return cls(list(query_lens), context_lens, positions, None if slots is None else list(slots),
-                   slot_mapping, logits_indices)
+                   slot_mapping, logits_indices, decode)
 
 
 def _upcast_on_cpu(q, k, v):
@@ -111,15 +163,16 @@ def attention_no_cache(q, k, v, meta: AttentionMetadata, backend: str):
 
 
 def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: str):
-    """Attend packed queries q [T,Hq,D] to cached keys/values k_cache [slots,Hkv,max_len,D] (already written)."""
+    """Attend packed queries q [T,Hq,D] to cached keys/values k_cache [slots,Hkv,max_len,D] (already written).
+    Single-token queries (decodes) go through `decode_attention` together; prefill chunks one by one, or in
+    one FlashAttention launch on the triton backend."""
+    if meta.decode is not None and meta.decode.is_whole_step:
+        return decode_attention(q, k_cache, v_cache, meta.decode, backend)
     out = torch.empty_like(q)
+    if meta.decode is not None:
+        out[meta.decode.tokens] = decode_attention(q, k_cache, v_cache, meta.decode, backend)
     starts = [0, *itertools.accumulate(meta.query_lens)]
-    decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    chunks = [i for i, n in enumerate(meta.query_lens) if n > 1]  # prefill chunks
-    if len(decodes) == 1 and backend != "triton":
-        chunks, decodes = sorted(chunks + decodes), []  # a lone decode reads its cache row as a view: no gather
-    if decodes:
-        _batched_decode(q, k_cache, v_cache, meta, decodes, starts, out, backend)
+    chunks = [i for i, n in enumerate(meta.query_lens) if n > 1]
     if backend == "triton" and chunks:
         # All prefill chunks in one kernel launch, each attending to its whole cached context.
         q_lens = [meta.query_lens[i] for i in chunks]
@@ -139,27 +192,26 @@ def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: 
     return out
 
 
-def _batched_decode(q, k_cache, v_cache, meta, rows, starts, out, backend):
-    """One call for all single-token queries: gather their cache rows up to the longest context, mask the rest."""
-    slots = [meta.slots[i] for i in rows]
-    lens = [meta.context_lens[i] for i in rows]
-    ctx, longest = torch.tensor(lens, device=q.device), max(lens)
-    if slots == list(range(slots[0], slots[0] + len(slots))):
-        # Consecutive slots (the scheduler's usual order): a view of the cache, no copy of the rows.
-        k = k_cache[slots[0]:slots[0] + len(slots), :, :longest]  # [S,Hkv,L,D]
-        v = v_cache[slots[0]:slots[0] + len(slots), :, :longest]
-    else:
-        index = torch.tensor(slots, device=q.device)
-        k, v = k_cache[index, :, :longest], v_cache[index, :, :longest]
-    qi = torch.tensor([starts[i] for i in rows], device=q.device)
-    qs, k, v = _upcast_on_cpu(q[qi].unsqueeze(2), k, v)  # qs [S,Hq,1,D]
-    valid = torch.arange(longest, device=q.device)[None, :] < ctx[:, None]  # [S,L]
-    mask = valid[:, None, None, :]
+def decode_attention(q, k_cache, v_cache, group: DecodeGroup, backend: str = "torch"):
+    """One query token per sequence against its cached keys/values, all sequences in one call: SDPA, or on
+    the naive backend the two explicit products (whose FLOPs chapter 02 counts). Triton uses SDPA here too:
+    a decode's scores are one row per head, not the N x N matrix FlashAttention avoids (chapter 07 brings a
+    paged decode kernel). Positions past a sequence's own context are masked out."""
+    k = k_cache[group.slots, :, :group.max_context]  # [slots read,Hkv,L,D]
+    v = v_cache[group.slots, :, :group.max_context]
+    qs = q[group.tokens]                             # [S,Hq,D]
+    if group.rows is not None:  # place each query at its slot's row; the other rows compute unused results
+        qs = qs.new_zeros(k.shape[0], *qs.shape[1:]).index_copy_(0, group.rows, qs)
+    dtype = qs.dtype
+    qs, k, v = _upcast_on_cpu(qs.unsqueeze(2), k, v)  # qs [slots read,Hq,1,D]
     if backend == "naive":
         rep = qs.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (qs @ k.transpose(-1, -2)) * qs.shape[-1] ** -0.5
-        o = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), -1).to(qs.dtype) @ v
-    else:  # torch, and triton until the paged decode kernel of chapter 07
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=qs.shape[1] != k.shape[1])
-    out[qi] = o.squeeze(2).to(out.dtype)
+        if group.mask is not None:
+            scores = scores.masked_fill(~group.mask, float("-inf"))
+        o = torch.softmax(scores, dim=-1) @ v
+    else:
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=group.mask, enable_gqa=qs.shape[1] != k.shape[1])
+    o = o.squeeze(2)
+    return (o if group.rows is None else o[group.rows]).to(dtype)

@@ -223,7 +223,7 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     rows = []
     if with_hf:
         try:
-            hf = load_hf(device, getattr(torch, hf_dtype) if hf_dtype else model.dtype)
+            hf = load_hf(device, model.dtype)
         except ImportError:
             print_fn("transformers is not installed: HF row skipped (pip install -e '.[dev]')")
         else:

@@ -1,0 +1,81 @@
+"""The cached attention paths against a plain reference: repeat the KV heads, attend one sequence at a time.
+
+The engine prepares a step's decodes once (`DecodeGroup`) and attends all of them in one grouped product;
+these tests pin that down for consecutive and scattered slots, unequal contexts and steps that mix decodes
+with prefill chunks, and check the sign-folded RoPE against the textbook rotate-half form."""
+import pytest
+import torch
+
+from mini_engine.attention import AttentionMetadata, attention_with_cache
+from mini_engine.config import ModelConfig
+from mini_engine.model import apply_rope, rope_tables
+
+D, MAX_LEN = 16, 40
+
+
+def reference(q, k_cache, v_cache, meta):
+    """Each sequence alone: its new queries see cached positions up to their own (causal), KV heads repeated."""
+    out, start = [], 0
+    for n, ctx, slot in zip(meta.query_lens, meta.context_lens, meta.slots):
+        qs = q[start:start + n].transpose(0, 1)                      # [Hq,n,D]
+        rep = qs.shape[0] // k_cache.shape[1]
+        k = k_cache[slot, :, :ctx].repeat_interleave(rep, dim=0)    # [Hq,ctx,D]
+        v = v_cache[slot, :, :ctx].repeat_interleave(rep, dim=0)
+        scores = qs @ k.transpose(-1, -2) / D ** 0.5
+        visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        out.append((scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+STEPS = {
+    "one decode": ([1], [9], [2]),
+    "consecutive decodes, equal contexts": ([1, 1, 1], [7, 7, 7], [1, 2, 3]),
+    "consecutive decodes, unequal contexts": ([1, 1, 1, 1], [3, 17, 40, 1], [0, 1, 2, 3]),
+    "decodes with a gap in their slots": ([1, 1, 1], [12, 5, 30], [4, 2, 3]),
+    "scattered decodes": ([1, 1, 1], [12, 5, 30], [4, 0, 9]),
+    "decodes and prefill chunks": ([1, 6, 1, 9], [20, 6, 4, 25], [3, 0, 1, 4]),
+    "prefill chunks only": ([5, 3], [5, 11], [1, 0]),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "naive"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_cached_attention_equals_per_sequence_reference(step, heads, kv_heads, backend):
+    query_lens, context_lens, slots = STEPS[step]
+    torch.manual_seed(len(step))
+    k_cache, v_cache = torch.randn(2, 10, kv_heads, MAX_LEN, D).unbind(0)
+    q = torch.randn(sum(query_lens), heads, D)
+    meta = AttentionMetadata.build(query_lens, context_lens, slots)
+    got = attention_with_cache(q, k_cache, v_cache, meta, backend)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"{step}: {m}")
+
+
+def test_decode_group_reads_consecutive_slots_as_a_view():
+    meta = AttentionMetadata.build([1, 1, 1], [4, 9, 2], [2, 3, 4])
+    assert meta.decode.slots == slice(2, 5), "consecutive slots should be a slice of the cache, not a gather"
+    assert meta.decode.is_whole_step and meta.decode.max_context == 9
+    assert meta.decode.mask[:, 0, 0].tolist() == [[True] * 4 + [False] * 5, [True] * 9, [True] * 2 + [False] * 7]
+    assert AttentionMetadata.build([1, 1], [5, 5], [0, 1]).decode.mask is None, "equal contexts need no mask"
+    gap = AttentionMetadata.build([1, 1], [4, 6], [3, 1]).decode
+    assert gap.slots == slice(1, 4) and gap.rows.tolist() == [2, 0], "a small gap is read as a view of the range"
+    assert isinstance(AttentionMetadata.build([1, 1], [4, 6], [9, 1]).decode.slots, torch.Tensor), \
+        "slots far apart are gathered"
+    mixed = AttentionMetadata.build([3, 1], [3, 8], [0, 1])
+    assert not mixed.decode.is_whole_step and mixed.decode.tokens.tolist() == [3]
+    assert AttentionMetadata.build([3, 2], [3, 8], [0, 1]).decode is None
+
+
+def test_sign_folded_rope_equals_rotate_half():
+    cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=D, max_position_embeddings=64)
+    cos, sin = rope_tables(cfg)
+    positions = torch.tensor([0, 1, 7, 63])
+    x = torch.randn(4, 3, D)
+    c, s = cos[positions, None], sin[positions, None]
+    plain_sin = torch.cat([-s[..., :D // 2], s[..., D // 2:]], dim=-1)  # undo the sign fold: [sin, sin]
+    x1, x2 = x.chunk(2, dim=-1)
+    expected = torch.addcmul(x * c, torch.cat([-x2, x1], dim=-1), plain_sin)  # x*cos + rotate_half(x)*sin
+    torch.testing.assert_close(apply_rope(x, c, s), expected, rtol=0, atol=0)  # the fold is exact
