@@ -53,23 +53,28 @@ def measure_ceilings(device: str = "cpu", dtype=torch.float32, quick: bool = Fal
                     measure_memory_bandwidth(device, mib))
 
 
-def matmul_floor_tok_s(model, batch: int = 1, repeats: int = 3) -> float:
+def matmul_floor_tok_s(model, batch: int = 1, repeats: int = 3, plain: bool = False) -> float:
     """The decode floor: tokens/s of the model's weight matrix products alone, chained for `batch` rows, with
-    no attention, norms, sampling or Python bookkeeping. No engine can decode `batch` streams faster."""
+    no attention, norms, sampling or Python bookkeeping. No engine computing its products this way can decode
+    `batch` streams faster. By default the products are the model's own layers (on a CPU, `model.Linear`
+    picks the faster of two equal forms); `plain=True` times F.linear, as HF transformers computes them."""
     import torch.nn.functional as F
 
     c = model.config
-    weights = [(layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
-                layer.mlp.down_proj.weight) for layer in model.layers]
+    layers = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+              for layer in model.layers]
     x = torch.randn(batch, c.hidden_size, device=model.device, dtype=model.dtype)
     attn_width, mlp_width = c.num_heads * c.head_dim, c.intermediate_size
 
+    def product(linear, h):
+        return F.linear(h, linear.weight) if plain else linear(h)
+
     def chain():
         h = x
-        for qkv, o, gate_up, down in weights:  # slice each output to the next product's input width
-            h = F.linear(F.linear(h, qkv)[:, :attn_width], o)
-            h = F.linear(F.linear(h, gate_up)[:, :mlp_width], down)
-        return F.linear(h, model.lm_head.weight)
+        for qkv, o, gate_up, down in layers:  # slice each output to the next product's input width
+            h = product(o, product(qkv, h)[:, :attn_width].contiguous())
+            h = product(down, product(gate_up, h)[:, :mlp_width].contiguous())
+        return product(model.lm_head, h)
 
     with torch.inference_mode():
         return batch / _best_time(chain, str(model.device), repeats)

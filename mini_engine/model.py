@@ -29,24 +29,31 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """A bias-free nn.Linear whose product y = x W^T is computed, on a CPU, in the faster of two equal forms.
+    """A bias-free nn.Linear whose product y = x W^T is computed, on a CPU, in the fastest of equal forms.
 
-    Measured with torch 2.13 (MKL) on this course's 2-core CPU, over all of SmolLM2's weights: when x has
-    several rows, (W x^T)^T runs 1.4-2.7x faster than F.linear's x W^T (16 rows: 54 vs 76 ms in fp32), and
-    bf16 matrix products with several rows, which AVX2 CPUs have no instructions for, run faster in fp32 even
-    after converting the weights (16 rows: about 2x). A single row (one decoding stream) keeps F.linear,
-    already the fastest form there. GPUs always use F.linear. Only the summation order changes: results
-    agree with F.linear to float rounding (the equivalence tests against HF hold either way)."""
+    Measured with torch 2.13 (MKL) on this course's 2-core AVX2 CPU, over all of SmolLM2's fp32 weights:
+    (W x^T)^T beats F.linear's x W^T from 2 to about 128 rows (16 rows: 54 vs 76 ms), and a single row is
+    fastest as two copies of itself (27 vs 34 ms: MKL's two-row GEMM streams the weights faster than its
+    GEMV; it does twice the multiply-adds, which FLOP counters will see, so only weights that stream from
+    memory, 1 MiB and up, get it). bf16 GEMMs with several rows have no instructions on AVX2 and run faster
+    in fp32, even counting the weight conversion (one gate_up matrix at 16 rows: 1.8 vs 3.3 ms); a bf16
+    single row keeps F.linear. GPUs always use F.linear. Only the order of the sums changes: results agree
+    with F.linear to rounding."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x):
-        if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 1:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        one_row_gemv = rows == 1 and (x.dtype != torch.float32 or self.weight.nbytes < 2**20)
+        if x.device.type != "cpu" or rows == 0 or one_row_gemv:
             return F.linear(x, self.weight)
-        if x.dtype == torch.float32:
-            return (self.weight @ x.t()).t().contiguous()
-        return (self.weight.float() @ x.float().t()).t().to(x.dtype, memory_format=torch.contiguous_format)
+        w, xf = self.weight.float(), x.float()  # no copies in fp32
+        if rows > 128:
+            return F.linear(xf, w).to(x.dtype)
+        if rows == 1:
+            xf = xf.repeat(2, 1)
+        return (w @ xf.t())[:, :rows].t().contiguous().to(x.dtype)
 
 
 def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:

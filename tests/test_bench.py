@@ -1,0 +1,28 @@
+"""`python -m mini_engine bench` end to end at toy sizes: every row is produced and the ratios are printed.
+(The numbers themselves belong in benchmarks/RESULTS.md, never in a pass/fail test.)"""
+import pytest
+
+from mini_engine.bench import bench, bench_serving
+
+pytest.importorskip("transformers")
+
+
+def test_single_stream_bench_prints_each_rung_hf_and_the_ratios():
+    lines = []
+    rows = bench(["naive", "cached"], 3, "cpu", "float32", print_fn=lines.append)
+    assert [r.system for r in rows] == ["HF transformers (no cache)", "HF transformers (cached)",
+                                        "mini_engine naive", "mini_engine cached"]
+    assert all(r.tokens == 3 for r in rows)
+    text = "\n".join(lines)
+    for phrase in ("HF cached (float32)", "mini_engine cached / mini_engine naive", "matmul floor at batch 1"):
+        assert phrase in text, f"bench output lacks {phrase!r}:\n{text}"
+
+
+def test_serving_bench_runs_hf_static_and_each_policy():
+    lines = []
+    rows = bench_serving(["continuous", "static", "dynamic"], requests=3, batch=2, device="cpu", dtype="float32",
+                         low=4, high=8, print_fn=lines.append)
+    assert [r.system for r in rows] == ["HF transformers static batch", "mini_engine continuous",
+                                        "mini_engine static", "mini_engine dynamic"]
+    assert len({r.tokens for r in rows}) == 1, "every system must serve the same requests"
+    assert "matmul floor at batch 2" in "\n".join(lines)
