@@ -241,6 +241,29 @@ print(f"1024 tokens from a 1-token prompt: {formulas.naive_generation_flops(cfg,
       f"fewer FLOPs in total; attention alone: Σi²/Σi = {formulas.attention_work_ratio(1024):.0f}x")
 
 # %% [markdown]
+# ### How close is a cached step to the floor?
+#
+# A cached decode step must at least read every weight once. `hardware.matmul_floor_tok_s` times the
+# model's weight products alone, chained, with nothing else: the fastest any decoder computing them this
+# way could go. The gap to a real step is attention, the norms, RoPE, the cache writes and, on a CPU, the
+# fixed cost of launching some forty small operations per layer, each of which touches only a few kilobytes.
+
+# %%
+from mini_engine.hardware import matmul_floor_tok_s
+
+step_s = float(np.median(np.diff(cached_t)))  # one decode step, from the stamps above
+floor_s = 1 / matmul_floor_tok_s(model, 1)
+print(f"a cached decode step: {step_s * 1e3:.1f} ms; the weight products alone: {floor_s * 1e3:.1f} ms "
+      f"({100 * floor_s / step_s:.0f}% of the step); everything else: {(step_s - floor_s) * 1e3:.1f} ms")
+fig, ax = plt.subplots(figsize=(6, 1.6))
+ax.barh([0], [floor_s * 1e3], label="weight products (the floor)")
+ax.barh([0], [(step_s - floor_s) * 1e3], left=[floor_s * 1e3], label="everything else")
+ax.set(yticks=[], xlabel="ms per decode step", title=f"One cached decode step, {dtype} on {device}")
+ax.legend(fontsize=8, loc="lower right")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
 # ## The price: memory that grows with every token
 #
 # Each token adds one key and one value vector per KV head in every layer:
@@ -354,6 +377,7 @@ summary = [
     (f"naive K/V rows, {steps} tokens", f"{sum(naive_rows)} for {distinct} positions ({sum(cached_rows)} with the cache)"),
     ("cached == naive tokens", f"{naive_out == cached_out and same}"),
     ("naive / cached speed", f"{new_tokens / naive_t[-1]:.1f} / {new_tokens / cached_t[-1]:.1f} tok/s"),
+    ("decode step / weight products alone", f"{step_s * 1e3:.1f} / {floor_s * 1e3:.1f} ms"),
     (f"speedup at {new_tokens} tokens", f"{measured[-1]:.1f}x measured, {roofline_ratio[-1]:.1f}x roofline, "
                                         f"{flop_ratio[-1]:.1f}x FLOPs"),
     ("KV bytes per token (SmolLM2)", f"{formulas.kv_bytes_per_token_for(cfg, nbytes):,} B in {dtype}"),
