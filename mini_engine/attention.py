@@ -118,17 +118,24 @@ def _sdpa(q, k, v, causal_offset: int | None, backend: str):
     return _sdpa_math(q, k, v, causal_offset, backend).to(dtype)
 
 
+def _naive_attention(q, k, v, mask):
+    """Materialise the full scores matrix (the O(N^2) memory FlashAttention removes, chapter 05) as two
+    explicit products, whose FLOPs chapter 02 counts. mask: bool, True = attend, broadcast; None = all."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
 def _sdpa_math(q, k, v, causal_offset: int | None, backend: str):
     n_q, n_k = q.shape[2], k.shape[2]
     if backend == "naive":
-        # Materialise the full scores matrix: the O(N^2) memory FlashAttention removes (chapter 05).
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        mask = None
         if causal_offset is not None:
             mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(causal_offset)
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+        return _naive_attention(q, k, v, mask)
     gqa = q.shape[1] != k.shape[1]
     if causal_offset is None or n_q == 1 and causal_offset >= n_k - 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
@@ -205,12 +212,7 @@ def decode_attention(q, k_cache, v_cache, group: DecodeGroup, backend: str = "to
     dtype = qs.dtype
     qs, k, v = _upcast_on_cpu(qs.unsqueeze(2), k, v)  # qs [slots read,Hq,1,D]
     if backend == "naive":
-        rep = qs.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = (qs @ k.transpose(-1, -2)) * qs.shape[-1] ** -0.5
-        if group.mask is not None:
-            scores = scores.masked_fill(~group.mask, float("-inf"))
-        o = torch.softmax(scores, dim=-1) @ v
+        o = _naive_attention(qs, k, v, group.mask)
     else:
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=group.mask, enable_gqa=qs.shape[1] != k.shape[1])
     o = o.squeeze(2)
