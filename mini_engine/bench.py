@@ -1,12 +1,13 @@
 """`python -m mini_engine bench`: each rung of the ladder and HF transformers on one workload, in one run.
 
 Every row is measured in the same process on the same prompts, so the ratio column compares like with like.
-Two workloads: one chat prompt streamed by one request (rungs `naive`, `cached`), and the serving workload
+Two workloads: one chat prompt streamed by one request (rungs `naive`, `cached`, `compiled`), and the serving workload
 (rungs `static`, `dynamic`, `continuous`): N requests with prompt and output lengths uniform in a range,
 ignore_eos, served by our engine under each policy and by HF transformers' static batched `generate`.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from .hardware import matmul_floor_tok_s
 from .metrics import TokenTimer, percentile
 from .sampling import SamplingParams
 
-SINGLE_STREAM_RUNGS = ("naive", "cached")
+SINGLE_STREAM_RUNGS = ("naive", "cached", "compiled")
 SERVING_RUNGS = ("continuous", "static", "dynamic")
 
 BENCH_PROMPT = [{"role": "user", "content": "Explain, step by step, how a bicycle stays upright while moving."}]
@@ -44,12 +45,18 @@ def _single_stream(name, workload, fn, device) -> Row:
     return Row(name, workload, len(out), timer.e2e_s, [timer.ttft_s], [timer.tpot_s])
 
 
-def run_mini(model, rung: str, prompt: list[int], new_tokens: int) -> Row:
+def run_mini(model, rung: str, prompt: list[int], new_tokens: int, print_fn=print) -> Row:
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    loop = {"naive": generate_naive, "cached": generate_cached}[rung]
+    loop = {"naive": generate_naive, "cached": generate_cached,
+            "compiled": functools.partial(generate_cached, compile=True)}[rung]
+    if rung == "compiled":  # compiling is a one-time cost, like vLLM's CUDA-graph capture: timed apart
+        t0 = time.perf_counter()
+        loop(model, prompt, 2, SamplingParams(max_tokens=2, ignore_eos=True))
+        print_fn(f"mini_engine compiled: the first call compiled the decode step in {time.perf_counter() - t0:.1f} s "
+                 "(not in its row)")
     row = _single_stream(f"mini_engine {rung}", f"1 x {len(prompt)}+{new_tokens}",
                          lambda cb: loop(model, prompt, new_tokens, params, on_token=cb), str(model.device))
-    if rung == "cached":
+    if rung != "naive":
         from .formulas import kv_cache_bytes
         c = model.config
         row.kv_bytes = kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim, len(prompt) + new_tokens, 1,
@@ -129,19 +136,20 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
                 rows.append(run_hf(hf, prompt, new_tokens, use_cache))
             del hf
     for rung in rungs:
-        rows.append(run_mini(model, rung, prompt, new_tokens))
+        rows.append(run_mini(model, rung, prompt, new_tokens, print_fn))
     baseline = rows[0] if rows else None
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} "
              f"prompt={len(prompt)} tokens, new={new_tokens} tokens (greedy, ignore_eos); ratio vs first row")
     print_fn(format_table(rows, baseline))
     by_name = {r.system: r for r in rows}
-    cached, naive = by_name.get("mini_engine cached"), by_name.get("mini_engine naive")
-    hf_cached = by_name.get("HF transformers (cached)")
-    if cached and hf_cached:
-        print_fn(f"mini_engine cached ({dtype}) / HF cached ({hf_dtype or dtype}): "
-                 f"{cached.tok_s / hf_cached.tok_s:.2f}x")
-    if cached and naive:
-        print_fn(f"mini_engine cached / mini_engine naive: {cached.tok_s / naive.tok_s:.2f}x")
+    naive, hf_cached = by_name.get("mini_engine naive"), by_name.get("HF transformers (cached)")
+    for rung in ("cached", "compiled"):
+        row = by_name.get(f"mini_engine {rung}")
+        if row and hf_cached:
+            print_fn(f"mini_engine {rung} ({dtype}) / HF cached ({hf_dtype or dtype}): "
+                     f"{row.tok_s / hf_cached.tok_s:.2f}x")
+        if row and naive:
+            print_fn(f"mini_engine {rung} / mini_engine naive: {row.tok_s / naive.tok_s:.2f}x")
     print_floors(model, 1, rows[len(rows) - len(rungs):], print_fn)
     return rows
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata
+from .compiled_decode import compiled_decode_step
 from .kv_cache import ContiguousKVCache
 from .sampling import SamplingParams, make_generator, sample
 
@@ -60,19 +61,21 @@ def decode_step(model, kv_cache, tokens: list[int], context_lens: list[int], slo
 
 
 def generate_cached(model, prompt_ids: list[int], max_new_tokens: int = 32, params: SamplingParams | None = None,
-                    eos_token_id: int | None = None, on_token=None, kv_cache: ContiguousKVCache | None = None
-                    ) -> list[int]:
-    """Prefill once, then decode one token per step against the KV cache. Same tokens as `generate_naive`."""
+                    eos_token_id: int | None = None, on_token=None, kv_cache: ContiguousKVCache | None = None,
+                    compile: bool = False) -> list[int]:
+    """Prefill once, then decode one token per step against the KV cache. Same tokens as `generate_naive`.
+    compile=True runs each decode step as one compiled graph (`compiled_decode`; the first call compiles)."""
     return generate_batch(model, [prompt_ids], max_new_tokens, params, eos_token_id,
-                          on_token=on_token, kv_cache=kv_cache)[0]
+                          on_token=on_token, kv_cache=kv_cache, compile=compile)[0]
 
 
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, params: SamplingParams | None = None,
-                   eos_token_id: int | None = None, on_token=None, kv_cache: ContiguousKVCache | None = None
-                   ) -> list[list[int]]:
+                   eos_token_id: int | None = None, on_token=None, kv_cache: ContiguousKVCache | None = None,
+                   compile: bool = False) -> list[list[int]]:
     """Cached generation for several prompts decoded together, one slot each: every decode step reads the
     weights once for the whole batch. A finished sequence drops out of the batch. `on_token` streams only
-    when there is a single prompt (it is how `generate_cached` streams)."""
+    when there is a single prompt (it is how `generate_cached` streams). compile=True: decode steps run as
+    one compiled graph, compiled anew for each batch size met (sequences that stop early shrink it)."""
     params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     if not prompts:
         raise ValueError("prompts must not be empty")
@@ -84,6 +87,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
     elif kv_cache.num_slots < len(prompts) or kv_cache.max_len < longest:
         raise ValueError(f"kv_cache too small: need {len(prompts)} slots of {longest} positions")
     stops = _stops(model, params, eos_token_id)
+    step = compiled_decode_step if compile else decode_step
     gens = [make_generator(params, model.device) for _ in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
@@ -100,5 +104,5 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
         if not still:
             return outs
         active = still
-        logits = decode_step(model, kv_cache, [outs[i][-1] for i in active],
-                             [len(prompts[i]) + len(outs[i]) for i in active], active)
+        logits = step(model, kv_cache, [outs[i][-1] for i in active],
+                      [len(prompts[i]) + len(outs[i]) for i in active], active)

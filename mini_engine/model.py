@@ -79,13 +79,18 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size)
         self.o_proj = Linear(q_size, config.hidden_size)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, layer_idx: int, kv_cache, backend: str):
+    def project(self, x, cos, sin):
+        """x [T, hidden] -> rotated q [T,Hq,D], rotated k and v [T,Hkv,D]."""
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.qk_size, self.v_size], dim=-1)
         # q and k sit side by side in the fused output: rotate all their heads in one pass.
         qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v.view(t, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, layer_idx: int, kv_cache, backend: str):
+        t = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
         if kv_cache is None:
             o = attention_no_cache(q, k, v, meta, backend)
         else:
