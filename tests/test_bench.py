@@ -9,12 +9,13 @@ pytest.importorskip("transformers")
 
 def test_single_stream_bench_prints_each_rung_hf_and_the_ratios():
     lines = []
-    rows = bench(["naive", "cached"], 3, "cpu", "float32", print_fn=lines.append)
+    rows = bench(["naive", "cached", "compiled"], 3, "cpu", "float32", print_fn=lines.append)
     assert [r.system for r in rows] == ["HF transformers (no cache)", "HF transformers (cached)",
-                                        "mini_engine naive", "mini_engine cached"]
+                                        "mini_engine naive", "mini_engine cached", "mini_engine compiled"]
     assert all(r.tokens == 3 for r in rows)
     text = "\n".join(lines)
-    for phrase in ("HF cached (float32)", "mini_engine cached / mini_engine naive", "matmul floor at batch 1"):
+    for phrase in ("mini_engine cached (float32) / HF cached (float32)", "mini_engine compiled / mini_engine naive",
+                   "compiled the decode step in", "matmul floor at batch 1"):
         assert phrase in text, f"bench output lacks {phrase!r}:\n{text}"
 
 
