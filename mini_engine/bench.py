@@ -150,6 +150,9 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
                      f"{row.tok_s / hf_cached.tok_s:.2f}x")
         if row and naive:
             print_fn(f"mini_engine {rung} / mini_engine naive: {row.tok_s / naive.tok_s:.2f}x")
+    cached, compiled = by_name.get("mini_engine cached"), by_name.get("mini_engine compiled")
+    if cached and compiled:
+        print_fn(f"mini_engine compiled / mini_engine cached: {compiled.tok_s / cached.tok_s:.2f}x")
     print_floors(model, 1, rows[len(rows) - len(rungs):], print_fn)
     return rows
 
