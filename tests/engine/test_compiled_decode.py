@@ -17,15 +17,19 @@ def _two_caches(model, prompts, slots, max_len):
     """Two identical caches holding the prompts' prefills (prompt i in slot slots[i])."""
     caches = []
     for _ in range(2):
-        cache = ContiguousKVCache(model.config, 3, max_len, "cpu", model.dtype)
+        cache = ContiguousKVCache(model.config, 3, max_len, model.device, model.dtype)
         prefill(model, cache, prompts, slots)
         caches.append(cache)
     return caches
 
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Inductor emits Triton there)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_compiled_step_matches_eager_step_on_a_tiny_model(kv_heads):
-    model = tiny_model(4, kv_heads)
+def test_compiled_step_matches_eager_step_on_a_tiny_model(kv_heads, device):
+    model = tiny_model(4, kv_heads).to(device)
     prompts, slots = [[5, 6, 7, 8, 9], [10, 11]], [2, 0]  # unequal contexts, slots out of order, slot 1 unused
     eager_cache, compiled_cache = _two_caches(model, prompts, slots, max_len=12)
     for step in range(3):  # three steps: each reads what the previous one wrote
