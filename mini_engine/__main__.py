@@ -86,7 +86,8 @@ def main(argv=None) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--naive", action="store_true", help="full recompute instead of the KV cache")
     b = sub.add_parser("bench", parents=[common], help="benchmark table: mini_engine rungs vs HF transformers")
-    b.add_argument("--rung", action="append", choices=["naive", "cached", "compiled", "static", "dynamic", "continuous"],
+    b.add_argument("--rung", action="append",
+                   choices=["naive", "cached", "compiled", "static", "dynamic", "continuous"],
                    help="repeatable; default: naive, cached and compiled (one stream), or all three policies "
                         "(serving)")
     b.add_argument("--workload", choices=["single", "serving"], default="single",
