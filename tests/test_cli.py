@@ -1,0 +1,27 @@
+"""`python -m mini_engine ...` in process: each generate mode streams its tokens and reports its speed, and
+contradictory or bad flags exit with status 2 and a message naming them."""
+import pytest
+
+from mini_engine.__main__ import main
+
+
+@pytest.mark.parametrize("flags,kind", [(["--naive"], "naive (no cache)"), ([], "KV cache,"),
+                                        (["--compile"], "KV cache, compiled step")])
+def test_generate_streams_and_reports_its_mode(capsys, flags, kind):
+    main(["generate", "Name a color.", "--max-tokens", "3", *flags])
+    out = capsys.readouterr().out
+    assert "3 tokens in" in out and kind in out, f"generate {flags} printed:\n{out}"
+    if "--compile" in flags:
+        assert "compiled the decode step in" in out, "the one-time compile should be reported apart"
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["generate", "hi", "--naive", "--compile"], "--naive and --compile"),
+    (["bench", "--rung", "cached", "--rung", "continuous"], "one-stream rungs"),
+    (["bench", "--workload", "serving", "--batch", "0"], "--batch"),
+])
+def test_bad_flags_exit_2_with_a_message(capsys, argv, named):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
