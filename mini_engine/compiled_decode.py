@@ -60,11 +60,7 @@ def compiled_decode_step(model, kv_cache, tokens: list[int], context_lens: list[
     rounding: fused kernels sum in another order)."""
     if not len(tokens) == len(context_lens) == len(slots):
         raise ValueError("tokens, context_lens and slots need one entry per sequence")
-    if max(context_lens) > kv_cache.max_len:
-        raise ValueError(f"context_lens {max(context_lens)} is past the KV cache's max_len {kv_cache.max_len}")
-    if max(context_lens) > model.config.max_position_embeddings:
-        raise ValueError(f"context_lens {max(context_lens)} exceeds max_position_embeddings "
-                         f"{model.config.max_position_embeddings}")
+    model.check_last_position(max(context_lens) - 1, kv_cache)
     if min(context_lens) < 1:
         raise ValueError(f"context_lens must be >= 1 (they count the new token), got {min(context_lens)}")
     if kv_cache.max_len > 1:  # size-1 dimensions are always specialised; mark_dynamic would refuse them

@@ -154,6 +154,13 @@ class LlamaModel(nn.Module):
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
         return self
 
+    def check_last_position(self, last: int, kv_cache=None) -> None:
+        """Once per step: the RoPE table and the cache must reach the step's last position."""
+        if last >= self.config.max_position_embeddings:
+            raise ValueError(f"position {last} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        if kv_cache is not None and last >= kv_cache.max_len:
+            raise ValueError(f"position {last} is past the KV cache's max_len {kv_cache.max_len}")
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata | None = None, kv_cache=None,
                 backend: str | None = None, last_only: bool = False) -> torch.Tensor:
@@ -174,11 +181,7 @@ class LlamaModel(nn.Module):
             raise ValueError("packed 1-D input_ids need an AttentionMetadata (meta)")
         if kv_cache is not None and meta.slots is None:
             raise ValueError("meta.slots must name a cache slot per sequence when kv_cache is given")
-        last = max(meta.context_lens) - 1
-        if last >= self.config.max_position_embeddings:
-            raise ValueError(f"position {last} exceeds max_position_embeddings {self.config.max_position_embeddings}")
-        if kv_cache is not None and last >= kv_cache.max_len:
-            raise ValueError(f"position {last} is past the KV cache's max_len {kv_cache.max_len}")
+        self.check_last_position(max(meta.context_lens) - 1, kv_cache)
         # Angles are computed in fp32, then cast once per step to the weights' dtype (as the reference does).
         cos = self.rope_cos[meta.positions, None].to(self.dtype)
         sin = self.rope_sin[meta.positions, None].to(self.dtype)
