@@ -1,7 +1,12 @@
-"""The contiguous KV cache: every sequence slot reserves room for `max_len` positions up front.
+"""The two KV caches the engine can run on.
 
-Layout follows the seed chapter: [layers, K/V, slots (batch), kv_heads, positions, head_dim]. Simple and
-fast to index, but a slot's unused tail is wasted memory: the "before" picture for PagedAttention.
+`ContiguousKVCache`: every sequence slot reserves room for `max_len` positions up front. Layout follows the
+seed chapter: [layers, K/V, slots (batch), kv_heads, positions, head_dim]. Simple and fast to index, but a
+slot's unused tail is wasted memory: the "before" picture for PagedAttention.
+
+`PagedKVCache` (chapter 07): one pool of fixed-size blocks, [layers, K/V, num_blocks, block_size, kv_heads,
+head_dim]; which blocks hold which sequence is the block tables' business (`paging.BlockManager`), so the
+cache itself only stores rows. A token's heads sit side by side, the layout the paged kernels read.
 """
 from __future__ import annotations
 
@@ -36,3 +41,42 @@ class ContiguousKVCache:
         k_cache, v_cache = self._layers[i]
         k_cache[slot_mapping, :, positions] = k
         v_cache[slot_mapping, :, positions] = v
+
+
+class PagedKVCache:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device="cpu", dtype=torch.float32):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # Zeros, not empty: the CPU path reads whole blocks and masks the positions past a context, and a
+        # masked NaN would still poison the weighted sum (0 * NaN).
+        self.data = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+                                device=device, dtype=dtype)
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
+        # The same memory with one row per slot (block * block_size + offset): what a cache write indexes.
+        self._rows = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self._layers]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype=torch.float32) -> int:
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def max_len(self) -> int:
+        """The most positions one sequence can hold: the whole pool."""
+        return self.num_blocks * self.block_size
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer i: [num_blocks, block_size, kv_heads, head_dim] each."""
+        return self._layers[i]
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions=None) -> None:
+        """Store the new tokens' keys/values (k/v [T,Hkv,D]) in their slots (`slot_mapping` [T], from the
+        block tables) of layer i. `positions` is unused: a slot already says where a token goes."""
+        k_rows, v_rows = self._rows[i]
+        k_rows[slot_mapping] = k
+        v_rows[slot_mapping] = v

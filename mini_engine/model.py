@@ -179,8 +179,8 @@ class LlamaModel(nn.Module):
             input_ids = input_ids.reshape(-1)
         elif meta is None:
             raise ValueError("packed 1-D input_ids need an AttentionMetadata (meta)")
-        if kv_cache is not None and meta.slots is None:
-            raise ValueError("meta.slots must name a cache slot per sequence when kv_cache is given")
+        if kv_cache is not None and not meta.has_cache:
+            raise ValueError("meta must name each sequence's cache slot or block table when kv_cache is given")
         self.check_last_position(max(meta.context_lens) - 1, kv_cache)
         # Angles are computed in fp32, then cast once per step to the weights' dtype (as the reference does).
         cos = self.rope_cos[meta.positions, None].to(self.dtype)

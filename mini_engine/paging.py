@@ -97,8 +97,12 @@ class BlockManager:
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
         """Cache rows (slots) of positions start .. end − 1 of the sequence, where their keys/values go."""
-        table, size = self.block_tables[seq_id], self.block_size
-        if end > len(table) * size:
-            raise ValueError(f"positions up to {end} need {self.blocks_for(end)} blocks; sequence {seq_id!r} "
-                             f"holds {len(table)}")
-        return [table[p // size] * size + p % size for p in range(start, end)]
+        return slot_mapping(self.block_tables[seq_id], start, end, self.block_size)
+
+
+def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache rows of positions start .. end − 1 of a sequence with this block table (see the module's doc)."""
+    if end > len(block_table) * block_size:
+        raise ValueError(f"positions up to {end} need {-(-end // block_size)} blocks; the block table holds "
+                         f"{len(block_table)}")
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

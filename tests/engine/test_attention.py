@@ -8,6 +8,7 @@ import torch
 
 from mini_engine.attention import AttentionMetadata, attention_with_cache
 from mini_engine.config import ModelConfig
+from mini_engine.paging import BlockManager
 from mini_engine.model import apply_rope, rope_tables
 
 D, MAX_LEN = 16, 40
@@ -51,6 +52,55 @@ def test_cached_attention_equals_per_sequence_reference(step, heads, kv_heads, b
     got = attention_with_cache(q, k_cache, v_cache, meta, backend)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{step}: {m}")
+
+
+def paged_copy(k_cache, v_cache, meta, block_size, generator):
+    """The same contexts in a paged pool: each sequence's blocks drawn in a shuffled order from a pool twice
+    the size needed, every position nobody owns (and each last block's tail) filled with large garbage."""
+    per_seq = [-(-c // block_size) for c in meta.context_lens]
+    num_blocks = 2 * sum(per_seq)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = [order[sum(per_seq[:i]):sum(per_seq[:i + 1])] for i in range(len(per_seq))]
+    pools = []
+    for cache in (k_cache, v_cache):
+        pool = torch.full((num_blocks, block_size, *cache.shape[1:2], cache.shape[-1]), 1e4)
+        for table, ctx, slot in zip(tables, meta.context_lens, meta.slots):
+            for p in range(ctx):
+                pool[table[p // block_size], p % block_size] = cache[slot, :, p]
+        pools.append(pool)
+    return pools, tables
+
+
+@pytest.mark.parametrize("backend", ["torch", "naive"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_paged_attention_equals_the_contiguous_reference(step, block_size, backend):
+    """Same contexts, read through shuffled block tables (lengths rarely a multiple of the block); steps mix
+    decodes, prompt chunks with cached context and prompts with none, and every sequence has its table."""
+    query_lens, context_lens, slots = STEPS[step]
+    g = torch.Generator().manual_seed(len(step) + block_size)
+    k_cache, v_cache = torch.randn(2, 10, 2, MAX_LEN, D, generator=g).unbind(0)
+    q = torch.randn(sum(query_lens), 6, D, generator=g)
+    meta = AttentionMetadata.build(query_lens, context_lens, slots)
+    (k_pool, v_pool), tables = paged_copy(k_cache, v_cache, meta, block_size, g)
+    paged = AttentionMetadata.build(query_lens, context_lens, block_tables=tables, block_size=block_size)
+    got = attention_with_cache(q, k_pool, v_pool, paged, backend)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"{step}, block {block_size}: {m}")
+
+
+def test_paged_metadata_maps_each_new_token_to_its_slot():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    bm.allocate("a", 6)   # blocks 0, 1: positions 0-5 (a decodes its sixth token)
+    bm.allocate("b", 3)   # block 2: a 3-token prompt
+    bm.append_slots("a", 6)
+    meta = AttentionMetadata.build([1, 3], [6, 3], block_tables=[bm.block_table("a"), bm.block_table("b")],
+                                   block_size=4)
+    assert meta.slot_mapping.tolist() == [5, 8, 9, 10], "a's position 5 is block 1, offset 1; b starts block 2"
+    assert meta.block_tables.tolist() == [[0, 1], [2, 0]] and meta.block_tables.dtype == torch.int32
+    assert meta.decode.block_tables.tolist() == [[0, 1]] and meta.decode.context_lens.tolist() == [6]
+    with pytest.raises(ValueError, match="not both"):
+        AttentionMetadata.build([1], [6], slots=[0], block_tables=[[0, 1]], block_size=4)
 
 
 def test_decode_group_reads_consecutive_slots_as_a_view():

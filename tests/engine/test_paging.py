@@ -34,7 +34,7 @@ def test_slot_mapping_follows_the_block_table():
     bm.append_slots("x", 6)  # block 2: x's positions 4 and 5
     assert bm.block_table("x") == [0, 2]
     assert bm.slot_mapping("x", 0, 6) == [0, 1, 2, 3, 8, 9], "slot = block_table[p // 4] * 4 + p % 4"
-    with pytest.raises(ValueError, match="need 3 blocks"):
+    with pytest.raises(ValueError, match="need 3 blocks; the block table holds 2"):
         bm.slot_mapping("x", 0, 9)
 
 
