@@ -2,13 +2,16 @@
 in one call, `generate(prompts, sampling_params)`, as vLLM does.
 
 Every step packs the scheduled chunks of all running requests end to end, without padding, into one forward
-pass over the contiguous slot cache (one `max_model_len` slot per running request). Only the rows that end
-a request's uncomputed tokens are sent through the LM head and sampled: a prompt chunk that does not finish
-its prompt produces no token.
+pass over the KV cache: by default the paged pool (chapter 07), where a request holds only the blocks its
+tokens fill, or with kv_cache="contiguous" one `max_model_len` slot per running request (chapter 04). Only
+the rows that end a request's uncomputed tokens are sent through the LM head and sampled: a prompt chunk
+that does not finish its prompt produces no token.
 
-A request's length is capped at `max_model_len` tokens, prompt and output together: a prompt must leave room
-for at least one new token (longer ones are rejected), and an output that would run past the cap stops
-there with finish_reason "length", whatever its max_tokens (vLLM does the same).
+A request's length is capped at `max_model_len` tokens, prompt and output together, and with a paged cache
+at the whole pool (`num_kv_blocks` x `block_size`): a prompt must leave room for at least one new token
+(longer ones are rejected), and an output that would run past the cap stops there with finish_reason
+"length", whatever its max_tokens (vLLM does the same). When the pool runs out, the scheduler preempts the
+most recently admitted request, which later recomputes what it had (see scheduler.py).
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import torch
 from .attention import AttentionMetadata
 from .engine_config import EngineConfig
 from .formulas import human_bytes
-from .kv_cache import ContiguousKVCache
+from .kv_cache import ContiguousKVCache, PagedKVCache
+from .paging import BlockManager
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Chunk, Request, Scheduler, make_policy
 
@@ -62,29 +66,48 @@ class StepRecord:
     num_waiting: int
 
 
+@dataclass(frozen=True)
+class BlockPoolSnapshot:
+    """The paged pool between two steps (`LLMEngine.block_pool()`): who holds each block."""
+    step: int                          # steps run so far
+    block_size: int
+    owners: tuple[int | None, ...]     # per block: the request id holding it, None when free
+    num_computed: dict[int, int]       # running request id -> tokens whose keys/values are in its blocks
+    waiting: tuple[int, ...]           # queued request ids in queue order (preempted ones go first)
+    num_preemptions: int               # preemptions since the engine started
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.owners.count(None)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 class ModelRunner:
-    """Owns the tensors: turns a step's chunks into packed ids and attention metadata, runs the model."""
+    """Owns the tensors: turns a step's chunks into packed ids and attention metadata, runs the model. With a
+    paged cache it reads the block tables from the scheduler's block manager (`blocks`)."""
 
-    def __init__(self, model, kv_cache: ContiguousKVCache, backend: str):
-        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+    def __init__(self, model, kv_cache: ContiguousKVCache | PagedKVCache, backend: str,
+                 blocks: BlockManager | None = None):
+        self.model, self.kv_cache, self.backend, self.blocks = model, kv_cache, backend, blocks
 
     def execute(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits [number of sampling chunks, vocab], in chunk order."""
-        ids, query_lens, context_lens, slots, rows = [], [], [], [], []
+        ids, query_lens, context_lens, rows = [], [], [], []
         for c in chunks:
-            r = c.request
-            ids += r.tokens[c.start:c.start + c.num_tokens]
+            ids += c.request.tokens[c.start:c.start + c.num_tokens]
             query_lens.append(c.num_tokens)
             context_lens.append(c.start + c.num_tokens)
-            slots.append(r.slot)
             if c.samples:
                 rows.append(len(ids) - 1)
         device = self.model.device
-        meta = AttentionMetadata.build(query_lens, context_lens, slots, device=device)
+        if self.blocks is None:
+            meta = AttentionMetadata.build(query_lens, context_lens, [c.request.slot for c in chunks], device=device)
+        else:
+            meta = AttentionMetadata.build(query_lens, context_lens, device=device, block_size=self.blocks.block_size,
+                                           block_tables=[self.blocks.block_table(c.request.request_id) for c in chunks])
         meta.logits_indices = torch.tensor(rows, dtype=torch.long, device=device)
         return self.model(torch.tensor(ids, device=device), meta, self.kv_cache, backend=self.backend)
 
@@ -101,10 +124,15 @@ class LLMEngine:
         self.config = config.resolved(str(model.device), model.config.max_position_embeddings)
         self.model, self.tokenizer = model, tokenizer
         c = self.config
-        cache = ContiguousKVCache(model.config, c.max_num_seqs, c.max_model_len, model.device, model.dtype)
-        self.runner = ModelRunner(model, cache, c.attention_backend)
+        if c.kv_cache == "paged":
+            blocks = BlockManager(c.num_kv_blocks, c.block_size)
+            cache = PagedKVCache(model.config, c.num_kv_blocks, c.block_size, model.device, model.dtype)
+        else:
+            blocks = None
+            cache = ContiguousKVCache(model.config, c.max_num_seqs, c.max_model_len, model.device, model.dtype)
+        self.runner = ModelRunner(model, cache, c.attention_backend, blocks)
         policy = make_policy(c.scheduling, c.max_num_seqs, c.dynamic_bucket_width, c.dynamic_timeout_s)
-        self.scheduler = Scheduler(policy, c.max_num_seqs, c.max_model_len, c.chunked_prefill_tokens)
+        self.scheduler = Scheduler(policy, c.max_num_seqs, c.max_model_len, c.chunked_prefill_tokens, blocks)
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.eos_token_id = model.config.eos_token_id if eos is None else eos
         self.trace: list[StepRecord] = []
@@ -121,14 +149,42 @@ class LLMEngine:
     def __repr__(self) -> str:
         c = self.config
         chunking = "off" if c.chunked_prefill_tokens is None else f"{c.chunked_prefill_tokens} tokens/step"
-        return (f"LLMEngine(scheduling={c.scheduling}, {c.max_num_seqs} slots x {c.max_model_len} positions "
-                f"(contiguous KV cache, {human_bytes(self.kv_cache_bytes)}), chunked prefill {chunking}, "
+        size = human_bytes(self.kv_cache_bytes)
+        if c.kv_cache == "paged":
+            cache = (f"paged KV cache: {c.num_kv_blocks} blocks x {c.block_size} positions ({size}), up to "
+                     f"{c.max_num_seqs} sequences of up to {self.scheduler.max_model_len} positions")
+        else:
+            cache = f"contiguous KV cache: {c.max_num_seqs} slots x {c.max_model_len} positions ({size})"
+        return (f"LLMEngine(scheduling={c.scheduling}, {cache}, chunked prefill {chunking}, "
                 f"attention={c.attention_backend}, {c.device} {c.dtype})")
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Memory the cache reserves: with contiguous slots, its peak from the start."""
+        """Memory the cache holds from the start: the contiguous slots, or the whole paged pool."""
         return self.runner.kv_cache.nbytes
+
+    @property
+    def num_kv_blocks(self) -> int | None:
+        """Blocks in the paged pool (None with the contiguous cache)."""
+        return self.scheduler.blocks.num_blocks if self.scheduler.blocks else None
+
+    @property
+    def num_free_blocks(self) -> int | None:
+        """Blocks no request holds (None with the contiguous cache); all of them when the engine is idle."""
+        return self.scheduler.blocks.num_free_blocks if self.scheduler.blocks else None
+
+    def block_pool(self) -> BlockPoolSnapshot:
+        """Who holds which block of the paged pool right now: call it between steps to watch the pool."""
+        blocks = self.scheduler.blocks
+        if blocks is None:
+            raise ValueError("block_pool() needs kv_cache='paged'; this engine has the contiguous cache")
+        owners: list[int | None] = [None] * blocks.num_blocks
+        for request_id, table in blocks.block_tables.items():
+            for block in table:
+                owners[block] = request_id
+        return BlockPoolSnapshot(self._num_steps, blocks.block_size, tuple(owners),
+                                 {r.request_id: r.num_computed for r in self.scheduler.running},
+                                 tuple(r.request_id for r in self.scheduler.waiting), self.scheduler.num_preemptions)
 
     def validate(self, prompt, params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
         """Check one request without adding it: (prompt token ids, a private copy of the params), or a
@@ -153,6 +209,11 @@ class LLMEngine:
         if len(prompt) >= self.config.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len={self.config.max_model_len} leaves "
                              "room for at most max_model_len - 1")
+        blocks = self.scheduler.blocks
+        if blocks is not None and blocks.blocks_for(len(prompt) + 1) > blocks.num_blocks:
+            raise ValueError(f"prompt has {len(prompt)} tokens: with one new token it needs "
+                             f"{blocks.blocks_for(len(prompt) + 1)} blocks of {blocks.block_size}, more than the whole "
+                             f"KV pool (num_kv_blocks={blocks.num_blocks})")
         return prompt, params
 
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
@@ -219,7 +280,7 @@ class LLM:
     `LLM.from_model(model, tokenizer, **engine_kwargs)` serves weights already in memory."""
 
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
-                 kv_cache: str = "contiguous", block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache: str = "paged", block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = False, chunked_prefill_tokens: int | None = 512,
                  scheduling: str = "continuous", speculative: dict | None = None, attention_backend: str = "auto",

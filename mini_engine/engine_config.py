@@ -8,12 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHES = ("paged", "contiguous")
 SCHEDULING = ("static", "dynamic", "continuous")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "naive")
 
 # The contiguous cache reserves max_model_len positions for each of max_num_seqs slots up front. SmolLM2-135M
 # keeps 46 KB per token in fp32, so 64 slots x 2048 positions would pin 6 GB: a CPU gets a smaller default.
 DEFAULT_LIMITS = {"cuda": (64, 2048), "cpu": (16, 1024)}  # (max_num_seqs, max_model_len)
+# The paged pool gets that same memory by default (see `resolved`), but a request takes only the blocks it
+# fills, so far more requests run at once: reservation no longer caps the batch, and the default is larger.
+PAGED_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 
 
 def _not_yet(argument: str, chapter: str, instead: str = "") -> ValueError:
@@ -25,10 +29,10 @@ class EngineConfig:
     model: str = "smollm2-135m"
     device: str = "cpu"
     dtype: str = "float32"
-    kv_cache: str = "contiguous"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_num_seqs: int | None = None     # None: 64 on a GPU, 16 on a CPU (DEFAULT_LIMITS)
+    kv_cache: str = "paged"             # or "contiguous": one max_model_len slot per sequence (chapter 04)
+    block_size: int = 16                # paged: positions per block
+    num_kv_blocks: int | None = None    # paged: blocks in the pool; None: the contiguous cache's memory (resolved)
+    max_num_seqs: int | None = None     # None: paged 256 on a GPU, 64 on a CPU; contiguous 64 and 16
     max_model_len: int | None = None    # None: 2048 on a GPU, 1024 on a CPU, capped by the model's positions
     enable_prefix_caching: bool = False
     chunked_prefill_tokens: int | None = 512  # tokens per step; None turns chunking off (prompts run whole)
@@ -40,12 +44,10 @@ class EngineConfig:
     record_trace: bool = False          # keep a StepRecord per step (which request ran in which slot)
 
     def __post_init__(self):
-        if self.kv_cache == "paged":
-            raise _not_yet("kv_cache='paged'", "07 (PagedAttention)", "; use kv_cache='contiguous' until then")
-        if self.kv_cache != "contiguous":
-            raise ValueError(f"kv_cache must be 'contiguous' (or 'paged' from chapter 07), got {self.kv_cache!r}")
-        if self.num_kv_blocks is not None:
-            raise _not_yet("num_kv_blocks (the paged KV pool)", "07 (PagedAttention)")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        if self.num_kv_blocks is not None and self.kv_cache != "paged":
+            raise ValueError(f"num_kv_blocks sizes the paged KV pool; kv_cache={self.kv_cache!r} does not use it")
         if self.enable_prefix_caching:
             raise _not_yet("enable_prefix_caching=True", "08 (prefix caching)")
         if self.speculative is not None:
@@ -56,9 +58,10 @@ class EngineConfig:
             raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("block_size", "max_num_seqs", "max_model_len", "chunked_prefill_tokens", "dynamic_bucket_width"):
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_model_len", "chunked_prefill_tokens",
+                     "dynamic_bucket_width"):
             value = getattr(self, name)
-            optional = name in ("max_num_seqs", "max_model_len", "chunked_prefill_tokens")
+            optional = name in ("num_kv_blocks", "max_num_seqs", "max_model_len", "chunked_prefill_tokens")
             if not (value is None and optional) and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -67,13 +70,23 @@ class EngineConfig:
             raise ValueError(f"dynamic_timeout_s must be >= 0, got {self.dynamic_timeout_s!r}")
 
     def resolved(self, device: str, max_positions: int) -> "EngineConfig":
-        """A copy with the device's default limits filled in, checked against the model's positions."""
-        seqs, length = DEFAULT_LIMITS["cuda" if str(device).startswith("cuda") else "cpu"]
+        """A copy with the device's defaults filled in, checked against the model's positions. A paged pool
+        left unsized (num_kv_blocks=None) gets the memory a contiguous cache would reserve for max_num_seqs x
+        max_model_len (max_num_seqs at the contiguous default when not given): the two caches then compare
+        at equal memory."""
+        kind = "cuda" if str(device).startswith("cuda") else "cpu"
+        seqs, length = DEFAULT_LIMITS[kind]
         max_model_len = self.max_model_len or min(length, max_positions)
         if max_model_len > max_positions:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {max_positions} positions")
         backend = self.attention_backend
         if backend == "auto":
-            backend = "triton" if str(device).startswith("cuda") else "torch"
-        return EngineConfig(**{**vars(self), "device": str(device), "max_num_seqs": self.max_num_seqs or seqs,
-                               "max_model_len": max_model_len, "attention_backend": backend})
+            backend = "triton" if kind == "cuda" else "torch"
+        max_num_seqs, num_kv_blocks = self.max_num_seqs or seqs, self.num_kv_blocks
+        if self.kv_cache == "paged":
+            if num_kv_blocks is None:
+                num_kv_blocks = -(-max_num_seqs * max_model_len // self.block_size)
+            max_num_seqs = self.max_num_seqs or PAGED_MAX_NUM_SEQS[kind]
+        return EngineConfig(**{**vars(self), "device": str(device), "max_num_seqs": max_num_seqs,
+                               "num_kv_blocks": num_kv_blocks, "max_model_len": max_model_len,
+                               "attention_backend": backend})

@@ -16,7 +16,17 @@ Three admission policies share the rest of the machinery:
   ones into the freed slots.
 
 Chunked prefill caps the tokens of one step at `token_budget`: decodes first (one token each, never
-skipped, so running requests keep their pace), then prompt chunks in arrival order with what is left.
+skipped, so running requests keep their pace), then prompt chunks in arrival order with what is left, then
+the prompts of newly admitted requests.
+
+With a paged KV cache (chapter 07) the scheduler also owns the `paging.BlockManager`: a chunk takes the
+blocks its tokens fill when it is scheduled, and a request returns its blocks when it finishes. A step
+that needs a block when none is free preempts the most recently admitted running request (vLLM's
+recompute mode): its blocks go back to the pool, it goes back to the front of the queue, and when
+readmitted it recomputes its prompt and the output so far in one prefill. A prompt chunk shrinks to the
+free blocks before it preempts anyone, and a step that preempted admits nobody new. A waiting request is
+admitted only when the free blocks can hold everything it has to compute: admitting a prompt that cannot
+fit would only get it preempted before its first token.
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from .paging import BlockManager
 from .sampling import SamplingParams
 
 
@@ -44,7 +55,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0          # tokens whose keys/values are in the cache
-    slot: int | None = None        # cache slot while running
+    slot: int | None = None        # lane while running: its row of a contiguous cache
     finish_reason: str | None = None  # "stop" (a stop token) or "length" (max_tokens or max_model_len)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -164,17 +175,25 @@ def make_policy(name: str, num_slots: int, bucket_width: int = 64, timeout_s: fl
 # ---------------------------------------------------------------- the scheduler
 
 class Scheduler:
-    """Owns the queue, the running set and the cache slots; plans each step and applies its results."""
+    """Owns the queue, the running set, the lanes (a contiguous cache's slots) and, with a paged cache, the
+    block manager; plans each step and applies its results."""
 
-    def __init__(self, policy, num_slots: int, max_model_len: int, token_budget: int | None = None):
+    def __init__(self, policy, num_slots: int, max_model_len: int, token_budget: int | None = None,
+                 block_manager: BlockManager | None = None):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if token_budget is not None and token_budget < 1:
             raise ValueError(f"token_budget must be >= 1 or None (no chunking), got {token_budget}")
         self.policy, self.num_slots, self.max_model_len, self.token_budget = policy, num_slots, max_model_len, token_budget
+        self.blocks = block_manager
+        if block_manager is not None:
+            # One request may use the whole pool but no more: its length is capped there, as at max_model_len,
+            # so a request running alone can always take its next block.
+            self.max_model_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
         self.free_slots = list(range(num_slots - 1, -1, -1))  # a stack: pop() hands out slot 0 first
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -188,29 +207,79 @@ class Scheduler:
         return self.policy.seconds_until_admission(self.waiting, self.running, now)
 
     def schedule(self, now: float) -> list[Chunk]:
-        """Admit what the policy allows, then spend the step's token budget: decodes, then prompt chunks."""
+        """Spend the step's token budget: decodes, prompt chunks of running requests, then admit what the
+        policy allows (and, with a paged cache, what the free blocks hold)."""
         budget = math.inf if self.token_budget is None else self.token_budget
-        # Decodes in slot order: with every slot busy their cache rows are adjacent, which attention can read
-        # as one slice instead of gathering them.
-        decodes = sorted((r for r in self.running if not r.is_prefill), key=lambda r: r.slot)
-        budget -= len(decodes)
+        chunks: list[Chunk] = []
+        preemptions_before = self.num_preemptions
+        # Oldest first: a request that must make room preempts only requests admitted after it.
+        for r in [r for r in self.running if not r.is_prefill]:
+            if r.status is RequestStatus.RUNNING and self._make_room(r, chunks):
+                self._take_blocks(r, 1)
+                chunks.append(Chunk.of(r, 1))
+        budget -= len(chunks)
+        for r in list(self.running):
+            if r.is_prefill and budget > 0 and r.status is RequestStatus.RUNNING and self._make_room(r, chunks):
+                n = int(min(r.num_uncomputed, budget, self._room(r)))
+                self._take_blocks(r, n)
+                chunks.append(Chunk.of(r, n))
+                budget -= n
+        if self.num_preemptions == preemptions_before:  # blocks freed by a preemption go to running requests
+            self._admit(budget, chunks, now)
+        # Decodes in slot order: with every slot busy their contiguous-cache rows are adjacent, which attention
+        # reads as one slice instead of gathering them.
+        decodes = sorted((c for c in chunks if not c.request.is_prefill), key=lambda c: c.request.slot)
+        return decodes + [c for c in chunks if c.request.is_prefill]
+
+    def _admit(self, budget: float, chunks: list[Chunk], now: float) -> None:
+        promised = 0  # blocks the requests admitted in this step will still need for the rest of their prompts
         for r in self.policy.admit(self.waiting, self.running, len(self.free_slots), budget, now):
+            if self.blocks is not None:
+                need = self.blocks.num_new_blocks(r.request_id, r.num_tokens)
+                if need > self.blocks.num_free_blocks - promised:
+                    break  # first come, first served: nobody overtakes a request that does not fit yet
+                promised += need
             self.waiting.remove(r)
             r.status, r.slot = RequestStatus.RUNNING, self.free_slots.pop()
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
             self.running.append(r)
-        chunks = [Chunk.of(r, 1) for r in decodes]
-        for r in self.running:
-            if r.is_prefill and budget > 0:
+            if budget > 0:  # a static batch admits all its requests at once; the budget starts what it can
                 n = int(min(r.num_uncomputed, budget))
+                if self.blocks is not None:
+                    promised -= self.blocks.num_new_blocks(r.request_id, r.num_computed + n)
+                self._take_blocks(r, n)
                 chunks.append(Chunk.of(r, n))
                 budget -= n
-        return chunks
+
+    def _room(self, r: Request) -> float:
+        """Tokens r can still compute with the blocks it holds and the free ones."""
+        return math.inf if self.blocks is None else self.blocks.capacity(r.request_id) - r.num_computed
+
+    def _make_room(self, r: Request, chunks: list[Chunk]) -> bool:
+        """Make sure r can compute at least one more token, preempting the most recently admitted requests
+        that hold blocks (their chunks leave this step). False if r itself had to go."""
+        while self._room(r) < 1:
+            victim = next(v for v in reversed(self.running) if v is r or self.blocks.block_table(v.request_id))
+            self.preempt(victim)
+            chunks[:] = [c for c in chunks if c.request is not victim]
+            if victim is r:
+                return False
+        return True
+
+    def _take_blocks(self, r: Request, num_tokens: int) -> None:
+        """Grow r's block table to cover the tokens it computes in this step."""
+        if self.blocks is None:
+            return
+        total = r.num_computed + num_tokens
+        if r.request_id in self.blocks.block_tables:
+            self.blocks.append_slots(r.request_id, total)
+        else:
+            self.blocks.allocate(r.request_id, total)
 
     def update(self, chunks: list[Chunk], sampled: list[int], now: float) -> list[Request]:
         """Apply a step's results: `sampled` holds one token per chunk that `samples`, in chunk order.
-        Returns the requests that finished, their slots already free."""
+        Returns the requests that finished, their slots and blocks already free."""
         samplers = [c for c in chunks if c.samples]
         if len(sampled) != len(samplers):
             raise ValueError(f"sampled has {len(sampled)} tokens for {len(samplers)} sampling chunks")
@@ -229,19 +298,22 @@ class Scheduler:
         return finished
 
     def preempt(self, request: Request) -> None:
-        """Take a running request off its slot and put it first in the queue; its cache is lost, so it
-        recomputes prompt and output so far when readmitted (its sampling state is kept)."""
+        """Take a running request off its slot and blocks and put it first in the queue; its cache is lost, so
+        it recomputes prompt and output so far when readmitted (its sampling state is kept)."""
         if request.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {request.request_id} is {request.status.value}, not running")
         self._release(request)
         request.status, request.num_computed = RequestStatus.PREEMPTED, 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.insert(0, request)
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
         self.free_slots.append(request.slot)
         request.slot = None
+        if self.blocks is not None and request.request_id in self.blocks.block_tables:
+            self.blocks.free(request.request_id)
 
     def _finish_reason(self, r: Request, token: int) -> str | None:
         if token in r.stop_ids:

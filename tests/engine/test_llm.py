@@ -12,6 +12,7 @@ from mini_engine.engine import LLM, LLMEngine
 from mini_engine.model import LlamaModel
 
 POLICIES = ["continuous", "static", "dynamic"]
+KV_CACHES = ["paged", "contiguous"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,12 +55,14 @@ def serve(model, prompts, params, tokenizer=None, **kwargs):
     return LLM.from_model(model, tokenizer, **kwargs).generate(prompts, params, use_tqdm=False)
 
 
+@pytest.mark.parametrize("kv_cache", KV_CACHES)
 @pytest.mark.parametrize("chunk", [None, 5, 512], ids=["no-chunking", "chunk-5", "chunk-512"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_greedy_matches_one_request_at_a_time(tiny, workload, reference, assert_greedy_match, policy, chunk):
+def test_greedy_matches_one_request_at_a_time(tiny, workload, reference, assert_greedy_match, policy, chunk,
+                                              kv_cache):
     prompts, lengths = workload
     outs = serve(tiny, prompts, [me.SamplingParams(max_tokens=n) for n in lengths], scheduling=policy,
-                 chunked_prefill_tokens=chunk)
+                 chunked_prefill_tokens=chunk, kv_cache=kv_cache, block_size=4)
     for prompt, out, ref in zip(prompts, outs, reference):
         assert_greedy_match(tiny, prompt, out.token_ids, ref)
         assert out.finish_reason == "length" and out.prompt_token_ids == prompt
@@ -77,7 +80,18 @@ def test_naive_attention_backend_gives_the_same_tokens(tiny, workload, reference
 def test_auto_backend_is_torch_on_cpu(tiny):
     llm = LLM.from_model(tiny)
     assert llm.config.attention_backend == "torch" and "attention=torch" in repr(llm)
-    assert (llm.config.max_num_seqs, llm.config.max_model_len) == (16, 256), "CPU defaults, capped by the model"
+
+
+def test_cpu_defaults_and_the_pool_at_equal_memory(tiny):
+    paged, contiguous = LLM.from_model(tiny), LLM.from_model(tiny, kv_cache="contiguous")
+    assert paged.config.kv_cache == "paged" and "paged KV cache" in repr(paged), "paged is the default"
+    assert (paged.config.max_num_seqs, paged.config.max_model_len) == (64, 256), "CPU defaults, capped by the model"
+    assert (contiguous.config.max_num_seqs, contiguous.config.max_model_len) == (16, 256)
+    assert paged.engine.num_kv_blocks == 16 * 256 // 16 == paged.engine.num_free_blocks
+    assert paged.engine.kv_cache_bytes == contiguous.engine.kv_cache_bytes, "the pool holds what 16 slots reserve"
+    assert contiguous.engine.num_kv_blocks is None and contiguous.engine.num_free_blocks is None
+    sized = LLM.from_model(tiny, max_num_seqs=4, max_model_len=100, block_size=8)
+    assert (sized.config.max_num_seqs, sized.engine.num_kv_blocks) == (4, 50), "4 x 100 positions in blocks of 8"
 
 
 def test_mixed_sampling_parameters_in_one_batch(tiny, workload):
@@ -226,8 +240,10 @@ def test_metrics_are_consistent(tiny, workload):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"kv_cache": "paged"}, "kv_cache='paged'.*chapter 07"),
-    ({"num_kv_blocks": 100}, "num_kv_blocks.*chapter 07"),
+    ({"kv_cache": "pages"}, "kv_cache must be one of"),
+    ({"block_size": 0}, "block_size must be an int >= 1"),
+    ({"num_kv_blocks": 0}, "num_kv_blocks must be an int >= 1"),
+    ({"kv_cache": "contiguous", "num_kv_blocks": 100}, "num_kv_blocks sizes the paged KV pool"),
     ({"enable_prefix_caching": True}, "enable_prefix_caching.*chapter 08"),
     ({"speculative": {"method": "ngram", "k": 4}}, "speculative.*chapter 06"),
     ({"scheduling": "fifo"}, "scheduling"),
@@ -243,8 +259,8 @@ def test_bad_engine_arguments(tiny, kwargs, match):
 
 
 def test_llm_constructor_checks_arguments_before_loading():
-    with pytest.raises(ValueError, match="chapter 07"):
-        LLM("no-such-model", kv_cache="paged")
+    with pytest.raises(ValueError, match="kv_cache"):
+        LLM("no-such-model", kv_cache="pages")
 
 
 def test_stress_hundreds_of_requests_through_few_slots(tiny):

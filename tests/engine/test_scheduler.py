@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mini_engine.paging import BlockManager
 from mini_engine.sampling import SamplingParams
 from mini_engine.scheduler import (ContinuousPolicy, DynamicPolicy, Request, RequestStatus, Scheduler, StaticPolicy,
                                    make_policy)
@@ -35,8 +36,23 @@ def drain(s: Scheduler, max_steps=10_000):
     return steps
 
 
-def make(policy, slots=2, max_len=1000, budget=None):
-    return Scheduler(policy, slots, max_len, budget)
+def make(policy, slots=2, max_len=1000, budget=None, blocks=None):
+    """blocks: (num_blocks, block_size) for a paged cache; None for the contiguous one."""
+    return Scheduler(policy, slots, max_len, budget, blocks and BlockManager(*blocks))
+
+
+def check_blocks(s: Scheduler, chunks=()):
+    """Each running request holds exactly the blocks its computed tokens fill, plus those of its chunk in a
+    step planned but not yet applied (`chunks`); waiting requests hold nothing."""
+    bm = s.blocks
+    step = {c.request.request_id: c.num_tokens for c in chunks}
+    for r in s.running:
+        n = r.num_computed + step.get(r.request_id, 0)
+        assert len(bm.block_table(r.request_id)) == bm.blocks_for(n), f"request {r.request_id} holds the wrong blocks"
+    for r in s.waiting:
+        assert r.request_id not in bm.block_tables, f"waiting request {r.request_id} still holds blocks"
+    held = sum(len(t) for t in bm.block_tables.values())
+    assert held + bm.num_free_blocks == bm.num_blocks
 
 
 def test_continuous_refills_a_freed_slot_at_the_next_step():
@@ -142,6 +158,60 @@ def test_preempted_request_recomputes_and_resumes():
         s.preempt(r)
 
 
+def test_paged_blocks_are_taken_as_tokens_are_computed_and_returned_at_the_end():
+    s = make(ContinuousPolicy(), slots=2, budget=3, blocks=(8, 4))
+    r = request(0, 6, 5)
+    s.add(r)
+    tables = []
+    while s.has_unfinished():
+        run_step(s)
+        check_blocks(s)
+        tables.append(list(s.blocks.block_table(0)))
+    assert tables == [[0], [0, 1], [0, 1], [0, 1], [0, 1, 2], []], \
+        "prompt chunks of 3 and 3, decodes at positions 6 to 9 (8 needs a third block); all returned at the end"
+    assert s.blocks.num_free_blocks == 8
+
+
+def test_a_decode_without_a_free_block_preempts_the_most_recently_admitted_request():
+    s = make(ContinuousPolicy(), slots=3, blocks=(3, 2))
+    old, young = request(0, 2, 4), request(1, 2, 4)  # 2 + 4 tokens: the whole pool (3 blocks of 2) each
+    s.add(old)
+    s.add(young)
+    run_step(s)                       # both prompts: a block each; one block left
+    chunks, _ = run_step(s)           # old's decode takes the last block; young's decode needs one: none left
+    assert [c.request.request_id for c in chunks] == [0], "young preempted itself: nobody younger holds blocks"
+    assert (young.status, young.num_preemptions, young.num_computed) == (RequestStatus.PREEMPTED, 1, 0)
+    assert s.waiting == [young] and young.output_ids == [1002], "its output so far is kept, to be recomputed"
+    steps = drain(s)
+    assert old.output_ids == [1002 + k for k in range(4)] and young.output_ids == old.output_ids
+    assert s.num_preemptions == young.num_preemptions and s.blocks.num_free_blocks == 3
+    recompute = [c for chunks, _ in steps for c in chunks if c.request is young][0]
+    assert (recompute.start, recompute.num_tokens, recompute.samples) == (0, 3, True), \
+        "readmitted: prompt (2) and output (1) in one prefill, which samples the next token"
+
+
+def test_admission_waits_until_the_whole_prompt_fits():
+    s = make(ContinuousPolicy(), slots=3, blocks=(4, 4))
+    first, second = request(0, 9, 3), request(1, 8, 1)   # 3 blocks, then 2: not both at once
+    s.add(first)
+    s.add(second)
+    chunks, _ = run_step(s)
+    assert [c.request for c in chunks] == [first] and s.waiting == [second]
+    while first.status is not RequestStatus.FINISHED:
+        run_step(s)
+    chunks, _ = run_step(s)
+    assert [c.request for c in chunks] == [second]
+
+
+def test_a_request_longer_than_the_pool_stops_at_the_pool():
+    s = make(ContinuousPolicy(), slots=1, max_len=100, blocks=(3, 4))
+    r = request(0, 5, 50)
+    s.add(r)
+    drain(s)
+    assert (r.num_tokens, r.finish_reason, r.num_preemptions) == (12, "length", 0), \
+        "capped at 3 blocks x 4 positions, like max_model_len"
+
+
 def test_update_rejects_a_wrong_number_of_tokens():
     s = make(ContinuousPolicy())
     s.add(request(0, 3, 2))
@@ -191,3 +261,35 @@ def test_every_request_finishes_under_every_policy(work, policy, slots, budget):
     for r in reqs:
         assert r.status is RequestStatus.FINISHED, f"request {r.request_id} never finished"
         assert r.output_ids == [1000 + len(r.prompt_ids) + k for k in range(r.params.max_tokens)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(work=work, policy=st.sampled_from(["static", "dynamic", "continuous"]), slots=st.integers(1, 4),
+       budget=st.one_of(st.none(), st.integers(1, 10)), num_blocks=st.integers(4, 14), block_size=st.integers(1, 4))
+def test_paged_every_request_finishes_with_its_tokens_and_no_block_leaks(work, policy, slots, budget, num_blocks,
+                                                                         block_size):
+    """The same random workloads on a small block pool: requests get preempted and recomputed, yet each one
+    gets exactly the tokens it would get alone, block tables always match what has been computed, and the
+    pool is whole at the end."""
+    pool = num_blocks * block_size
+    s = Scheduler(make_policy(policy, slots, bucket_width=4, timeout_s=2), slots, 1000, budget,
+                  BlockManager(num_blocks, block_size))
+    reqs = [request(i, min(p, pool - 1), m, arrival=a) for i, (p, m, a) in enumerate(work)]
+    last_arrival = max(a for _, _, a in work)
+    step = 0
+    while s.has_unfinished() or step <= last_arrival:
+        assert step < 10_000, "scheduler made no progress"
+        for r in reqs:
+            if r.arrival_time == step:
+                s.add(r)
+        chunks = s.schedule(now=step)
+        check_blocks(s, chunks)
+        assert all(c.request.status is RequestStatus.RUNNING for c in chunks), "a preempted request was scheduled"
+        s.update(chunks, [fake_token(c.request) for c in chunks if c.samples], now=step)
+        step += 1
+    for r in reqs:
+        assert r.status is RequestStatus.FINISHED, f"request {r.request_id} never finished"
+        n = min(r.params.max_tokens, pool - len(r.prompt_ids))
+        assert r.output_ids == [1000 + len(r.prompt_ids) + k for k in range(n)]
+    assert s.blocks.num_free_blocks == num_blocks and not s.blocks.block_tables
+    assert s.num_preemptions == sum(r.num_preemptions for r in reqs)
