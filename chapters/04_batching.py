@@ -102,8 +102,10 @@ plt.show()
 # `mini_engine.LLM` is a small serving engine in the style of vLLM. Requests queue up; at each step the
 # **scheduler** (pure Python, `mini_engine/scheduler.py`) decides which requests run and how many of their
 # tokens; the **model runner** packs those tokens end to end, with no padding, into one forward pass over a
-# KV cache with one slot per running request; the **sampler** draws each request's next token with its own
-# parameters and random stream. The three policies differ only in when a waiting request is admitted:
+# KV cache with one slot per running request (`kv_cache="contiguous"`: each slot reserves `max_model_len`
+# positions; chapter 07 replaces it with the paged cache, the engine's default); the **sampler** draws each
+# request's next token with its own parameters and random stream. The three policies differ only in when a
+# waiting request is admitted:
 
 # %%
 from mini_engine.scheduler import ContinuousPolicy, Scheduler, StaticPolicy
@@ -116,7 +118,7 @@ print(inspect.getsource(Scheduler.schedule))
 # The same engine answers real prompts. Each request may carry its own sampling parameters:
 
 # %%
-llm = LLM.from_model(model, tok, max_num_seqs=4, max_model_len=256)
+llm = LLM.from_model(model, tok, kv_cache="contiguous", max_num_seqs=4, max_model_len=256)
 print(llm)
 questions = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?"]
 chats = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
@@ -148,8 +150,8 @@ print(f"{n_requests} requests, prompts {prompt_lens.min()}-{prompt_lens.max()} t
 
 def serve(policy, batch=slots, chunk=512, reqs=None):
     """Run the workload (or `reqs` = (prompts, params)) under one policy; return outputs, engine, seconds."""
-    engine_llm = LLM.from_model(model, tok, scheduling=policy, max_num_seqs=batch, max_model_len=max_len,
-                                chunked_prefill_tokens=chunk, record_trace=True,
+    engine_llm = LLM.from_model(model, tok, kv_cache="contiguous", scheduling=policy, max_num_seqs=batch,
+                                max_model_len=max_len, chunked_prefill_tokens=chunk, record_trace=True,
                                 dynamic_bucket_width=pick(cpu=16, gpu=128, device=device))
     ps, sps = reqs or (prompts, work_params)
     t0 = time.perf_counter()
@@ -297,7 +299,7 @@ long_prompt = rng.integers(1000, 20000, size=long_len).tolist()
 
 
 def mid_stream(chunk_tokens):
-    engine = LLMEngine.from_model(model, tok, max_num_seqs=4, max_model_len=long_len + 32,
+    engine = LLMEngine.from_model(model, tok, kv_cache="contiguous", max_num_seqs=4, max_model_len=long_len + 32,
                                   chunked_prefill_tokens=chunk_tokens, record_trace=True)
     for p in prompts[:3]:
         engine.add_request(p[:16], me.SamplingParams(max_tokens=30, ignore_eos=True))
