@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
 from .paging import slot_mapping as block_slot_mapping
 
 BACKENDS = ("naive", "torch", "triton")
@@ -157,19 +158,29 @@ class AttentionMetadata:
                    slot_mapping, logits_indices, decode, tables)
 
 
-def _upcast_on_cpu(q, k, v):
-    """PyTorch's CPU attention kernels are 3-4x slower in bf16/fp16 than in fp32 at decode shapes (measured
-    with torch 2.13); converting the few rows involved is cheaper, and fp32 softmax is more exact anyway."""
-    if q.device.type == "cpu" and q.dtype != torch.float32:
-        return q.float(), k.float(), v.float()
-    return q, k, v
+def attention_in_fp32(kind: str, fn, q, k, v, tuner: Autotuner = TUNER) -> bool:
+    """Whether bf16/fp16 attention `fn(q, k, v)` runs faster converted to fp32 on this CPU, measured once per
+    shape bucket. It depends on the CPU and the shape: on an AVX-512 BF16 EPYC a single decode over 1,024
+    positions ran 6x faster in fp32, a batch of 16 decodes 3x slower. fp32 softmax is at least as exact, so
+    either answer keeps the results. kind names the call ("decode", "prefill", ...) sharing a decision."""
+    if q.device.type != "cpu" or q.dtype == torch.float32 or counting_mode_active():
+        return False
+    key = (kind, str(q.dtype), row_bucket(q.shape[0]), q.shape[1], k.shape[1], row_bucket(q.shape[2], 1 << 20),
+           row_bucket(k.shape[2], 1 << 20), q.shape[3])
+    return tuner.choose("attention", key, lambda: {"native": lambda: fn(q, k, v),
+                                                   "fp32": lambda: run_attention(True, fn, q, k, v)}) == "fp32"
+
+
+def run_attention(fp32: bool, fn, q, k, v):
+    """fn(q, k, v), in fp32 when asked; the result in q's dtype."""
+    return fn(q.float(), k.float(), v.float()).to(q.dtype) if fp32 else fn(q, k, v)
 
 
 def _sdpa(q, k, v, causal_offset: int | None, backend: str):
     """q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D]. causal_offset: query i sees keys j <= i + offset (None: all keys)."""
-    dtype = q.dtype
-    q, k, v = _upcast_on_cpu(q, k, v)
-    return _sdpa_math(q, k, v, causal_offset, backend).to(dtype)
+    def fn(q, k, v):
+        return _sdpa_math(q, k, v, causal_offset, backend)
+    return run_attention(attention_in_fp32("sdpa" if causal_offset is None else "causal", fn, q, k, v), fn, q, k, v)
 
 
 def _naive_attention(q, k, v, mask):
@@ -285,11 +296,11 @@ def decode_attention(q, k_cache, v_cache, group: DecodeGroup, backend: str = "to
     qs = q[group.tokens]                             # [S,Hq,D]
     if group.rows is not None:  # place each query at its slot's row; the other rows compute unused results
         qs = qs.new_zeros(k.shape[0], *qs.shape[1:]).index_copy_(0, group.rows, qs)
-    dtype = qs.dtype
-    qs, k, v = _upcast_on_cpu(qs.unsqueeze(2), k, v)  # qs [slots read,Hq,1,D]
-    if backend == "naive":
-        o = _naive_attention(qs, k, v, group.mask)
-    else:
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=group.mask, enable_gqa=qs.shape[1] != k.shape[1])
-    o = o.squeeze(2)
-    return (o if group.rows is None else o[group.rows]).to(dtype)
+    qs = qs.unsqueeze(2)  # [slots read,Hq,1,D]
+
+    def fn(q, k, v):
+        if backend == "naive":
+            return _naive_attention(q, k, v, group.mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, enable_gqa=q.shape[1] != k.shape[1])
+    o = run_attention(attention_in_fp32("decode", fn, qs, k, v), fn, qs, k, v).squeeze(2)
+    return o if group.rows is None else o[group.rows]

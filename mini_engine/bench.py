@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .generate import generate_cached, generate_naive
-from .hardware import matmul_floor_tok_s
+from .hardware import describe_machine, format_tuned_forms, matmul_floor_tok_s, tune_products
 from .metrics import TokenTimer, percentile
 from .sampling import SamplingParams
 
@@ -119,7 +119,8 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     prompt = tok.encode(tok.apply_chat_template(BENCH_PROMPT))
-    if warmup:  # first calls pay for allocator growth and lazy init; keep them out of the numbers
+    if warmup:  # first calls pay for allocator growth, lazy init and tuning; keep them out of the numbers
+        tune_products(model, (1, len(prompt)))
         generate_cached(model, prompt, 4, SamplingParams(max_tokens=4, ignore_eos=True))
     rows = []
     if with_hf:
@@ -138,6 +139,7 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     for rung in rungs:
         rows.append(run_mini(model, rung, prompt, new_tokens, print_fn))
     baseline = rows[0] if rows else None
+    print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} "
              f"prompt={len(prompt)} tokens, new={new_tokens} tokens (greedy, ignore_eos); ratio vs first row")
     print_fn(format_table(rows, baseline))
@@ -154,6 +156,8 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     if cached and compiled:
         print_fn(f"mini_engine compiled / mini_engine cached: {compiled.tok_s / cached.tok_s:.2f}x")
     print_floors(model, 1, rows[len(rows) - len(rungs):], print_fn)
+    print_fn("forms measured fastest on this machine (autotune; MINI_ENGINE_FORMS pins them):\n"
+             + format_tuned_forms())
     return rows
 
 
@@ -248,7 +252,10 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     work = ServingWorkload.uniform(requests, low, high, vocab=model.config.vocab_size)
     warm = ServingWorkload.uniform(2, 4, 8, vocab=model.config.vocab_size, seed=1)
-    run_engine(model, tok, "continuous", warm, batch)  # allocator growth and lazy init stay out of the numbers
+    # Allocator growth, lazy init and tuning stay out of the numbers: every product form a step of up to
+    # 256 rows can meet is decided now.
+    tune_products(model, [1 << i for i in range(9)])
+    run_engine(model, tok, "continuous", warm, batch)
     rows = []
     if with_hf:
         try:
@@ -262,6 +269,7 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
             rows.append(run_hf_static(hf, work, batch, per_token))
             del hf
     rows += [run_engine(model, tok, rung, work, batch) for rung in rungs]
+    print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} workload: {requests} requests, "
              f"prompt and output lengths uniform in {low}-{high} (seed 0), ignore_eos, batch {batch}; "
              f"ratio vs first row")

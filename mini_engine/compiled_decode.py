@@ -23,13 +23,18 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .attention import _upcast_on_cpu
+from .attention import attention_in_fp32, run_attention
 
 
-def decode_one_token(model, tokens, positions, slots, kv_data):
+def _attend(q, k, v, see):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=see, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def decode_one_token(model, tokens, positions, slots, kv_data, attn_fp32: bool = False):
     """One new token per sequence, tensors only. tokens, positions, slots: [B] (slot = the sequence's row
     in the cache); kv_data: the cache's [layers, 2, slots, kv_heads, max_len, head_dim] tensor, updated in
-    place. Returns logits [B, vocab]. Same arithmetic as `LlamaModel.forward` on a decode step."""
+    place; attn_fp32: run bf16/fp16 attention in fp32 (`attention.attention_in_fp32` decides, outside the
+    graph). Returns logits [B, vocab]. Same arithmetic as `LlamaModel.forward` on a decode step."""
     b, max_len = tokens.shape[0], kv_data.shape[4]
     cos = model.rope_cos[positions, None].to(model.dtype)
     sin = model.rope_sin[positions, None].to(model.dtype)
@@ -40,9 +45,9 @@ def decode_one_token(model, tokens, positions, slots, kv_data):
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         kv_data[torch.full_like(kv, i), kv, slots.expand(2, b), :, positions.expand(2, b)] = torch.stack([k, v])
-        qs, ks, vs = _upcast_on_cpu(q.unsqueeze(2), kv_data[i, 0, slots], kv_data[i, 1, slots])
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=see, enable_gqa=qs.shape[1] != ks.shape[1])
-        x = x + attn.o_proj(o.to(x.dtype).reshape(b, -1))
+        o = run_attention(attn_fp32, functools.partial(_attend, see=see), q.unsqueeze(2), kv_data[i, 0, slots],
+                          kv_data[i, 1, slots])
+        x = x + attn.o_proj(o.reshape(b, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(model.norm(x))
 
@@ -66,5 +71,11 @@ def compiled_decode_step(model, kv_cache, tokens: list[int], context_lens: list[
     if kv_cache.max_len > 1:  # size-1 dimensions are always specialised; mark_dynamic would refuse them
         torch._dynamo.mark_dynamic(kv_cache.data, 4)
     device = model.device
+    slots = torch.tensor(slots, device=device)
+    # Timed eagerly at the graph's own attention shape (the whole max_len, masked): a Python bool in the graph.
+    k = kv_cache.data[0, 0, slots]
+    q = torch.zeros(len(tokens), model.config.num_heads, 1, k.shape[-1], dtype=k.dtype, device=device)
+    see = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device=device)
+    attn_fp32 = attention_in_fp32("decode", functools.partial(_attend, see=see), q, k, k)
     return _compiled()(model, torch.tensor(tokens, device=device), torch.tensor(context_lens, device=device) - 1,
-                       torch.tensor(slots, device=device), kv_cache.data)
+                       slots, kv_cache.data, attn_fp32)

@@ -1,12 +1,75 @@
-"""Measure this machine's ceilings: matmul FLOP/s and memory bandwidth, the two roofs of the roofline."""
+"""This machine: what CPU it is, its measured ceilings (matmul FLOP/s and memory bandwidth, the two roofs
+of the roofline), and which forms of the weight products the engine measured fastest on it."""
 from __future__ import annotations
 
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .devices import synchronize
+
+
+# The instruction sets that decide which product forms win (flag names as Linux's /proc/cpuinfo spells them).
+ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512 BF16", "avx512_fp16": "AVX-512 FP16",
+             "amx_bf16": "AMX-BF16", "asimd": "NEON", "sve": "SVE"}
+
+
+@dataclass(frozen=True)
+class CPUInfo:
+    model: str
+    cores: int           # logical CPUs this process may use
+    isa: tuple[str, ...]  # the extensions of ISA_FLAGS this CPU has
+
+    def __str__(self) -> str:
+        return f"{self.model}, {self.cores} cores, {', '.join(self.isa) or 'no AVX2/AVX-512/NEON'}"
+
+
+def cpu_info(cpuinfo: str | None = None) -> CPUInfo:
+    """Read /proc/cpuinfo (Linux, x86 or Arm); elsewhere the platform's processor name, and no flags."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        name, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(name.strip(), value.strip())
+    model = fields.get("model name") or fields.get("Model") or platform.processor() or platform.machine()
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return CPUInfo(model, cores, tuple(label for flag, label in ISA_FLAGS.items() if flag in flags))
+
+
+def describe_machine(device: str = "cpu") -> str:
+    """One line naming the hardware a measurement ran on: the CPU, and the GPU when there is one."""
+    line = f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        line += f"; GPU: {torch.cuda.get_device_name(device)}"
+    return line
+
+
+def tuned_forms(tuner=None) -> list[dict]:
+    """The forms the autotuner has chosen so far in this process, one row per case, with each candidate's
+    best time (ms) and the winner's speedup over the plain form."""
+    from .autotune import TUNER
+    rows = []
+    for (op, *key), choice in (tuner or TUNER).report():
+        rows.append({"op": op, "case": tuple(key), "form": choice.form, "times_ms": choice.times_ms,
+                     "speedup": choice.speedup})
+    return rows
+
+
+def format_tuned_forms(tuner=None) -> str:
+    lines = [f"{'op':<10} {'case':<52} {'chosen':<16} {'vs plain':>8}  candidates (best ms)"]
+    for r in tuned_forms(tuner):
+        times = ", ".join(f"{n} {t:.2f}" for n, t in r["times_ms"].items()) or "forced"
+        case = " ".join(str(k).removeprefix("torch.") for k in r["case"])
+        lines.append(f"{r['op']:<10} {case:<52} {r['form']:<16} {r['speedup']:>7.2f}x  {times}")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -78,3 +141,14 @@ def matmul_floor_tok_s(model, batch: int = 1, repeats: int = 3, plain: bool = Fa
 
     with torch.inference_mode():
         return batch / _best_time(chain, str(model.device), repeats)
+
+
+def tune_products(model, rows=(1,)) -> None:
+    """Decide the product form of every weight of `model` for each row count in `rows` now, so that the
+    timing runs stay out of later measurements (as a benchmark's warm-up does)."""
+    from .products import Linear
+    with torch.inference_mode():
+        for layer in model.modules():
+            if isinstance(layer, Linear) and layer.weight.device.type == "cpu":
+                for n in rows:
+                    layer.form_for(n)

@@ -12,6 +12,7 @@ from torch import nn
 
 from .attention import BACKENDS, AttentionMetadata, attention_no_cache, attention_with_cache
 from .config import ModelConfig
+from .products import Linear
 
 
 class RMSNorm(nn.Module):
@@ -23,34 +24,6 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # Normalise in fp32 (as the reference does) so bf16/fp16 runs keep the statistic exact.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
-
-
-class Linear(nn.Linear):
-    """A bias-free nn.Linear whose product y = x W^T is computed, on a CPU, in the fastest of equal forms.
-
-    Measured with torch 2.13 (MKL) on this course's 2-core AVX2 CPU, over all of SmolLM2's fp32 weights:
-    (W x^T)^T beats F.linear's x W^T from 2 to about 128 rows (16 rows: 54 vs 76 ms), and a single row is
-    fastest as two copies of itself (27 vs 34 ms: MKL's two-row GEMM streams the weights faster than its
-    GEMV; it does twice the multiply-adds, which FLOP counters will see, so only weights that stream from
-    memory, 1 MiB and up, get it). bf16 GEMMs with several rows have no instructions on AVX2 and run faster
-    in fp32, even counting the weight conversion (one gate_up matrix at 16 rows: 1.8 vs 3.3 ms); a bf16
-    single row keeps F.linear. GPUs always use F.linear. Only the order of the sums changes: results agree
-    with F.linear to rounding."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x):
-        rows = x.shape[0] if x.dim() == 2 else 0
-        one_row_gemv = rows == 1 and (x.dtype != torch.float32 or self.weight.nbytes < 2**20)
-        if x.device.type != "cpu" or rows == 0 or one_row_gemv:
-            return F.linear(x, self.weight)
-        w, xf = self.weight.float(), x.float()  # no copies in fp32
-        if rows > 128:
-            return F.linear(xf, w).to(x.dtype)
-        if rows == 1:
-            xf = xf.repeat(2, 1)
-        return (w @ xf.t())[:, :rows].t().contiguous().to(x.dtype)
 
 
 def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,23 +1,125 @@
-"""`model.Linear` computes x W^T in whichever equal form is faster on a CPU; the result must be F.linear's."""
+"""The weight products: every form the autotuner can choose computes F.linear's result, and the tuner's
+choice is deterministic once made, can be forced, and never trades the plain form for a slower one.
+(Which form wins is a measurement, printed by the bench; tests only check that every choice is correct.)"""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
-from mini_engine.model import Linear
+from mini_engine.attention import attention_in_fp32, run_attention
+from mini_engine.autotune import Autotuner, forced_from_env, row_bucket
+from mini_engine.products import FORMS, Linear, candidate_forms, choose_form
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 2, 16, 100, 200])
-def test_linear_equals_f_linear(rows, dtype, tol):
+@pytest.mark.parametrize("rows", [1, 2, 16, 200])
+def test_every_candidate_form_equals_f_linear(rows, dtype, tol):
     torch.manual_seed(rows)
-    layer = Linear(576, 480).to(dtype)  # 1.05 MiB in fp32: big enough for every fast path
+    layer = Linear(576, 480).to(dtype)
     x = torch.randn(rows, 576, dtype=dtype)
-    got = layer(x)
     expected = F.linear(x.float(), layer.weight.float())
-    assert got.dtype == dtype and got.shape == (rows, 480)
-    assert got.is_contiguous(), "the next layer expects row-major activations (a transposed view is slow)"
-    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * 10)
+    forms = candidate_forms(row_bucket(rows), dtype)
+    assert forms[0] == "linear", "the plain form is the first candidate: the one kept on a tie"
+    for name in forms:
+        got = FORMS[name](x, layer.weight)
+        assert got.dtype == dtype and got.shape == (rows, 480), name
+        assert got.is_contiguous(), f"{name}: the next layer expects row-major activations"
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * 10, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("form,dtype", [(f, d) for d in (torch.float32, torch.bfloat16) for f in FORMS
+                                        if d != torch.float32 or not f.endswith("_fp32")])
+def test_linear_computes_each_forced_form_correctly(form, dtype):
+    rows = 1 if form.startswith("two_row") else 3
+    tuner = Autotuner(forced={"product": form})
+    layer = Linear(64, 48, tuner=tuner).to(dtype)
+    x = torch.randn(rows, 64, dtype=dtype)
+    got = layer(x)
+    assert [c.form for c in tuner.choices.values()] == [form], "the forced form must be the one used"
+    assert tuner.timings_run == 0, "a forced form is not timed"
+    torch.testing.assert_close(got.float(), F.linear(x.float(), layer.weight.float()), rtol=1e-2, atol=1e-2)
+
+
+def test_a_forced_form_that_does_not_apply_is_refused():
+    layer = Linear(8, 8, tuner=Autotuner(forced={"product": "two_row"}))
+    with pytest.raises(ValueError, match="two_row"):
+        layer(torch.randn(4, 8))  # two_row computes one row
+
+
+def test_choice_is_made_once_per_case_and_then_kept():
+    tuner = Autotuner(repeats=2)
+    w = torch.randn(32, 16)
+    first = choose_form(w, 5, tuner)
+    assert tuner.timings_run == 1
+    for rows in (5, 6, 7, 8):  # the same bucket (8): looked up, never timed again
+        assert choose_form(w, rows, tuner) == first
+    assert tuner.timings_run == 1
+    choose_form(w, 9, tuner)  # a new bucket (16) is a new case
+    assert tuner.timings_run == 2
+    choose_form(w.bfloat16(), 5, tuner)  # and so is a new dtype
+    assert tuner.timings_run == 3
+
+
+class FakeClock:
+    """Each candidate 'takes' the time its call adds here: timing without timing."""
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("alt_cost,winner", [(0.5, "alt"), (0.99, "plain"), (2.0, "plain")])
+def test_an_alternative_must_beat_the_plain_form_by_the_margin(alt_cost, winner):
+    clock = FakeClock()
+    tuner = Autotuner(margin=0.03, repeats=3, clock=clock)
+
+    def cost(seconds):
+        def run():
+            clock.now += seconds
+        return run
+    got = tuner.choose("op", ("case",), lambda: {"plain": cost(1.0), "alt": cost(alt_cost)})
+    assert got == winner, f"alt at {alt_cost}x the plain form's time should give {winner!r}"
+    choice = tuner.choices[("op", "case")]
+    assert choice.times_ms == pytest.approx({"plain": 1000.0, "alt": alt_cost * 1000.0})
+    assert choice.speedup == pytest.approx(1 / alt_cost if winner == "alt" else 1.0)
+
+
+def test_forms_can_be_forced_from_the_environment():
+    assert forced_from_env("product=linear, attention=fp32") == {"product": "linear", "attention": "fp32"}
+    assert forced_from_env("") == {}
+    with pytest.raises(ValueError, match="MINI_ENGINE_FORMS"):
+        forced_from_env("product")
+
+
+def test_flop_counters_see_the_product_the_model_means():
+    """Under FlopCounterMode a single row is one row (no two-row form, whatever is tuned), and no timing
+    runs are counted as the model's work."""
+    tuner = Autotuner(forced={"product": "two_row"})
+    layer = Linear(64, 48, tuner=tuner)
+    with FlopCounterMode(display=False) as counter:
+        layer(torch.randn(1, 64))
+    assert counter.get_total_flops() == 2 * 64 * 48
+    assert not tuner.choices, "nothing is tuned while FLOPs are being counted"
 
 
 def test_linear_keeps_nn_linear_state_dict_names():
     assert set(Linear(4, 3).state_dict()) == {"weight"}, "no bias, same key as nn.Linear(bias=False)"
+
+
+@pytest.mark.parametrize("batch,queries,context", [(1, 1, 100), (4, 1, 33), (1, 17, 17)])
+def test_attention_gives_the_same_result_in_either_dtype_form(batch, queries, context):
+    """bf16 attention run as bf16 or converted to fp32: equal to rounding, and the tuner picks one of them."""
+    torch.manual_seed(0)
+    q = torch.randn(batch, 6, queries, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, 2, context, 16, dtype=torch.bfloat16) for _ in range(2))
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    native, fp32 = run_attention(False, fn, q, k, v), run_attention(True, fn, q, k, v)
+    assert native.dtype == fp32.dtype == torch.bfloat16
+    torch.testing.assert_close(native, fp32, rtol=2e-2, atol=2e-2)
+    tuner = Autotuner(repeats=1)
+    assert attention_in_fp32("test", fn, q, k, v, tuner) in (True, False)
+    assert [c.form for c in tuner.choices.values()][0] in ("native", "fp32")
+    assert not attention_in_fp32("test", fn, q.float(), k.float(), v.float(), tuner), "fp32 has nothing to convert"

@@ -1,0 +1,106 @@
+"""Choose between equal forms of a computation by timing them on the machine that runs them.
+
+Which form of `x @ W.T` is fastest on a CPU depends on the CPU: on an AMD EPYC with AVX2 only, MKL's
+two-row GEMM streamed the weights faster than its GEMV and bf16 products ran faster in fp32; on an Intel
+Xeon with AVX-512 BF16 the same tricks made the products 2.6x slower than plain `F.linear`. So no constant
+decides: the first time the engine meets a new case (a weight shape, a bucket of row counts, a dtype, a
+device), it times every candidate once and keeps the fastest for the rest of the process, as Triton's
+`autotune` does for a kernel's launch configurations.
+
+The first candidate is the library's plain form; another form wins only when it is faster by more than
+`margin`, so timing noise can never make the engine slower than the plain form it replaces.
+Set MINI_ENGINE_FORMS="product=linear,attention=native" (or pass `forced`) to pin a choice: benchmarks use
+it to time one form against another, tests to reach every form.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+
+@dataclass(frozen=True)
+class Choice:
+    form: str
+    times_ms: dict[str, float]   # best time of each candidate; empty when the form was forced
+
+    @property
+    def speedup(self) -> float:
+        """The winner against the plain (first) form; 1.0 when the plain form won or nothing was timed."""
+        if not self.times_ms:
+            return 1.0
+        return next(iter(self.times_ms.values())) / self.times_ms[self.form]
+
+
+def forced_from_env(value: str | None = None) -> dict[str, str]:
+    """Parse MINI_ENGINE_FORMS ("op=form,op=form")."""
+    value = os.environ.get("MINI_ENGINE_FORMS", "") if value is None else value
+    forced = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        op, sep, form = item.partition("=")
+        if not sep or not op.strip() or not form.strip():
+            raise ValueError(f"MINI_ENGINE_FORMS entries must look like op=form, got {item!r}")
+        forced[op.strip()] = form.strip()
+    return forced
+
+
+@dataclass
+class Autotuner:
+    forced: dict[str, str] = field(default_factory=dict)   # op -> form, skipping the timing
+    margin: float = 0.03     # an alternative must beat the plain form by 3%: a noisy tie keeps the plain form
+    repeats: int = 5
+    choices: dict[tuple, Choice] = field(default_factory=dict)
+    timings_run: int = 0     # how many cases were timed: a cached case is never timed again
+    clock: Callable[[], float] = time.perf_counter
+
+    def choose(self, op: str, key: tuple, make_candidates: Callable[[], dict[str, Callable[[], object]]]) -> str:
+        """The form to use for (`op`, `key`). On the first call for a key, `make_candidates()` builds a dict
+        from each form (the plain one first) to a zero-argument call running it on representative inputs,
+        and they are timed; later calls only look the choice up."""
+        choice = self.choices.get((op, *key))
+        if choice is None:
+            choice = self.choices[(op, *key)] = self._decide(op, make_candidates())
+        return choice.form
+
+    def _decide(self, op: str, candidates: dict[str, Callable[[], object]]) -> Choice:
+        if op in self.forced:
+            form = self.forced[op]
+            if form not in candidates:
+                raise ValueError(f"forced form {form!r} for {op!r} is not one of {list(candidates)} here")
+            return Choice(form, {})
+        self.timings_run += 1
+        best = {name: float("inf") for name in candidates}
+        for fn in candidates.values():  # warm-up: the first call pays for allocation and kernel selection
+            fn()
+        for _ in range(self.repeats):
+            for name, fn in candidates.items():  # interleaved, so a burst of noise hits every form alike
+                t0 = self.clock()
+                fn()
+                best[name] = min(best[name], self.clock() - t0)
+        plain = next(iter(candidates))
+        fastest = min(best, key=best.get)
+        form = fastest if best[fastest] * (1 + self.margin) < best[plain] else plain
+        return Choice(form, {name: t * 1e3 for name, t in best.items()})
+
+    def report(self) -> list[tuple[tuple, Choice]]:
+        """Every decided case, in the order met."""
+        return list(self.choices.items())
+
+
+def row_bucket(rows: int, cap: int = 256) -> int:
+    """Counts share a decision within powers of two (1, 2, 4, ..., cap; cap stands for every count above)."""
+    return min(1 << (rows - 1).bit_length(), cap)
+
+
+def counting_mode_active() -> bool:
+    """True under a dispatch mode such as FlopCounterMode: it must see the product the model means (one row
+    is one row), and no timing runs would be counted as the model's work."""
+    return _get_current_dispatch_mode() is not None
+
+
+# The process's tuner: choices are facts about this machine, shared by every model loaded in the process.
+TUNER = Autotuner(forced_from_env())

@@ -1,0 +1,122 @@
+"""The weight products y = x W^T: the equal forms that compete on a CPU, and the `Linear` layer that picks
+among them by timing them on the machine it runs on (`autotune`).
+
+The candidates, all computing the same sums in another order (results agree with F.linear to rounding):
+- `linear`: F.linear(x, W), the library's plain form and the one HF transformers uses;
+- `transposed`: (W x^T)^T, a GEMM with the weight as the left operand (2+ rows);
+- `two_row`: a single row computed as two copies of itself, a GEMM instead of a GEMV (1 row);
+- `*_fp32`: the same in fp32, for bf16/fp16 weights (CPUs without bf16 instructions convert anyway).
+Which wins depends on the CPU, the BLAS, the shape and the number of rows: measured, never assumed.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
+
+
+def _transposed(x, w):
+    return (w @ x.t()).t().contiguous()  # the next layer wants row-major activations
+
+
+def _two_row(x, w):
+    return (w @ x.repeat(2, 1).t())[:, :1].t().contiguous()
+
+
+def _in_fp32(form):
+    return lambda x, w: form(x.float(), w.float()).to(x.dtype)
+
+
+FORMS = {"linear": F.linear, "transposed": _transposed, "two_row": _two_row,
+         "linear_fp32": _in_fp32(F.linear), "transposed_fp32": _in_fp32(_transposed),
+         "two_row_fp32": _in_fp32(_two_row)}
+
+
+def candidate_forms(rows: int, dtype: torch.dtype) -> list[str]:
+    """The forms that apply to `rows` rows of `dtype`, the plain one first."""
+    names = ["linear", "two_row" if rows == 1 else "transposed"]
+    if dtype != torch.float32:
+        names += [n + "_fp32" for n in names]
+    return names
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (Linux sysfs); 64 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=64 * 2**20)
+
+
+def _timing_inputs(weight: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x of `rows` rows, and copies of the weight that together exceed the last-level cache when the product
+    is memory-bound. A decode step streams every weight from memory once: a single weight timed in a loop
+    would sit in cache and could crown a form that loses on the real model. Copies are capped so that one
+    timed pass stays around 0.2 GFLOP (large row counts are compute-bound; caching matters little there)."""
+    per_copy = weight.nbytes
+    copies = -(-2 * last_level_cache_bytes() // per_copy)
+    copies = max(1, min(copies, 64, int(2e8 // (2 * rows * weight.numel()))))
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+    return x, weight.detach().expand(copies, *weight.shape).clone()
+
+
+def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER) -> str:
+    """The tuned form for `rows` rows against `weight` (timed on first use of its shape, row bucket, dtype
+    and device)."""
+    bucket = row_bucket(rows)
+    key = (tuple(weight.shape), bucket, str(weight.dtype), weight.device.type)
+
+    def candidates():
+        x, ws = _timing_inputs(weight, bucket)
+        return {name: functools.partial(_walk, FORMS[name], x, ws) for name in candidate_forms(bucket, weight.dtype)}
+    return tuner.choose("product", key, candidates)
+
+
+def _walk(form, x, weights):
+    for w in weights:
+        form(x, w)
+
+
+class Linear(nn.Linear):
+    """A bias-free nn.Linear whose product, on a CPU, takes the form measured fastest on this machine for its
+    weight shape, row count and dtype (see `products`). On a GPU, under torch.compile with nothing tuned,
+    and under FLOP counters (which must see the product the model means), it is F.linear."""
+
+    def __init__(self, in_features: int, out_features: int, tuner: Autotuner = TUNER):
+        super().__init__(in_features, out_features, bias=False)
+        self.tuner = tuner
+        # (rows, dtype) -> form: the tuner's answer, kept here because a decode step makes 121 products and
+        # each lookup through the tuner costs microseconds.
+        self._forms: dict[tuple[int, torch.dtype], callable] = {}
+
+    def forward(self, x):
+        w = self.weight
+        if x.device.type != "cpu" or x.dim() != 2:
+            return F.linear(x, w)
+        if torch.compiler.is_compiling():  # the choice is a fact about the machine: a constant in the graph
+            return FORMS[_traced_form(self, x.shape[0])](x, w)
+        if counting_mode_active():
+            return F.linear(x, w)
+        return self.form_for(x.shape[0])(x, w)
+
+    def form_for(self, rows: int):
+        """The product function tuned for `rows` rows of this weight (timed on first use)."""
+        form = self._forms.get((rows, self.weight.dtype))
+        if form is None:
+            form = self._forms[(rows, self.weight.dtype)] = FORMS[choose_form(self.weight, rows, self.tuner)]
+        return form
+
+
+@torch._dynamo.assume_constant_result
+def _traced_form(layer: Linear, rows: int) -> str:
+    """Run (not traced) when torch.compile meets a Linear: the form is tuned, or looked up, eagerly."""
+    return choose_form(layer.weight, rows, layer.tuner)
