@@ -339,6 +339,57 @@ def fragmentation_widget(max_len: int = 2048, block_size: int = 16, mean_fill: f
     return _live(controls, _render_fragmentation)
 
 
+def _render_kv_budget(budget_tokens: int, max_model_len: int, block_size: int, mix: str, mean_len: int):
+    run = S.simulate_kv_budget(budget_tokens, max_model_len, block_size, mix, mean_len)
+    contiguous, paged = run.contiguous_fit, run.paged_fit
+    used_c, used_p = run.lengths[:contiguous].sum(), run.lengths[:paged].sum()
+    held_p = run.blocks[:paged].sum() * block_size
+
+    fig, (left, right) = _figure(2, 10, 3.4)
+    left.hist(run.lengths, bins=60, color="C0")
+    left.axvline(max_model_len, color="r", ls="--", label=f"reservation {max_model_len}")
+    left.axvline(run.lengths.mean(), color="k", lw=0.8, label=f"mean {run.lengths.mean():.0f}")
+    left.set(xlabel="context length (tokens)", ylabel="requests", title=f"{mix} length mix")
+    left.legend(fontsize=8)
+    # Where the budget goes: tokens, reserved-but-empty slots, and what is left free.
+    layouts = ["contiguous", f"paged ({block_size})"]
+    used = np.array([used_c, used_p]) / budget_tokens
+    wasted = np.array([contiguous * max_model_len - used_c, held_p - used_p]) / budget_tokens
+    right.barh(layouts, used, height=0.5, color="C0", label="tokens")
+    right.barh(layouts, wasted, height=0.5, left=used, color="C3", label="reserved, empty")
+    right.barh(layouts, 1 - used - wasted, height=0.5, left=used + wasted, color="lightgrey", label="free")
+    for row, fit in enumerate((contiguous, paged)):
+        right.text(0.01, row, f"{fit} requests", va="center", color="white", fontsize=9)
+    right.set(xlim=(0, 1), xlabel=f"share of the {budget_tokens}-slot KV budget", title="requests at once")
+    right.legend(fontsize=7, loc="center", ncol=3, frameon=False)
+
+    text = (f"A KV budget of {budget_tokens} token slots. Reserving {max_model_len} slots per request fits "
+            f"<b>{contiguous}</b> requests and leaves <b>{100 * run.waste_fraction_contiguous:.0f}%</b> of every "
+            f"reservation empty on average. {block_size}-token blocks fit <b>{paged}</b> "
+            f"(<b>{run.concurrency_multiple:.1f}×</b>), wasting {run.waste_paged_tokens.mean():.1f} slots per "
+            f"request ({100 * run.waste_fraction_paged:.1f}%; never more than block_size − 1 = {block_size - 1}).")
+    return text, fig
+
+
+def kv_budget_widget(budget_tokens: int = 64 * 2048, max_model_len: int = 2048, block_size: int = 16,
+                     mix: str = "lognormal", mean_len: int = 512) -> W.VBox:
+    """Chapter 07: how many requests of a length mix a fixed KV budget holds, contiguous vs paged.
+
+    The defaults (a chat-like lognormal mix averaging 512 tokens, 2048-token reservations, 64 of them in
+    the budget) waste about 77% of each reservation and fit about 4× more requests when paged; raise
+    max_model_len to 4096 for the seed's "up to ~8×". See `simulate.simulate_kv_budget`.
+    """
+    controls = {"budget_tokens": W.IntSlider(value=budget_tokens, min=16384, max=1 << 20, step=16384,
+                                             description="KV budget (tokens)", **_SLIDER),
+                "max_model_len": W.IntSlider(value=max_model_len, min=256, max=16384, step=256,
+                                             description="max_model_len", **_SLIDER),
+                "block_size": W.Dropdown(options=[1, 8, 16, 32, 64, 128, 256], value=block_size, description="block"),
+                "mix": W.Dropdown(options=list(S.LENGTH_MIXES), value=mix, description="length mix"),
+                "mean_len": W.IntSlider(value=mean_len, min=16, max=4096, step=16, description="mean length",
+                                        **_SLIDER)}
+    return _live(controls, _render_kv_budget)
+
+
 # ---------------------------------------------------------------- chapter 08: prefix caching
 
 def _render_prefix_cache(model: str, prefix: int, suffix: int, requests: int):

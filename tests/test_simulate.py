@@ -122,3 +122,73 @@ def test_fragmentation_at_the_seed_scale():
 def test_fragmentation_rejects_requests_longer_than_the_reservation():
     with pytest.raises(ValueError, match="max_len"):
         S.simulate_fragmentation([10, 100], max_len=64, block_size=16)
+
+
+# ---------------------------------------------------------------- a fixed KV budget (chapter 07)
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=60), block_size=st.sampled_from([1, 4, 16, 32]),
+       budget_blocks=st.integers(13, 400))
+def test_kv_budget_admits_the_longest_prefix_that_fits(lengths, block_size, budget_blocks):
+    budget = budget_blocks * block_size
+    run = S.KVBudgetRun(np.array(lengths), budget, max_model_len=200, block_size=block_size)
+    blocks = [-(-n // block_size) for n in lengths]
+    fit = run.paged_fit
+    assert sum(blocks[:fit]) <= budget_blocks
+    assert fit == len(lengths) or sum(blocks[:fit + 1]) > budget_blocks
+    assert run.contiguous_fit == min(len(lengths), budget // 200)
+    assert np.all((run.waste_paged_tokens >= 0) & (run.waste_paged_tokens <= block_size - 1))
+    assert fit >= run.contiguous_fit  # a block never holds more than the reservation would
+
+
+def test_kv_budget_by_hand():
+    run = S.KVBudgetRun(np.array([5, 16, 17, 40, 64, 3]), budget_tokens=128, max_model_len=64, block_size=16)
+    assert run.contiguous_fit == 2
+    assert run.paged_fit == 4  # blocks 1 + 1 + 2 + 3 = 7 of 8; the fifth request needs 4 more
+    assert run.concurrency_multiple == 2.0
+    np.testing.assert_allclose(run.waste_contiguous, [59 / 64, 48 / 64, 47 / 64, 24 / 64, 0, 61 / 64])
+    np.testing.assert_array_equal(run.waste_paged_tokens, [11, 0, 15, 8, 0, 13])
+    assert run.waste_fraction_paged == pytest.approx(47 / (12 * 16))
+
+
+@pytest.mark.parametrize("mix", S.LENGTH_MIXES)
+def test_seed_figures_a_quarter_full_reservation(mix):
+    # Requests average a quarter of a 2048-token reservation: 60–80% waste, about 4× the concurrency.
+    for seed in range(3):
+        run = S.simulate_kv_budget(64 * 2048, 2048, 16, mix=mix, mean_len=512, seed=seed)
+        assert run.contiguous_fit == 64
+        assert 0.6 < run.waste_fraction_contiguous < 0.8
+        assert 3.3 < run.concurrency_multiple < 5.2
+        assert run.waste_paged_tokens.max() <= 15 and 6 < run.waste_paged_tokens.mean() < 9  # about half a block
+
+
+def test_seed_figures_less_waste_means_less_gain():
+    run = S.simulate_kv_budget(64 * 2048, 2048, 16, mix="uniform", mean_len=768)
+    assert 0.6 < run.waste_fraction_contiguous < 0.65
+    assert 2.2 < run.concurrency_multiple < 2.8
+
+
+def test_seed_figures_up_to_8x_for_chat_against_a_long_reservation():
+    run = S.simulate_kv_budget(64 * 4096, 4096, 16, mix="lognormal", mean_len=512)
+    assert 7 < run.concurrency_multiple < 9.5
+    assert run.waste_fraction_paged < 0.02
+
+
+def test_lognormal_mix_is_long_tailed_with_the_requested_mean():
+    lengths = S.sample_context_lengths(100_000, "lognormal", 512, max_model_len=10**9, seed=1)
+    assert abs(lengths.mean() / 512 - 1) < 0.03
+    assert np.median(lengths) < 0.7 * lengths.mean()  # most requests are short...
+    assert (lengths > 4 * 512).mean() > 0.01          # ...and a few are very long
+    capped = S.sample_context_lengths(1000, "lognormal", 512, max_model_len=600, seed=1)
+    assert capped.min() >= 1 and capped.max() == 600
+
+
+def test_kv_budget_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="mix"):
+        S.simulate_kv_budget(mix="zipf")
+    with pytest.raises(ValueError, match="budget_tokens"):
+        S.simulate_kv_budget(budget_tokens=1000, max_model_len=2048)
+    with pytest.raises(ValueError, match="block_size"):
+        S.simulate_kv_budget(block_size=0)
+    with pytest.raises(ValueError, match="sigma"):
+        S.simulate_kv_budget(sigma=0)

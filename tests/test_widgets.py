@@ -82,3 +82,16 @@ def test_prefix_cache_widget():
     assert "41×" in view.summary.value
     view.move("own tokens", 500)
 
+
+
+def test_kv_budget_widget_reproduces_the_seed():
+    view = View(widgets.kv_budget_widget())
+    text = view.summary.value
+    assert "fits <b>64</b> requests" in text and "<b>77%</b>" in text  # 64 reservations of 2048 in the budget
+    assert "never more than block_size − 1 = 15" in text
+    text = view.move("max_model_len", 4096)
+    assert "fits <b>32</b> requests" in text and "<b>8.0×</b>" in text  # the seed's "up to ~8×"
+    view.move("length mix", "uniform")
+    view.move("block", 64)
+    view.move("mean length", 1024)
+    view.move("KV budget (tokens)", 1 << 20)
