@@ -245,12 +245,15 @@ print(f"1024 tokens from a 1-token prompt: {formulas.naive_generation_flops(cfg,
 #
 # A cached decode step must at least read every weight once. `hardware.matmul_floor_tok_s` times the
 # model's weight products alone, chained, with nothing else: the fastest an eager decoder computing them
-# this way could go. The gap to a real step is attention, the norms, RoPE, the cache writes and, on a CPU, the
+# this way could go. "This way" is itself measured: for one row the engine times a few equal forms of each
+# product on your CPU (plain `F.linear`, a single row computed as a two-row GEMM, ...) and keeps the
+# fastest; the table shows what it found here (chapter 04 returns to this). The gap to a real step is attention, the norms, RoPE, the cache writes and, on a CPU, the
 # fixed cost of launching some forty small operations per layer, each of which touches only a few kilobytes.
 
 # %%
-from mini_engine.hardware import matmul_floor_tok_s
+from mini_engine.hardware import format_tuned_forms, matmul_floor_tok_s
 
+print(format_tuned_forms(rows=1))
 step_s = float(np.median(np.diff(cached_t)))  # one decode step, from the stamps above
 floor_s = 1 / matmul_floor_tok_s(model, 1)
 print(f"a cached decode step: {step_s * 1e3:.1f} ms; the weight products alone: {floor_s * 1e3:.1f} ms "

@@ -265,22 +265,27 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ### The same products, in another order
+# ### The same products, in another order: measure, don't assume
 #
 # A step of 16 decodes multiplies a skinny 16-row activation matrix by every weight matrix. `x @ W.T` and
-# `(W @ x.T).T` are the same numbers, but BLAS libraries run them through different kernels, and on a CPU
-# the difference is large: the engine's `Linear` (in `model.py`) measured both and picks the faster form
-# for 2+ rows on a CPU (F.linear on a GPU and for a single row). The cell below times the model's weight
-# products alone, chained (`hardware.matmul_floor_tok_s`), both ways: that is the ceiling on decode
-# throughput at each batch size, before any attention or bookkeeping. Only the order of the sums changes,
-# so results agree to float rounding (`tests/engine/test_linear.py`).
+# `(W @ x.T).T` are the same numbers, but BLAS libraries run them through different kernels, and which is
+# faster depends on the CPU, its instruction set and the library version: a form that won by 1.4x on one
+# course machine lost by 2.6x on another. So the engine's `Linear` (in `products.py`) times the candidate
+# forms on *your* machine the first time it meets a weight shape with a new number of rows, and keeps the
+# fastest (`autotune.py`; F.linear unless another form wins by 3%). Below: the candidates as timed here for
+# 1, 4 and 16 rows, then the model's weight products alone, chained (`hardware.matmul_floor_tok_s`), with
+# the chosen forms and with plain F.linear. That is the ceiling on decode throughput at each batch size.
+# Only the order of the sums changes, so results agree to float rounding (`tests/engine/test_linear.py`).
 
 # %%
-from mini_engine.hardware import matmul_floor_tok_s
+from mini_engine.hardware import format_tuned_forms, matmul_floor_tok_s, tune_products
 
+tune_products(model, (1, 4, 16))
+for b in (1, 4, 16):
+    print(f"{b} row(s):\n{format_tuned_forms(rows=b)}\n")
 floor_rows = {b: (matmul_floor_tok_s(model, b), matmul_floor_tok_s(model, b, plain=True)) for b in (1, 4, 16)}
 for b, (ours, plain) in floor_rows.items():
-    print(f"batch {b:2d}: weight products alone {ours:7.1f} tok/s with the engine's Linear, {plain:7.1f} with "
+    print(f"batch {b:2d}: weight products alone {ours:7.1f} tok/s in the tuned forms, {plain:7.1f} with "
           f"F.linear ({ours / plain:.2f}x)")
 
 # %% [markdown]
@@ -348,7 +353,7 @@ summary = [
 ] + [(f"engine, {n_requests} requests / {slots} slots: {p}", f"{r['tok/s']:.1f} tok/s, TTFT p50 {r['TTFT p50']:.2f} s, "
       f"{100 * r['slots busy']:.0f}% slots busy") for p, r in results.items()] + [
     ("continuous vs static throughput", f"{results['continuous']['tok/s'] / results['static']['tok/s']:.2f}x"),
-    ("weight products at batch 16: engine Linear / F.linear", f"{floor_rows[16][0] / floor_rows[16][1]:.2f}x"),
+    ("weight products at batch 16: tuned forms / F.linear", f"{floor_rows[16][0] / floor_rows[16][1]:.2f}x"),
     (f"batch sweep {sweep_batches}: best throughput", f"batch {best}: {sweep[best]['tok/s']:.1f} tok/s "
      f"({sweep[best]['tok/s'] / sweep[sweep_batches[0]]['tok/s']:.1f}x batch {sweep_batches[0]})"),
 ] + [(f"long prompt mid-stream, {name}: longest stall", f"{r['max stall ms']:.0f} ms") for name, r in chunked.items()]

@@ -63,9 +63,12 @@ def tuned_forms(tuner=None) -> list[dict]:
     return rows
 
 
-def format_tuned_forms(tuner=None) -> str:
+def format_tuned_forms(tuner=None, rows: int | None = None) -> str:
+    """The table of `tuned_forms`; with `rows`, only the weight products of that row bucket."""
     lines = [f"{'op':<10} {'case':<52} {'chosen':<16} {'vs plain':>8}  candidates (best ms)"]
     for r in tuned_forms(tuner):
+        if rows is not None and (r["op"] != "product" or r["case"][1] != rows):
+            continue
         times = ", ".join(f"{n} {t:.2f}" for n, t in r["times_ms"].items()) or "forced"
         case = " ".join(str(k).removeprefix("torch.") for k in r["case"])
         lines.append(f"{r['op']:<10} {case:<52} {r['form']:<16} {r['speedup']:>7.2f}x  {times}")
