@@ -33,6 +33,8 @@ class Row:
     ttft: list[float]
     tpot: list[float]
     kv_bytes: int | None = None
+    peak_running: int | None = None   # serving: most requests admitted at once
+    num_preemptions: int = 0          # serving, paged cache: requests sent back to recompute
 
     @property
     def tok_s(self) -> float:
@@ -198,18 +200,23 @@ class ServingWorkload:
         return max(len(p) + n for p, n in zip(self.prompts, self.output_lens))
 
 
-def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int, chunk: int | None = 512) -> Row:
-    """Our engine, every request queued at once; TTFT therefore includes the time spent waiting for a slot."""
+def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int, chunk: int | None = 512,
+               name: str | None = None, progress: bool = False, **engine_kwargs) -> Row:
+    """Our engine, every request queued at once; TTFT therefore includes the time spent waiting for a slot.
+    `engine_kwargs` go to the engine (kv_cache, num_kv_blocks, max_model_len: the workload's longest request
+    by default); `progress` shows vLLM's progress bar over requests."""
     from .engine import LLM
 
-    llm = LLM.from_model(model, tok, scheduling=policy, max_num_seqs=batch, max_model_len=work.longest,
-                         chunked_prefill_tokens=chunk)
+    engine_kwargs = {"max_model_len": work.longest, **engine_kwargs}
+    llm = LLM.from_model(model, tok, scheduling=policy, max_num_seqs=batch, chunked_prefill_tokens=chunk,
+                         record_trace=True, **engine_kwargs)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
     t0 = time.perf_counter()
-    outs = llm.generate(work.prompts, params, use_tqdm=False)
+    outs = llm.generate(work.prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - t0
-    return Row(f"mini_engine {policy}", work.name, sum(len(o.token_ids) for o in outs), seconds,
-               [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs], llm.engine.kv_cache_bytes)
+    return Row(name or f"mini_engine {policy}", work.name, sum(len(o.token_ids) for o in outs), seconds,
+               [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs], llm.engine.kv_cache_bytes,
+               max(r.num_running for r in llm.engine.trace), sum(o.metrics.num_preemptions for o in outs))
 
 
 def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int) -> Row:

@@ -64,6 +64,7 @@ class StepRecord:
     end: float
     chunks: tuple[tuple[int, int, int, bool], ...]
     num_waiting: int
+    num_running: int  # requests admitted and unfinished during the step (some may have had no chunk in it)
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,7 @@ class LLMEngine:
         if self.config.record_trace:
             self.trace.append(StepRecord(self._num_steps, start, end, tuple(
                 (c.request.request_id, c.request.slot, c.num_tokens, c.samples) for c in chunks),
-                len(self.scheduler.waiting)))
+                len(self.scheduler.waiting), len(self.scheduler.running)))
         self._num_steps += 1
         return [self._output(r) for r in self.scheduler.update(chunks, tokens, end)]
 
