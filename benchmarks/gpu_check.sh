@@ -6,6 +6,9 @@
 #   3. print the FlashAttention vs SDPA vs naive TFLOP/s table, last.
 # Without a GPU it runs the same two steps in Triton's interpreter (the CPU branch): the tests at
 # small sizes and a correctness table instead of timings.
+# That every kernel *builds* for a T4, an A100 and an H100 (shared memory, registers, no spills) needs
+# no GPU: tests/kernels/test_aot.py checks it in every `make test`. This script stays for what only a
+# real GPU shows: the kernels' results at real sizes, and their speed.
 #
 #   bash benchmarks/gpu_check.sh            # PYTHON=/path/to/python to choose the interpreter
 set -euo pipefail

@@ -27,7 +27,9 @@
 # 2. derives the online softmax step by step in NumPy, with a slider to watch it converge;
 # 3. reads the Triton kernel in `mini_engine/kernels/flash_attention.py` block by block and checks it
 #    against the materialised reference;
-# 4. times it: against naive attention and PyTorch's SDPA on a GPU; on a CPU, SDPA against naive.
+# 4. compiles it for a T4, an A100 and an H100, on any machine, and reads what each GPU gets: shared
+#    memory, registers, the tensor-core instructions, and why the tiles have the sizes they have;
+# 5. times it: against naive attention and PyTorch's SDPA on a GPU; on a CPU, SDPA against naive.
 
 # %%
 # Setup: on Colab, install the course package; locally (make lab) everything is already installed.
@@ -279,13 +281,12 @@ source = inspect.getsource(fa._attn_fwd.fn)
 print(source[source.index("    start_m = "):])
 
 # %% [markdown]
-# The wrapper picks tile sizes per device. In the interpreter they are small (16 × 16), which keeps
-# the short test sequences spread over several tiles; on a GPU they are sized to the shared memory.
+# The wrapper picks tile sizes per GPU (section 4 shows what it picks on a T4, an A100 and an H100,
+# and why). In the interpreter they are small, 16 × 16, which keeps the short test sequences spread
+# over several tiles.
 
 # %%
-for where in ["cpu"] + (["cuda"] if device == "cuda" else []):
-    for head_dim in (64, 128):
-        print(where, f"head_dim {head_dim}:", fa.launch_config(head_dim, torch.bfloat16, torch.device(where)))
+print("interpreter:", fa.launch_config(64, torch.float32, None))
 
 # %% [markdown]
 # ### Is it right?
@@ -331,7 +332,109 @@ varlen_error = (packed_out - fa.attention_reference_varlen(q, k, v, cu_q, cu_k, 
 print(f"packed prefill of {len(q_lens)} sequences, {sum(q_lens)} query tokens: max error {varlen_error:.1e}")
 
 # %% [markdown]
-# ## 4. Speed
+# ## 4. What the kernel becomes on each GPU
+#
+# The wrapper chooses its tiles from a *description* of the GPU (`mini_engine.kernels.gpus.GPUSpec`:
+# compute capability and shared memory per block), not from the GPU itself, so we can ask what it
+# would launch on GPUs we do not have. And Triton compiles ahead of time for a named GPU with none
+# present: Python → Triton IR → PTX (NVIDIA's portable assembly) → `ptxas` (shipped with Triton) →
+# a cubin, the machine code a T4 (sm_75), an A100 (sm_80) or an H100 (sm_90) runs.
+# `mini_engine.kernels.aot` does that in worker processes (this process may be running the kernels in
+# the interpreter, which cannot compile), and reads off what each GPU needs to run the kernel:
+# shared memory per block, registers per thread, and bytes *spilled* when registers run out (spills go
+# to local memory, which is device memory: slow). CI runs the same check on every kernel
+# (`tests/kernels/test_aot.py`). Below: the dense causal kernel in each GPU's serving dtype (fp16 on
+# a T4, which has no bf16; bf16 on the others), at SmolLM2's head size (64) and Llama's (128).
+
+# %%
+import dataclasses
+import re
+
+from mini_engine.kernels import aot
+from mini_engine.kernels.gpus import A100, H100, T4, GPUSpec
+
+serving = [(T4, torch.float16), (A100, torch.bfloat16), (H100, torch.bfloat16)]
+if device == "cuda":
+    serving.append((GPUSpec.from_device(0), default_dtype(device)))  # and the GPU in this machine
+jobs = [(spec, gpu, aot.TRITON_DTYPES[dtype]) for gpu, dtype in serving
+        for spec in fa.aot_specs(gpu, dtype) if spec.label.startswith("dense")]
+# One experiment rides along: the A100 tile at d = 64 with 4 warps instead of the 8 the wrapper picks.
+a100_64 = next(spec for spec, gpu, _ in jobs if gpu == A100 and spec.label.endswith("64"))
+jobs.append((dataclasses.replace(a100_64, options=a100_64.options | {"num_warps": 4}), A100, "bf16"))
+*builds, four_warps = aot.compile_all(jobs)
+
+
+def products(ptx):
+    """Which instruction computes tl.dot, and how many of them the kernel holds."""
+    for opcode in ("wgmma.mma_async", "mma.sync", "fma.rn.f32"):
+        if count := len(re.findall(rf"^\s*{re.escape(opcode)}", ptx, re.MULTILINE)):
+            return f"{count} × {opcode}"
+
+
+print(f"{'GPU':<22} {'dtype':>5} {'d':>4} {'tile':>7} {'warps':>5} {'stages':>6} {'smem KiB (of)':>14} "
+      f"{'regs':>4} {'spill B':>7}  products in the PTX")
+for b in builds:
+    limit = next(gpu for gpu, _ in serving if gpu.name == b.gpu).shared_memory_per_block
+    print(f"{b.gpu:<22} {b.dtype:>5} {b.label.split()[-1]:>4} {b.tile:>7} {b.num_warps:>5} {b.num_stages:>6} "
+          f"{b.shared_memory / 1024:>6.0f} ({limit // 1024:>3}) {b.registers:>6} {b.spill_bytes:>7}  "
+          f"{products(b.ptx)}")
+
+# %% [markdown]
+# CI requires the `spill B` column to be 0 and the shared memory to stay within the limit in brackets.
+# Now the PTX itself, a few lines of it. On the A100 the inner loop is built from four kinds of
+# instruction:
+
+# %%
+def first(ptx, opcode):
+    return next(line.strip() for line in ptx.splitlines() if line.strip().startswith(opcode))
+
+
+t4, a100, h100 = (next(b for b in builds if b.arch == arch and b.label.endswith("64")) for arch in (75, 80, 90))
+for opcode, meaning in (
+        ("cp.async.cg.shared.global", "copies 16 bytes of a K or V tile from device memory straight into shared "
+                                      "memory, without waiting: the num_stages-deep prefetch pipeline"),
+        ("ldmatrix.sync.aligned", "loads 8x8 fragments from shared memory into registers, laid out as the "
+                                  "tensor cores want them"),
+        ("mma.sync.aligned.m16n8k16", "one tensor-core product for one warp: a 16x16 bf16 tile times a 16x8 one, "
+                                      "accumulated in fp32. Each of the 32 threads holds a share: 4 fp32 of the "
+                                      "result, 4 registers (8 bf16) of A, 2 (4 bf16) of B"),
+        ("ex2.approx", "the online softmax's exp2: a single hardware instruction")):
+    print(f"{first(a100.ptx, opcode)}\n    -> {meaning}")
+print(f"\nH100: {first(h100.ptx, 'wgmma.mma_async')}\n    -> Hopper's warpgroup product: 4 warps together "
+      f"multiply a 64x16 tile by a 16x64 one, asynchronously. The 32 registers are this thread's share of the "
+      f"64x64 fp32 result; the two 64-bit operands describe where A and B sit in shared memory")
+print(f"\nT4: {products(t4.ptx)}, and no mma at all: {first(t4.ptx, 'fma.rn.f32')}\n    -> one multiply-add "
+      f"per thread on the CUDA cores. Triton 3.x has no tensor-core path below sm_80 "
+      f"(triton-lang/triton#5066), so on a T4 even fp16 products run as FMAs")
+
+# %% [markdown]
+# ### Why these tile sizes
+#
+# A larger query tile (`BLOCK_M`) is better: every K/V tile fetched from device memory is reused by
+# `BLOCK_M` queries, so the bytes moved per FLOP fall as it grows. Two limits stop it growing:
+#
+# - **Registers.** The fp32 accumulator (`BLOCK_M × d`) and the score tile (`BLOCK_M × BLOCK_N`) live
+#   in registers for the whole loop, shared among `32 × num_warps` threads, and a thread has at most
+#   255 registers. At 128 × (64 + 64) values, 4 warps would hold 128 per thread before counting the
+#   operands: the experiment below compiles that configuration. The wrapper caps the values per thread
+#   (80 with tensor cores) and takes 8 warps, or at d = 128 a narrower `BLOCK_N` (32).
+# - **Shared memory.** The `cp.async` pipeline keeps `num_stages` K and V tiles in flight; the wrapper
+#   takes the deepest pipeline whose estimate fits the GPU: 3 stages on an A100 and an H100.
+#
+# A T4 gets small tiles for another reason: with FMA products each thread also holds operand values
+# for every multiply-add it issues, so the cap is 24 values per thread. The same holds for fp32 inputs on
+# any GPU, which the kernel multiplies exactly ("ieee"): tensor cores would round them to TF32. The
+# budgets were found by compiling candidate tiles with `aot`, and CI checks every configuration of every
+# kernel for spills and shared memory on all three GPUs. FMAs also cost a T4 most of its speed: NVIDIA
+# rates it at 8.1 TFLOP/s for fp32 FMAs against 65 for fp16 tensor-core products.
+
+# %%
+print(f"A100, bf16, d = 64, tile {four_warps.tile}: {four_warps.num_warps} warps -> {four_warps.registers} registers, "
+      f"{four_warps.spill_bytes} B spilled per thread;  {a100.num_warps} warps (the wrapper's choice) -> "
+      f"{a100.registers} registers, {a100.spill_bytes} B spilled")
+
+# %% [markdown]
+# ## 5. Speed
 #
 # On a GPU, naive attention writes the N × N scores to memory, reads them back for the softmax, writes
 # the probabilities and reads them again for the product with V: at long N it spends its time moving
@@ -412,6 +515,8 @@ summary = [
     ("packed (varlen) prefill vs reference", f"{varlen_error:.1e}"),
     (f"{device}: naive / SDPA time at N = {cpu_rows[-1][0]}", f"{cpu_rows[-1][2] / cpu_rows[-1][1]:.1f}x"),
 ]
+summary.append(("H100 kernel, bf16, d = 64 (AOT)", f"tile {h100.tile}, {h100.shared_memory // 1024} KiB "
+                f"shared, {h100.registers} registers, {h100.spill_bytes} B spilled"))
 if speed_rows:
     n_top, top = speed_rows[-1]
     summary.append((f"GPU TFLOP/s at N = {n_top}: ours / SDPA", f"{top['triton']:.0f} / {top['sdpa']:.0f}"))

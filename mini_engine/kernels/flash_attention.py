@@ -9,7 +9,8 @@ Laid out like Triton's tutorials, top to bottom:
   1. the kernel (`_attn_fwd_inner` is the loop over K/V tiles, `_attn_fwd` the program around it),
   2. the torch references that materialise the scores (`attention_reference`, `attention_reference_varlen`),
   3. the wrappers that validate, pick block sizes and launch (`flash_attention`, `flash_attention_varlen`),
-  4. a test hook (`max_error_vs_reference`) and a benchmark hook (`benchmark_tflops`).
+  4. a test hook (`max_error_vs_reference`) and a benchmark hook (`benchmark_tflops`),
+  5. `aot_specs`: what the wrappers launch on a given GPU, for compiling it without one (aot.py).
 
 Conventions shared by every entry point:
   - GQA: query head h reads KV head h // (Hq // Hkv); K and V are never repeated in memory.
@@ -23,11 +24,15 @@ Conventions shared by every entry point:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .aot import TRITON_DTYPES, KernelSpec
+from .gpus import GPUSpec
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Scores are scaled by sm_scale * log2(e) so the kernel can use exp2, which maps to one hardware
@@ -234,38 +239,56 @@ class LaunchConfig:
     num_stages: int
 
 
-def launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Pick tile sizes for the device.
+def launch_config(head_dim: int, dtype: torch.dtype, gpu: GPUSpec | None) -> LaunchConfig:
+    """Pick tile sizes for a GPU described by `gpu`, or for Triton's interpreter when it is None.
 
     Interpreter (CPU tensors): every tl operation is a NumPy call made once per program and per loop
     step, so the cost is mostly Python overhead per tile. 16 x 16 tiles keep the tests' short
     sequences (17, 100, 257 tokens) spread over several tiles, which is what exercises the online
     softmax and the edge masks, at a cost of seconds.
 
-    GPU: a 128-query tile amortises each K/V load over many rows and 64-key tiles keep the scores
-    [128, 64] in registers. Triton pipelines the K/V loads `num_stages` deep, and each stage costs
-    shared memory (a K and a V tile), so we take the largest candidate whose estimate fits this GPU's
-    shared memory: A100/H100 take (128, 64, 3 stages); an L4 or a T4 fall back to smaller tiles.
-    8 warps once the tile is 128 x 128 or larger, because its fp32 accumulator would otherwise spill
-    out of registers. fp32 inputs (tests, not serving) get exact "ieee" products, which have no
-    tensor-core path: small tiles keep their registers and their compile time in check.
+    GPU: the largest tile wins, since each K/V tile loaded is reused by BLOCK_M queries, but it must
+    fit in two places.
+      - Registers: the fp32 accumulator [BLOCK_M, head_dim] and scores [BLOCK_M, BLOCK_N] stay in
+        registers for the whole loop, spread over 32 * num_warps threads. Past a budget of values per
+        thread the compiler spills to (slow) local memory, so we take 4 warps, or 8 when 4 would exceed
+        it. Tensor-core products (fp16/bf16 from sm_80) keep their operands compactly: 80 values. FMA
+        products (fp32 "ieee" inputs, which tensor cores cannot compute exactly, and everything on a
+        T4, where Triton has no tensor-core path) hold far more operand registers: 24 values, so small
+        tiles. Both budgets were measured with aot.py, and tests/kernels/test_aot.py checks every
+        choice for spills with the real compiler.
+      - Shared memory: Triton pipelines the K/V loads `num_stages` deep, each stage a K and a V tile;
+        we take the deepest pipeline whose estimate fits this GPU's shared memory per block.
+    The choice depends only on the GPU's description, so it can be made, and compiled (aot.py), for a
+    GPU that is not here.
     """
-    if device.type != "cuda":
+    if gpu is None:
         return LaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    props = torch.cuda.get_device_properties(device)
-    smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
     elt = torch.finfo(dtype).bits // 8
-    if dtype == torch.float32:
-        candidates = ((64, 32, 2), (32, 32, 1), (32, 16, 1))
+    if gpu.tensor_core_dot and dtype != torch.float32:
+        tiles, budget, depths = ((128, 64), (128, 32), (64, 64), (64, 32), (32, 16)), 80, (3, 2)
     else:
-        candidates = ((128, 64, 3), (128, 64, 2), (64, 64, 2), (64, 32, 2), (64, 32, 1), (32, 16, 1))
-    for block_m, block_n, stages in candidates:
-        # Q tile + pipelined K and V tiles + the P tile re-laid out for the second dot, 10% slack.
-        need = (block_m * head_dim + stages * 2 * block_n * head_dim + block_m * block_n) * elt
-        if need * 1.1 <= smem:
-            break
-    num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-    return LaunchConfig(block_m, block_n, num_warps, stages)
+        tiles, budget, depths = ((64, 32), (32, 16), (16, 16)), 24, (2, 1)
+    config = None
+    for block_m, block_n in tiles:
+        for num_warps in (4, 8):
+            if block_m * (head_dim + block_n) <= budget * 32 * num_warps:
+                break
+        else:
+            continue  # too many registers even at 8 warps: a smaller tile
+        for num_stages in depths:
+            # Q tile + pipelined K and V tiles + the P tile re-laid out for the second dot, 10% slack.
+            need = (block_m * head_dim + num_stages * 2 * block_n * head_dim + block_m * block_n) * elt
+            config = LaunchConfig(block_m, block_n, num_warps, num_stages)
+            if need * 1.1 <= gpu.shared_memory_per_block:
+                return config
+    return config  # nothing fits: the smallest, and Triton's launch will say why
+
+
+@functools.cache
+def _gpu(device: torch.device) -> GPUSpec:
+    """The GPU a launch on `device` targets, read from the driver once per device."""
+    return GPUSpec.from_device(device)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int, layout: str) -> None:
@@ -311,19 +334,25 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _compile_time_args(head_dim: int, dtype: torch.dtype, causal: bool, varlen: bool,
+                       gpu: GPUSpec | None) -> dict:
+    """The kernel's constexprs and launch options for one call. The launch and `aot_specs` both take
+    them from here, so what CI compiles for a T4, an A100 or an H100 is what the wrapper launches there."""
+    cfg = launch_config(head_dim, dtype, gpu)
+    return dict(VARLEN=varlen, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                # fp32 inputs get true fp32 products; the default (TF32) would cost ~1e-3 of accuracy.
+                PRECISION="ieee" if dtype == torch.float32 else None,
+                UPCAST=gpu is None and dtype == torch.bfloat16,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _launch(q, k, v, out, cu_q, cu_k, strides, grid, seq_len_q, seq_len_k, causal, sm_scale, varlen):
     head_dim = q.shape[-1]
-    cfg = launch_config(head_dim, q.dtype, q.device)
+    args = _compile_time_args(head_dim, q.dtype, causal, varlen, None if INTERPRETED else _gpu(q.device))
     scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-    _attn_fwd[grid(cfg.block_m)](
+    _attn_fwd[grid(args["BLOCK_M"])](
         q, k, v, out, cu_q, cu_k, *strides,
-        seq_len_q, seq_len_k, q.shape[1] // k.shape[1], scale * _LOG2E,
-        VARLEN=varlen, CAUSAL=causal, HEAD_DIM=head_dim,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        # fp32 inputs get true fp32 products; the default (TF32) would cost ~1e-3 of accuracy.
-        PRECISION="ieee" if q.dtype == torch.float32 else None,
-        UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        seq_len_q, seq_len_k, q.shape[1] // k.shape[1], scale * _LOG2E, **args)
     return out
 
 
@@ -449,5 +478,35 @@ def benchmark_tflops(provider: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return attention_flops(batch, heads, n_q, k.shape[2], head_dim, causal) / (ms * 1e-3) / 1e12
 
 
+# --------------------------------------------------------------------------------------------------
+# 5. What the wrappers launch on a GPU, for ahead-of-time compilation (aot.py, tests/kernels/test_aot.py)
+# --------------------------------------------------------------------------------------------------
+def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
+    """The launches of `_attn_fwd` on `gpu` for `dtype`: causal attention, dense (flash_attention) and
+    packed (flash_attention_varlen, the engine's prefill), at the head sizes of the course's models
+    (64: SmolLM2; 128: Llama-7B). The non-causal variant only drops the diagonal test, so it needs no
+    more registers or shared memory than these.
+    """
+    ptr = f"*{TRITON_DTYPES[dtype]}:16"  # torch allocations are 16-byte aligned
+    specs = []
+    for head_dim in (64, 128):
+        for varlen in (False, True):
+            args = _compile_time_args(head_dim, dtype, True, varlen, gpu)
+            options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
+            # Strides are multiples of head_dim, so of 16 (a packed batch's are 0); lengths and the GQA
+            # group are not specialised (do_not_specialize). A dense call passes cu_seqlens as None.
+            signature = {name: "i32:16" for name in _attn_fwd.arg_names if name.startswith("stride_")}
+            signature |= dict(Q=ptr, K=ptr, V=ptr, Out=ptr, seq_len_q="i32", seq_len_k="i32",
+                              group_size="i32", qk_scale="fp32")
+            if varlen:
+                signature |= dict(cu_seqlens_q="*i32:16", cu_seqlens_k="*i32:16")
+            else:
+                args |= dict(cu_seqlens_q=None, cu_seqlens_k=None)
+            specs.append(KernelSpec(_attn_fwd, signature, args, options,
+                                    f"{'varlen' if varlen else 'dense'} causal, head_dim {head_dim}"))
+    return specs
+
+
 __all__ = ["flash_attention", "flash_attention_varlen", "attention_reference", "attention_reference_varlen",
-           "launch_config", "max_error_vs_reference", "benchmark_tflops", "attention_flops", "LaunchConfig"]
+           "launch_config", "max_error_vs_reference", "benchmark_tflops", "attention_flops", "LaunchConfig",
+           "aot_specs"]

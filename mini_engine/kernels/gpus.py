@@ -29,6 +29,13 @@ class GPUSpec:
         """bf16 tensor-core products arrived with Ampere (sm_80); a T4 runs fp16 only."""
         return self.capability >= (8, 0)
 
+    @property
+    def tensor_core_dot(self) -> bool:
+        """Whether Triton runs tl.dot on tensor cores here (mma on sm_80, wgmma on sm_90): from sm_80 on.
+        Triton 3.x dropped its pre-Ampere MMA path (triton-lang/triton#5066), so on a T4 every product
+        is a plain fused multiply-add (FMA) on the CUDA cores, even in fp16."""
+        return self.capability >= (8, 0)
+
     def dtypes(self) -> tuple[torch.dtype, ...]:
         """The dtypes a kernel's wrapper can be asked to run on this GPU."""
         return (torch.float16, torch.bfloat16, torch.float32) if self.supports_bf16 else (torch.float16, torch.float32)
