@@ -11,9 +11,9 @@ launches on that GPU for that dtype) and being listed once in `KERNEL_MODULES`.
 
 Compilation needs `@triton.jit` to have produced real JIT functions, which it does not under
 TRITON_INTERPRET=1 (the tests and the CPU notebooks set it). `compile_all` therefore always compiles
-in fresh Python processes with TRITON_INTERPRET unset, one per core, so it works from any process;
-`compile_kernel` is the in-process step those workers run. Compiled kernels land in Triton's own cache
-(~/.triton/cache), so a second run of the same kernels takes seconds.
+in fresh Python processes with TRITON_INTERPRET unset, one per core (at most 8: each imports torch),
+so it works from any process; `compile_kernel` is the in-process step those workers run. Compiled
+kernels land in Triton's own cache (~/.triton/cache), so a second run of the same kernels takes seconds.
 """
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def compile_all(jobs: list[tuple[KernelSpec, GPUSpec, str]], workers: int | None
     A kernel that fails to compile comes back as a Build with `error` set, so one bad configuration
     does not hide the others.
     """
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
+    workers = max(1, min(workers or os.cpu_count() or 1, 8, len(jobs)))
     payloads = [{"kernel": f"{spec.kernel.fn.__module__}:{spec.name}", "gpu": dataclasses.asdict(gpu),
                  "dtype": dtype, "spec": {"signature": spec.signature, "constexprs": spec.constexprs,
                                           "options": spec.options, "label": spec.label}}
