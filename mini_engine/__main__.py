@@ -64,7 +64,14 @@ def cmd_bench(args) -> None:
     rungs = args.rung or []
     serving = [r for r in rungs if r in SERVING_RUNGS]
     single = [r for r in rungs if r in SINGLE_STREAM_RUNGS]
-    if serving or args.workload == "serving":
+    if args.workload == "paging":
+        from .bench_paging import bench_paging
+        if rungs:
+            raise ValueError("--workload paging compares the two KV caches; it takes no --rung")
+        if args.requests < 1 or args.batch < 1 or args.max_model_len < 2:
+            raise ValueError("--requests and --batch must be >= 1, --max-model-len >= 2")
+        bench_paging(args.requests, args.batch, args.device, args.dtype, max_model_len=args.max_model_len)
+    elif serving or args.workload == "serving":
         if single:
             raise ValueError(f"--rung {single}: one-stream rungs; the serving workload takes {list(SERVING_RUNGS)}")
         if args.requests < 1 or args.batch < 1:
@@ -99,11 +106,16 @@ def main(argv=None) -> None:
                    choices=["naive", "cached", "compiled", "static", "dynamic", "continuous"],
                    help="repeatable; default: naive, cached and compiled (one stream), or all three policies "
                         "(serving)")
-    b.add_argument("--workload", choices=["single", "serving"], default="single",
-                   help="single: one chat prompt, one stream; serving: many requests (implied by a policy rung)")
+    b.add_argument("--workload", choices=["single", "serving", "paging"], default="single",
+                   help="single: one chat prompt, one stream; serving: many requests (implied by a policy rung); "
+                        "paging: the serving workload on the contiguous vs the paged KV cache at equal memory, "
+                        "and one decode step from each")
     b.add_argument("--tokens", type=int, default=128, help="single: new tokens of the one request")
     b.add_argument("--requests", type=int, default=64, help="serving: number of requests (lengths 16-256)")
-    b.add_argument("--batch", type=int, default=16, help="serving: max_num_seqs, and HF's batch size")
+    b.add_argument("--batch", type=int, default=16,
+                   help="serving: max_num_seqs, and HF's batch size; paging: the contiguous slots, whose memory "
+                        "the paged pool gets, and the decode step's batch")
+    b.add_argument("--max-model-len", type=int, default=2048, help="paging: max_model_len of both engines")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     b.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="single: HF's dtype when it should differ from --dtype (e.g. our bf16 vs HF fp32)")

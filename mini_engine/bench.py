@@ -200,7 +200,7 @@ class ServingWorkload:
         return max(len(p) + n for p, n in zip(self.prompts, self.output_lens))
 
 
-def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int, chunk: int | None = 512,
+def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None, chunk: int | None = 512,
                name: str | None = None, progress: bool = False, **engine_kwargs) -> Row:
     """Our engine, every request queued at once; TTFT therefore includes the time spent waiting for a slot.
     `engine_kwargs` go to the engine (kv_cache, num_kv_blocks, max_model_len: the workload's longest request

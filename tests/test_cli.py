@@ -19,6 +19,8 @@ def test_generate_streams_and_reports_its_mode(capsys, flags, kind):
     (["generate", "hi", "--naive", "--compile"], "--naive and --compile"),
     (["bench", "--rung", "cached", "--rung", "continuous"], "one-stream rungs"),
     (["bench", "--workload", "serving", "--batch", "0"], "--batch"),
+    (["bench", "--workload", "paging", "--rung", "continuous"], "takes no --rung"),
+    (["bench", "--workload", "paging", "--max-model-len", "1"], "--max-model-len"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, argv, named):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,0 +1,98 @@
+"""`python -m mini_engine bench --workload paging`: the paged KV cache against the contiguous one, in one run.
+
+- Serving at equal KV memory: the serving workload (`bench.ServingWorkload`) with `max_model_len` 2048. The
+  contiguous cache gets `batch` slots of max_model_len positions; the paged pool gets the same bytes as
+  blocks, and admits requests as long as their blocks fit (up to the engine's default max_num_seqs).
+  Reported: tokens/s, TTFT and TPOT, peak concurrent requests, preemptions.
+- One decode step at equal batch: `batch` sequences at each context length, read from the contiguous cache
+  (a slice of its slots) and from the paged pool (through shuffled block tables, the worst case for
+  locality). The two forms are timed in alternation and the medians compared.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .attention import AttentionMetadata
+from .bench import Row, ServingWorkload, format_table, run_engine
+from .devices import synchronize
+from .kv_cache import ContiguousKVCache, PagedKVCache
+
+
+def decode_step_caches(model, batch: int, context: int, block_size: int = 16, seed: int = 0):
+    """(contiguous cache, its metadata, paged cache, its metadata) for one decode step of `batch` sequences at
+    `context` positions each, the new token included. The caches hold random keys and values: a step's cost
+    does not depend on them."""
+    g = torch.Generator().manual_seed(seed)
+    contiguous = ContiguousKVCache(model.config, batch, context, model.device, model.dtype)
+    per_seq = -(-context // block_size)
+    paged = PagedKVCache(model.config, batch * per_seq, block_size, model.device, model.dtype)
+    for cache in (contiguous, paged):
+        cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(cache.data.dtype))
+    order = torch.randperm(batch * per_seq, generator=g).tolist()
+    tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+    lens, ctx = [1] * batch, [context] * batch
+    return (contiguous, AttentionMetadata.build(lens, ctx, list(range(batch)), device=model.device),
+            paged, AttentionMetadata.build(lens, ctx, device=model.device, block_tables=tables, block_size=block_size))
+
+
+def time_decode_steps(model, batch: int, context: int, block_size: int = 16, repeats: int = 7) -> tuple[float, float]:
+    """Median seconds of one decode step (the whole model) from each cache: (contiguous, paged). The two are
+    timed in alternation, so a machine whose load changes affects both alike."""
+    contiguous, c_meta, paged, p_meta = decode_step_caches(model, batch, context, block_size)
+    tokens = torch.randint(0, model.config.vocab_size, (batch,), device=model.device)
+    runs = {"contiguous": (contiguous, c_meta), "paged": (paged, p_meta)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(repeats + 1):
+        for name, (cache, meta) in runs.items():
+            synchronize(model.device)
+            t0 = time.perf_counter()
+            model(tokens, meta, cache)
+            synchronize(model.device)
+            if i:  # the first round warms both up
+                times[name].append(time.perf_counter() - t0)
+    return statistics.median(times["contiguous"]), statistics.median(times["paged"])
+
+
+def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_len: int = 2048, low: int = 16,
+                 high: int = 256, block_size: int = 16, contexts=(128, 1024), progress: bool = True,
+                 print_fn=print) -> tuple[list[Row], dict[int, tuple[float, float]]]:
+    """Both measurements; returns the serving rows (contiguous, paged) and {context: (contiguous s, paged s)}."""
+    from tqdm import tqdm
+
+    from .hardware import describe_machine, tune_products
+    from .loader import load_model
+
+    model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
+    work = ServingWorkload.uniform(requests, low, high, vocab=model.config.vocab_size)
+    if max_model_len < work.longest:
+        raise ValueError(f"max_model_len {max_model_len} is shorter than the workload's longest request ({work.longest})")
+    # Product-form tuning and lazy init stay out of the numbers: every row count a step can meet, decided now.
+    tune_products(model, [1 << i for i in range(10)])
+    warm = ServingWorkload.uniform(2, 4, 8, vocab=model.config.vocab_size, seed=1)
+    run_engine(model, tok, "continuous", warm, 2, max_model_len=max_model_len)
+    num_kv_blocks = -(-batch * max_model_len // block_size)  # the contiguous cache's bytes, as blocks
+    rows = [run_engine(model, tok, "continuous", work, batch, name="mini_engine contiguous", progress=progress,
+                       kv_cache="contiguous", max_model_len=max_model_len),
+            run_engine(model, tok, "continuous", work, None, name="mini_engine paged", progress=progress,
+                       kv_cache="paged", num_kv_blocks=num_kv_blocks, block_size=block_size,
+                       max_model_len=max_model_len)]
+    steps = {c: time_decode_steps(model, batch, c, block_size) for c in tqdm(contexts, desc="decode steps",
+                                                                             disable=not progress)}
+    print_fn(describe_machine(device))
+    print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} workload: {requests} requests, prompt and "
+             f"output lengths uniform in {low}-{high} (seed 0), ignore_eos, max_model_len {max_model_len}; KV memory "
+             f"of {batch} contiguous slots for both ({num_kv_blocks} blocks of {block_size}); ratio vs first row")
+    print_fn(format_table(rows, rows[0]))
+    contiguous, paged = rows
+    for r in rows:
+        print_fn(f"{r.system}: peak {r.peak_running} concurrent requests, {r.num_preemptions} preemptions")
+    print_fn(f"paged / contiguous: {paged.peak_running / contiguous.peak_running:.2f}x peak concurrent requests, "
+             f"{paged.tok_s / contiguous.tok_s:.2f}x tokens/s")
+    print_fn(f"one decode step of {batch} sequences (median of alternated runs):")
+    for c, (t_contiguous, t_paged) in steps.items():
+        print_fn(f"  context {c:5d}: contiguous {t_contiguous * 1e3:7.1f} ms, paged {t_paged * 1e3:7.1f} ms, "
+                 f"paged / contiguous {t_paged / t_contiguous:.2f}x")
+    return rows, steps
