@@ -146,7 +146,8 @@ class AttentionMetadata:
             if len(block_tables) != len(query_lens):
                 raise ValueError("block_tables must have one table per sequence")
             slot_mapping = torch.tensor([s for t, q, c in zip(block_tables, query_lens, context_lens)
-                                         for s in block_slot_mapping(t, c - q, c, block_size)], device=device)
+                                         for s in block_slot_mapping(t, c - q, c, block_size)],
+                                        dtype=torch.int32, device=device)  # int32: the KV-store kernel's type
             decode = DecodeGroup.build_paged(query_lens, context_lens, block_tables, block_size, device)
             width = max(len(t) for t in block_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
@@ -284,9 +285,13 @@ def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: 
 
 def decode_attention(q, k_cache, v_cache, group: DecodeGroup, backend: str = "torch"):
     """One query token per sequence against its cached keys/values, all sequences in one call: SDPA, or on
-    the naive backend the two explicit products (whose FLOPs chapter 02 counts). Triton uses SDPA here too:
-    a decode's scores are one row per head, not the N x N matrix FlashAttention avoids (chapter 07 brings a
-    paged decode kernel). Positions past a sequence's own context are masked out."""
+    the naive backend the two explicit products (whose FLOPs chapter 02 counts). Positions past a sequence's
+    own context are masked out. On the triton backend a paged cache is read in place by the paged decode
+    kernel, which follows the block tables itself; a contiguous cache goes through SDPA (a decode's scores
+    are one row per head, not the N x N matrix FlashAttention avoids)."""
+    if backend == "triton" and group.block_tables is not None:
+        from .kernels import paged_decode_attention  # imported here: only this backend needs triton
+        return paged_decode_attention(q[group.tokens], k_cache, v_cache, group.block_tables, group.context_lens)
     if group.block_tables is not None:  # paged: gather each sequence's blocks, [S,Hkv,L,D]
         k = gather_blocks(k_cache, group.block_tables, group.max_context)
         v = gather_blocks(v_cache, group.block_tables, group.max_context)

@@ -35,9 +35,10 @@ class ContiguousKVCache:
         """Keys and values of layer i: [slots, kv_heads, max_len, head_dim] each."""
         return self._layers[i]
 
-    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions) -> None:
-        """Store the new tokens' keys/values (k/v [T,Hkv,D]) at (slot, position) of layer i.
-        The caller checks positions < max_len once per step (see LlamaModel.forward)."""
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions, backend: str = "torch") -> None:
+        """Store the new tokens' keys/values (k/v [T,Hkv,D]) at (slot, position) of layer i, an indexed copy
+        whatever the attention backend. The caller checks positions < max_len once per step (see
+        LlamaModel.forward)."""
         k_cache, v_cache = self._layers[i]
         k_cache[slot_mapping, :, positions] = k
         v_cache[slot_mapping, :, positions] = v
@@ -74,9 +75,15 @@ class PagedKVCache:
         """Keys and values of layer i: [num_blocks, block_size, kv_heads, head_dim] each."""
         return self._layers[i]
 
-    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions=None) -> None:
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions=None,
+              backend: str = "torch") -> None:
         """Store the new tokens' keys/values (k/v [T,Hkv,D]) in their slots (`slot_mapping` [T], from the
-        block tables) of layer i. `positions` is unused: a slot already says where a token goes."""
+        block tables) of layer i: the KV-store kernel on the triton backend, an indexed copy otherwise.
+        `positions` is unused: a slot already says where a token goes."""
+        if backend == "triton":
+            from .kernels import store_kv_cache  # imported here: only this backend needs triton
+            store_kv_cache(k, v, *self._layers[i], slot_mapping)
+            return
         k_rows, v_rows = self._rows[i]
         k_rows[slot_mapping] = k
         v_rows[slot_mapping] = v

@@ -67,7 +67,7 @@ class Attention(nn.Module):
         if kv_cache is None:
             o = attention_no_cache(q, k, v, meta, backend)
         else:
-            kv_cache.write(layer_idx, k, v, meta.slot_mapping, meta.positions)
+            kv_cache.write(layer_idx, k, v, meta.slot_mapping, meta.positions, backend)
             o = attention_with_cache(q, *kv_cache.layer(layer_idx), meta, backend)
         return self.o_proj(o.reshape(t, -1))
 
