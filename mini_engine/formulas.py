@@ -218,6 +218,14 @@ def roofline_bound(flops, bytes_moved, peak_flops, peak_bw) -> str:
     return "memory" if bytes_moved / peak_bw > flops / peak_flops else "compute"
 
 
+def prefill_time(model, n, past, dtype_bytes, peak_flops, peak_bw):
+    """Roofline lower bound on a prefill of `n` tokens after `past` cached ones (seconds): the time to first
+    token when nothing else shares the step. A fp16 prefill does about n FLOP per byte, so one of fewer tokens
+    than the ridge point is memory-bound: it pays for reading every weight however few tokens it computes."""
+    return roofline_time(prefill_flops(model, n, past), prefill_bytes(model, n, dtype_bytes, past),
+                         peak_flops, peak_bw)
+
+
 def predicted_decode_tok_s(model, batch, context, dtype_bytes, peak_flops, peak_bw):
     """Roofline ceiling on decode throughput: batch tokens per step / roofline time of the step."""
     step = roofline_time(decode_flops(model, context, batch), decode_bytes(model, batch, context, dtype_bytes),
@@ -346,35 +354,90 @@ def contiguous_waste_fraction(actual_lens, max_len):
     return 1 - lens.sum() / (lens.size * max_len)
 
 
+def cached_prefix_tokens(prompt_len, shared_len, block_size=1):
+    """Prompt tokens a prefix-cache hit serves, when the first `shared_len` tokens of a `prompt_len`-token
+    prompt are already in the cache: ⌊min(shared, N − 1) / block⌋ · block.
+
+    Only full blocks are hashed and cached, so a hit is a whole number of blocks. And the step must still
+    compute at least the prompt's last token, whose logits give the first output token: a hit never covers
+    the whole prompt, so a fully cached prompt recomputes its last block (vLLM's cap at N − 1; engines that
+    allowed a full hit crashed on a step with nothing to compute). With blocks of 16, a 64-token prompt
+    whose first 48 tokens are cached gets 48; with all 64 cached it still gets 48.
+    """
+    _check_at_least("prompt_len", prompt_len, 1)
+    _check_at_least("shared_len", shared_len, 0)
+    _check_at_least("block_size", block_size, 1)
+    usable = np.minimum(np.asarray(shared_len), np.asarray(prompt_len) - 1)
+    return _out(usable // block_size * block_size)
+
+
+def prefix_hit_rate(prompt_lens, shared_lens, block_size=1):
+    """Share of a workload's prompt tokens served from the prefix cache: Σ cached / Σ prompt tokens, where
+    request i has `prompt_lens[i]` tokens of which its first `shared_lens[i]` are in the cache when it
+    arrives (0 for the request that fills it), counted in full blocks by `cached_prefix_tokens`."""
+    cached = np.asarray(cached_prefix_tokens(np.asarray(prompt_lens), np.asarray(shared_lens), block_size))
+    return float(cached.sum() / np.sum(prompt_lens))
+
+
 @dataclass(frozen=True)
 class PrefixSavings:
     """What caching a shared prefix saves across a batch of requests."""
 
+    cached_tokens: int     # prompt tokens a hit serves (full blocks of the prefix, never the last token)
+    hit_rate: float        # share of all prompt tokens served from the cache
     flops_without: float   # every request prefills prefix + suffix
-    flops_with: float      # the first request fills the cache, every one prefills its suffix
+    flops_with: float      # the cached blocks are computed once, every request computes the rest
     flops_skipped: float
-    ttft_ratio: float      # prefill time without / with a cache hit, assuming compute-bound prefill
+    ttft_ratio: float      # prefill FLOPs without / with a cache hit: the TTFT ratio of compute-bound prefill
 
 
-def prefix_cache_savings(prefix_len, suffix_len, n_requests, model) -> PrefixSavings:
+def prefix_cache_savings(prefix_len, suffix_len, n_requests, model, block_size=1) -> PrefixSavings:
     """FLOPs skipped by reusing the KV of a shared prefix of P tokens, for requests with S own tokens.
 
-    Without caching each request costs prefill_flops(P + S); with it, the first request pays for the prefix
-    once and every request runs only its suffix against the cached prefix, prefill_flops(S, past=P).
-    TTFT ratio = prefill_flops(P + S) / prefill_flops(S, past=P) ≈ (P + S) / S when the matmuls dominate:
-    a 2000-token system prompt with 50-token questions gives about 40× (the seed's figure), and for a
-    13B model over 1000 requests skips about 52 PFLOP of weight matmuls (2 · 13.0e9 · 2000 · 999), plus
-    about 3 PFLOP of attention.
+    A hit serves C = cached_prefix_tokens(P + S, P, block) tokens (C = P when the prefix fills whole blocks).
+    Without caching each request costs prefill_flops(P + S); with it the C cached tokens are computed once,
+    and every request computes its other P + S − C tokens attending to them, prefill_flops(P + S − C, past=C):
+    the suffix still attends to the whole prefix, so attention is not skipped but cut from (P + S)² to
+    (P + S − C)(P + S) query-key pairs.
+
+    TTFT ratio = prefill_flops(P + S) / prefill_flops(P + S − C, past=C), which is exactly (P + S) / (P + S − C)
+    here (both terms of a prefill of n tokens against P + S keys scale with n). The seed's "~52 PFLOP across
+    1,000 requests" is 2 · 13.0e9 weight FLOPs per token for 2000 shared tokens, 1000 times (999 here: the
+    prefix is computed once), so a 13B model and a 2000-token system prompt; its "~40×" is then (2000 + S) / S
+    with S = 50-token questions: 41×. That is the compute-bound ratio; `prefix_cache_ttft` prices both
+    prefills on a roofline, where so short a suffix is memory-bound on a GPU.
     """
     _check_at_least("prefix_len", prefix_len, 0)
     _check_at_least("suffix_len", suffix_len, 1)
     _check_at_least("n_requests", n_requests, 1)
-    full = prefill_flops(model, prefix_len + suffix_len)
-    suffix = prefill_flops(model, suffix_len, past=prefix_len)
+    prompt_len = prefix_len + suffix_len
+    cached = cached_prefix_tokens(prompt_len, prefix_len, block_size)
+    full = prefill_flops(model, prompt_len)
+    hit = prefill_flops(model, prompt_len - cached, past=cached)
     without = n_requests * full
-    with_cache = prefill_flops(model, prefix_len) + n_requests * suffix
-    return PrefixSavings(flops_without=without, flops_with=with_cache, flops_skipped=without - with_cache,
-                         ttft_ratio=full / suffix)
+    with_cache = prefill_flops(model, cached) + n_requests * hit
+    # The first request finds the cache empty; each later one hits `cached` tokens.
+    hit_rate = (n_requests - 1) * cached / (n_requests * prompt_len)
+    return PrefixSavings(cached_tokens=cached, hit_rate=hit_rate, flops_without=without, flops_with=with_cache,
+                         flops_skipped=without - with_cache, ttft_ratio=full / hit)
+
+
+def prefix_cache_ttft(model, prefix_len, suffix_len, dtype_bytes, peak_flops, peak_bw, block_size=1):
+    """Roofline TTFT (seconds) of a request with a P-token shared prefix and S own tokens, without and with a
+    prefix-cache hit: (prefill_time of P + S tokens, prefill_time of the P + S − C uncached ones after C).
+
+    Their ratio reaches the FLOP ratio of `prefix_cache_savings` only when the uncached tail is itself
+    compute-bound, i.e. longer than the ridge point in tokens (fp16 prefill does about n FLOP/byte). On an
+    A100 (ridge about 153 FLOP/byte) Llama-2-13B's 50-token suffix is memory-bound: it still reads all 26 GB
+    of weights, about 13.6 ms, so the seed's 2000 + 50 case drops TTFT from 182 ms by about 13×, not 41×;
+    40× there takes a compute-bound suffix and P ≈ 39 · S (6240 + 160 tokens). On a CPU, whose ridge is a
+    few FLOP/byte, the 50-token suffix is compute-bound and the ratio is the full 41×.
+    """
+    prompt_len = _arr(prefix_len) + _arr(suffix_len)
+    cached = cached_prefix_tokens(prompt_len, prefix_len, block_size)
+    without = prefill_time(model, prompt_len, 0, dtype_bytes, peak_flops, peak_bw)
+    with_hit = prefill_time(model, prompt_len - _arr(cached), cached, dtype_bytes, peak_flops, peak_bw)
+    return without, with_hit
 
 
 def human_bytes(n: float) -> str:

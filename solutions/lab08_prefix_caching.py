@@ -1,0 +1,148 @@
+"""Lab 08: prefix caching, so requests that open with the same tokens share their KV blocks.
+
+Requests often start alike: a system prompt, a few worked examples, a document asked several questions.
+Attention is causal, so the keys and values of a prompt's first tokens depend on those tokens alone: a
+second request with the same start can read the first one's KV blocks instead of computing them again.
+The engine finds such blocks by hashing full blocks of tokens, and keeps them after their request ends
+in case another one asks. You write the pieces that make it work:
+  1. `hash_block` and `block_hashes`: the hash chain. A full block's hash covers its tokens and its
+     parent block's hash, so it names the whole prefix up to the block's end, not just its own tokens.
+     A partial last block is not hashed: more tokens will be written into it.
+  2. `PrefixCache.lookup`: the cached blocks a new prompt starts with, each taking a reference.
+  3. `PrefixCache.free` and `release`: a block whose last holder lets go stays cached, but evictable.
+  4. `PrefixCache.allocate`: a free block if there is one, else the least recently used evictable block,
+     whose old hash must then be forgotten.
+  5. `PrefixCache.cache_full_blocks`: after a prefill has written a prompt's KV, register its full blocks.
+  6. `PrefixCache.admit`: a new request's block table, cached blocks first, then fresh ones.
+
+Fill in every function marked TODO in labs/lab08_prefix_caching.py, then grade your work with
+
+    pytest tests/labs/test_lab08.py --impl=labs
+
+Pure Python and self-contained, like lab 07: no tensors and nothing from the engine's own paging.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The hash of one full block: SHA-256 over its parent block's hash (nothing for the first block) followed by
+    its token ids, each as a signed 64-bit integer. Returns the 32-byte digest.
+
+    Why not Python's `hash()`: it has 64 bits and is not built to resist chosen inputs, and a collision would
+    hand one prompt another prompt's keys and values. A cryptographic hash makes that practically impossible."""
+    data = (parent_hash or b"") + array("q", token_ids).tobytes()
+    return hashlib.sha256(data).digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The hash of each FULL block of `token_ids` (len // block_size of them), in order: block i hashes
+    tokens[i * block_size : (i + 1) * block_size] with block i - 1's hash as its parent (None for block 0)."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start:start + block_size]))
+    return hashes
+
+
+class PrefixCache:
+    """A pool of `num_blocks` KV blocks of `block_size` token slots that remembers which prefix each full block
+    holds.
+
+    State (given). Every block is in exactly one of three places:
+      - held: `ref_counts[b] > 0`, in the block tables of that many requests;
+      - `free_blocks`: nobody holds it and it caches nothing (oldest first);
+      - `evictable`: nobody holds it but it still caches a prefix; the keys are block ids, least recently
+        used first (an OrderedDict used as an ordered set: its values are None).
+    A cached block, held or evictable, is registered both ways: `cached_blocks[h] == b` and `block_hash[b] == h`;
+    `block_hash[b]` is None for a block that caches nothing."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.cached_blocks: dict[bytes, int] = {}
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+
+    def num_available(self) -> int:
+        """Blocks a request could be given now: the free ones and the evictable ones."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    def allocate(self) -> int:
+        """A block for new data, with one holder (ref count 1): the oldest free block if there is one; otherwise
+        the least recently used evictable block, whose hash is forgotten first (both ways) since its contents
+        are about to be overwritten. Raises RuntimeError when every block is held."""
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached_blocks[self.block_hash[block]]
+            self.block_hash[block] = None
+        else:
+            raise RuntimeError("every KV block is held by a running request")
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, block_id: int) -> None:
+        """Drop one holder. When the last one lets go, a cached block joins the END of `evictable` (the most
+        recently used: its prefix may be asked for again) and any other block the end of `free_blocks`.
+        Raises ValueError for a block nobody holds (a double free), changing nothing."""
+        if self.ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} has no holder to release (double free)")
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self.block_hash[block_id] is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_blocks.append(block_id)
+
+    def release(self, block_ids: list[int]) -> None:
+        """A request finished (or was preempted): free each block of its table, LAST block first. Its tail then
+        becomes evictable before its head, so under pressure the tail goes first: a block's prefix is only
+        usable while every block before it is still cached."""
+        for block in reversed(block_ids):
+            self.free(block)
+
+    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+        """The blocks holding the longest cached prefix of `token_ids`: block i is a hit while the hash of the
+        prompt's block i is in `cached_blocks`; stop at the first miss. At most (len - 1) // block_size blocks:
+        the prompt's last token is always left to compute, since its logits give the first output token.
+        Each hit gains a holder (an evictable one leaves `evictable`: it is in use again)."""
+        max_hits = (len(token_ids) - 1) // self.block_size
+        hits = []
+        for h in block_hashes(token_ids, self.block_size)[:max_hits]:
+            block = self.cached_blocks.get(h)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, token_ids: Sequence[int], block_ids: list[int]) -> None:
+        """Register the full blocks of a request whose KV for `token_ids` is now written (after its prefill
+        step, never before: a lookup must not find a block still being filled). Block i of the table caches the
+        prefix of hash block_hashes(token_ids)[i], unless that hash is cached already (a hit, or an identical
+        prompt that got there first: keep the first copy, this block then stays uncached)."""
+        for block, h in zip(block_ids, block_hashes(token_ids, self.block_size)):
+            if h not in self.cached_blocks:
+                self.cached_blocks[h] = block
+                self.block_hash[block] = h
+
+    def admit(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """A new request's block table for its prompt, and how many of its tokens are already computed: the
+        blocks `lookup` finds, then freshly allocated blocks up to ceil(len / block_size). All or nothing:
+        when the pool cannot supply the fresh blocks, release the hits and raise RuntimeError, leaving every
+        ref count as it was. Returns (block_ids, num_cached_tokens)."""
+        hits = self.lookup(token_ids)
+        # Hits taken from `evictable` are no longer available: count after the lookup, not before.
+        needed = -(-len(token_ids) // self.block_size) - len(hits)
+        if needed > self.num_available():
+            self.release(hits)
+            raise RuntimeError(f"{needed} fresh blocks needed, {self.num_available()} available")
+        return hits + [self.allocate() for _ in range(needed)], len(hits) * self.block_size

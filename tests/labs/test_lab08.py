@@ -1,0 +1,296 @@
+"""Grades lab 08 (prefix caching: the block hash chain, lookups that take references, LRU eviction) in either tree.
+
+    pytest tests/labs/test_lab08.py --impl=labs        # your work
+    pytest tests/labs/test_lab08.py --impl=solutions   # the reference answers
+
+The last tests run random workloads (hypothesis) and check the pool's bookkeeping after every step: each block
+held, free or evictable, never two of them; ref counts equal to the requests holding a block; no held block
+ever handed to someone else.
+"""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+LAB = "lab08_prefix_caching"
+B = 4  # block size of most tests: small enough to count blocks by hand
+
+
+def try_admit(cache, token_ids):
+    """`admit`, or None when the pool is too full (RuntimeError); a TODO's NotImplementedError is no full pool."""
+    try:
+        return cache.admit(token_ids)
+    except NotImplementedError:
+        raise
+    except RuntimeError:
+        return None
+
+
+def served(cache, token_ids):
+    """One request's life: admitted, prefilled (its full blocks registered), finished. Returns its cached tokens."""
+    blocks, num_cached = cache.admit(token_ids)
+    cache.cache_full_blocks(token_ids, blocks)
+    cache.release(blocks)
+    return num_cached
+
+
+# ---------------------------------------------------------------- the hash chain
+
+def test_hash_block_digests_the_parent_and_the_tokens(impl):
+    h = impl.hash_block(None, [1, 2, 3, 4])
+    assert isinstance(h, bytes) and len(h) >= 16, \
+        f"return a strong hash's digest as bytes (SHA-256 gives 32), got {type(h).__name__} {h!r:.40}"
+    assert impl.hash_block(None, [1, 2, 3, 4]) == h, "the same block must always hash the same"
+    assert impl.hash_block(None, (1, 2, 3, 4)) == h, "a tuple and a list of the same tokens must hash the same"
+    assert impl.hash_block(None, [1, 2, 3, 5]) != h, "the hash must cover every token"
+    assert impl.hash_block(None, [2, 1, 3, 4]) != h, "the hash must cover the tokens' order"
+    assert impl.hash_block(h, [1, 2, 3, 4]) != h, "the hash must cover the parent's hash"
+    other_parent = impl.hash_block(None, [9, 9, 9, 9])
+    assert impl.hash_block(h, [5, 6, 7, 8]) != impl.hash_block(other_parent, [5, 6, 7, 8]), \
+        "the same tokens after different parents must hash differently"
+
+
+def test_block_hashes_cover_full_blocks_only(impl):
+    tokens = list(range(100, 118))
+    assert [len(impl.block_hashes(tokens[:n], B)) for n in (0, 3, 4, 5, 16, 18)] == [0, 0, 1, 1, 4, 4], \
+        "one hash per FULL block: len(token_ids) // block_size; a partial last block is not hashed"
+    hashes = impl.block_hashes(tokens, B)
+    assert hashes[0] == impl.hash_block(None, tokens[:4]), "block 0 has no parent: hash_block(None, its tokens)"
+    for i in range(1, 4):
+        assert hashes[i] == impl.hash_block(hashes[i - 1], tokens[4 * i:4 * i + 4]), \
+            f"block {i} must be hash_block(hash of block {i - 1}, its own {B} tokens)"
+
+
+def test_prompts_share_block_hashes_exactly_as_far_as_they_share_blocks(impl):
+    system = list(range(10))  # 10 shared tokens: 2 full blocks of 4, and half of a third
+    a, b = impl.block_hashes(system + [50, 51, 52, 53, 60, 61], B), impl.block_hashes(system + [70, 71, 72, 73], B)
+    assert a[:2] == b[:2], "prompts with the same first 8 tokens must have the same first 2 block hashes"
+    assert a[2] != b[2], "block 2 holds different tokens in the two prompts"
+    c = impl.block_hashes(system[:4] + [0] * 4 + system[8:] + [50, 51, 52, 53, 60, 61], B)
+    assert c[0] == a[0] and c[2] != a[2] and c[3] != a[3], \
+        "after the first different block every later hash differs, even where the tokens agree again"
+
+
+@settings(max_examples=50, deadline=None)
+@given(first=st.lists(st.integers(0, 49151), min_size=B, max_size=B),
+       second=st.lists(st.integers(0, 49151), min_size=B, max_size=B),
+       block=st.lists(st.integers(0, 49151), min_size=B, max_size=B))
+def test_equal_blocks_behind_different_prefixes_hash_differently(impl, first, second, block):
+    a, b = impl.block_hashes(first + block, B), impl.block_hashes(second + block, B)
+    if first == second:
+        assert a == b, "equal prompts must have equal block hashes"
+    else:
+        assert a[1] != b[1], (f"block {block} after {first} and after {second} got the same hash: its KV differs "
+                              "(attention saw other tokens), so the hash must include the parent's")
+
+
+# ---------------------------------------------------------------- references, free list, eviction
+
+def test_allocate_takes_the_oldest_free_block_with_one_holder(impl):
+    cache = impl.PrefixCache(3, B)
+    assert [cache.allocate() for _ in range(3)] == [0, 1, 2], "take blocks from the left of free_blocks"
+    assert cache.ref_counts == [1, 1, 1], "a freshly allocated block has exactly one holder"
+    with pytest.raises(RuntimeError):
+        cache.allocate()  # every block held: must raise RuntimeError
+    assert cache.num_available() == 0
+
+
+def test_a_released_cached_block_stays_cached_but_evictable(impl):
+    cache = impl.PrefixCache(8, B)
+    prompt = list(range(10))  # 2 full blocks and 2 tokens of a third
+    blocks, num_cached = cache.admit(prompt)
+    assert (blocks, num_cached) == ([0, 1, 2], 0), "an empty cache: no hit, 3 fresh blocks for 10 tokens"
+    cache.cache_full_blocks(prompt, blocks)
+    assert set(cache.cached_blocks.values()) == {0, 1}, "only the 2 full blocks are cached, not the partial one"
+    assert cache.block_hash[0] == impl.block_hashes(prompt, B)[0] and cache.block_hash[2] is None
+    cache.release(blocks)
+    assert cache.ref_counts[:3] == [0, 0, 0]
+    assert list(cache.evictable) == [1, 0], \
+        "nobody holds the cached blocks now: they join evictable, released LAST block first (1, then 0)"
+    assert 2 in cache.free_blocks and 0 not in cache.free_blocks and 1 not in cache.free_blocks, \
+        "an uncached block goes back to free_blocks; a cached one stays out of it (it is evictable instead)"
+    assert cache.num_available() == 8, "free and evictable blocks can all be given to a request"
+    assert served(cache, prompt) == 8, "the same prompt again must find its 2 cached blocks: 8 tokens"
+
+
+def test_a_double_free_is_an_error_and_counts_never_go_negative(impl):
+    cache = impl.PrefixCache(2, B)
+    block = cache.allocate()
+    cache.free(block)
+    with pytest.raises(ValueError):
+        cache.free(block)  # freeing a block nobody holds must raise ValueError
+    assert cache.ref_counts[block] == 0, "a rejected double free must leave the count at 0, not -1"
+    assert list(cache.free_blocks).count(block) == 1, "a rejected double free must not list the block twice"
+
+
+def test_hand_computed_hits_of_a_64_token_prompt(impl):
+    cache = impl.PrefixCache(16, 16)
+    prompt = list(range(1000, 1064))
+    assert served(cache, prompt[:50]) == 0, "nothing is cached yet"  # caches 3 full blocks: tokens 0-47
+    blocks, num_cached = cache.admit(prompt)
+    assert num_cached == 48, f"the first 48 of 64 tokens are cached in blocks of 16: 3 hits, got {num_cached} tokens"
+    assert blocks[:3] == [0, 1, 2] and len(blocks) == 4, "the table is the 3 cached blocks, then 1 fresh block"
+    cache.cache_full_blocks(prompt, blocks)
+    cache.release(blocks)  # now all 4 blocks of the prompt are cached
+    last_block = blocks[3]
+    blocks, num_cached = cache.admit(prompt)
+    assert num_cached == 48, ("a full hit must still compute the last token (its logits give the first output "
+                              f"token): at most (64 - 1) // 16 = 3 blocks hit, got {num_cached} tokens")
+    assert blocks[:3] == [0, 1, 2] and blocks[3] != last_block, "the 4th block is recomputed into a fresh block"
+
+
+def test_lookup_takes_a_reference_on_every_hit(impl):
+    cache = impl.PrefixCache(8, B)
+    prompt = list(range(9))
+    first, _ = cache.admit(prompt)
+    cache.cache_full_blocks(prompt, first)  # the first request is still running
+    second, num_cached = cache.admit(prompt)
+    assert num_cached == 8 and second[:2] == first[:2], "a running request's cached blocks are hits too"
+    assert [cache.ref_counts[b] for b in first] == [2, 2, 1], "two requests hold the 2 shared blocks"
+    cache.release(first)
+    assert [cache.ref_counts[b] for b in second[:2]] == [1, 1] and not cache.evictable, \
+        "the second request still holds the shared blocks: they are not evictable yet"
+    cache.release(second)
+    available = cache.num_available()
+    hits = cache.lookup(prompt)
+    assert hits == second[:2], "lookup returns the blocks of the longest cached prefix"
+    assert not cache.evictable and cache.num_available() == available - 2, \
+        "a hit on an evictable block takes it out of evictable: it is in use again and no longer available"
+
+
+def test_lookup_stops_at_the_first_missing_block(impl):
+    cache = impl.PrefixCache(4, B)
+    prompt = list(range(13))  # blocks 0, 1, 2 full and one token in block 3
+    blocks, _ = cache.admit(prompt)
+    cache.cache_full_blocks(prompt, blocks)
+    for block in (3, 1, 0, 2):  # released out of order: evictable becomes 1, 0, 2 (least recently used first)
+        cache.free(block)
+    assert list(cache.evictable) == [1, 0, 2], "a block whose last holder lets go joins the END of evictable"
+    assert cache.allocate() == 3, "a free block is used before any cached one is evicted"
+    assert cache.allocate() == 1, "with no free block, evict the least recently used evictable block (1)"
+    assert 1 not in cache.cached_blocks.values() and cache.block_hash[1] is None, \
+        "an evicted block's hash must be forgotten both ways: its contents are about to be overwritten"
+    assert cache.lookup(prompt) == [0], \
+        "block 1 of the prompt is no longer cached: the hit stops there, even though block 2 still is"
+
+
+def test_eviction_is_least_recently_used_first(impl):
+    cache = impl.PrefixCache(4, B)
+    a, b = list(range(100, 105)), list(range(200, 205))  # one full block each, plus a token
+    served(cache, a)
+    served(cache, b)  # a's block is now the least recently used
+    assert served(cache, a) == 4, "a's block is still cached"  # ... and now b's is the least recently used
+    served(cache, list(range(300, 309)))  # needs 3 blocks: the 2 free ones, then one eviction
+    assert served(cache, a) == 4, "a was used more recently than b: b's block must have been evicted, not a's"
+    assert served(cache, b) == 0, "b's block was the least recently used: it is the one evicted"
+
+
+def test_an_evicted_block_is_never_a_stale_hit(impl):
+    cache = impl.PrefixCache(2, B)
+    a, b = list(range(5)), list(range(50, 55))
+    served(cache, a)  # block 0 caches a's first 4 tokens
+    blocks, _ = cache.admit(b)  # takes free block 1, then evicts block 0 for its second block
+    assert sorted(blocks) == [0, 1]
+    cache.cache_full_blocks(b, blocks)
+    assert cache.lookup(a) == [], "block 0 now holds b's tokens: a lookup of a must miss, not return block 0"
+    assert cache.lookup(b) == blocks[:1]
+
+
+def test_admit_is_all_or_nothing(impl):
+    cache = impl.PrefixCache(4, B)
+    shared = list(range(8))
+    held, _ = cache.admit(shared + [8])  # 3 blocks held by a running request
+    cache.cache_full_blocks(shared + [8], held)
+    with pytest.raises(RuntimeError):
+        cache.admit(shared + list(range(20, 29)))  # 2 hits, but 3 fresh blocks needed and 1 available
+    assert [cache.ref_counts[b] for b in held] == [1, 1, 1], \
+        "a failed admit must give back the references its lookup took on the hits"
+    assert cache.num_available() == 1, "a failed admit must not take or leak any block"
+    blocks, num_cached = cache.admit(shared + [30])
+    assert num_cached == 8 and len(blocks) == 3, "2 hits and 1 fresh block fit"
+
+
+def test_identical_prompts_admitted_together_keep_one_cached_copy(impl):
+    cache = impl.PrefixCache(8, B)
+    prompt = list(range(9))
+    first, _ = cache.admit(prompt)
+    second, num_cached = cache.admit(prompt)  # same step: nothing registered yet, so no hit
+    assert num_cached == 0 and not set(first) & set(second)
+    cache.cache_full_blocks(prompt, first)
+    cache.cache_full_blocks(prompt, second)
+    assert sorted(cache.cached_blocks.values()) == first[:2], \
+        "the first copy registered keeps the hashes; the duplicate's blocks stay uncached"
+    assert all(cache.block_hash[b] is None for b in second), "a block is cached only if cached_blocks points at it"
+    cache.release(second)
+    assert set(second) <= set(cache.free_blocks), "the duplicate's uncached blocks go back to free_blocks"
+    assert cache.admit(prompt)[0][:2] == first[:2]
+
+
+# ---------------------------------------------------------------- random workloads
+
+def check_pool(cache, tables):
+    """The pool's invariants, given the running requests' block tables."""
+    holders = [0] * cache.num_blocks
+    for table in tables:
+        for block in table:
+            holders[block] += 1
+    assert cache.ref_counts == holders, f"ref counts {cache.ref_counts} differ from the holders {holders}"
+    free, evictable = list(cache.free_blocks), list(cache.evictable)
+    held = [b for b in range(cache.num_blocks) if holders[b]]
+    assert sorted(free + evictable + held) == list(range(cache.num_blocks)), \
+        "each block must be in exactly one place: held, free_blocks or evictable"
+    assert all(cache.block_hash[b] is not None for b in evictable), "only cached blocks are evictable"
+    assert all(cache.block_hash[b] is None for b in free), "a block in free_blocks caches nothing"
+    assert {b: h for b, h in enumerate(cache.block_hash) if h is not None} == \
+        {b: h for h, b in cache.cached_blocks.items()}, "cached_blocks and block_hash must mirror each other"
+
+
+workloads = st.lists(st.tuples(st.sampled_from(["admit", "release"]), st.integers(0, 3), st.integers(0, 11),
+                               st.integers(0, 99)), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=workloads)
+def test_random_workloads_keep_the_books_and_return_every_count_to_zero(impl, steps):
+    cache = impl.PrefixCache(10, B)
+    prefixes = [[], list(range(9)), list(range(4)) + [7] * 6, list(range(100, 113))]
+    tables = []
+    for action, prefix, extra, pick in steps:
+        if action == "admit":
+            prompt = prefixes[prefix] + [500 + pick] * (1 + extra % 6)
+            admitted = try_admit(cache, prompt)
+            if admitted:
+                blocks, num_cached = admitted
+                assert len(blocks) == -(-len(prompt) // B), "a table holds ceil(len / block_size) blocks"
+                assert num_cached % B == 0 and num_cached < len(prompt), \
+                    "cached tokens come in whole blocks and never include the prompt's last token"
+                cache.cache_full_blocks(prompt, blocks)
+                tables.append(blocks)
+        elif tables:
+            cache.release(tables.pop(pick % len(tables)))
+        check_pool(cache, tables)
+    for table in tables:
+        cache.release(table)
+    assert cache.ref_counts == [0] * cache.num_blocks, "after every request is released, every ref count is 0"
+    assert cache.num_available() == cache.num_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=workloads)
+def test_no_block_is_evicted_while_a_request_holds_it(impl, steps):
+    cache = impl.PrefixCache(6, B)
+    running = []  # (block table, the hashes its cached blocks had when it was admitted)
+    for action, prefix, extra, pick in steps:
+        if action == "admit":
+            prompt = list(range(prefix * 4)) + [500 + pick] * (1 + extra)
+            admitted = try_admit(cache, prompt)
+            if not admitted:
+                continue
+            blocks, _ = admitted
+            cache.cache_full_blocks(prompt, blocks)
+            running.append((blocks, {b: cache.block_hash[b] for b in blocks if cache.block_hash[b] is not None}))
+        elif running:
+            cache.release(running.pop(pick % len(running))[0])
+        for blocks, hashes in running:
+            assert all(cache.ref_counts[b] > 0 for b in blocks), "a running request's block lost its holder"
+            assert all(cache.block_hash[b] == h for b, h in hashes.items()), \
+                "a running request's cached block was evicted (allocate may only evict blocks nobody holds)"
