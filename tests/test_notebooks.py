@@ -73,6 +73,12 @@ def test_every_chapter_script_is_a_notebook_source():
     assert not plain, f"chapter sources without the jupytext header (formats: ipynb,py:percent): {plain}"
 
 
+def test_every_lab_has_a_notebook():
+    modules = [p for p in (ROOT / "labs").glob("lab[0-9][0-9]_*.py") if not is_notebook_source(p)]
+    missing = sorted(p.name for p in modules if not (ROOT / "labs" / f"{p.name[:5]}_notebook.ipynb").exists())
+    assert not missing, f"lab modules without a notebook labs/labNN_notebook.py (+ .ipynb via `make sync`): {missing}"
+
+
 def test_chapter_notebooks_open_with_the_colab_setup_cell():
     missing = [p.name for p in (ROOT / "chapters").glob("*.ipynb") if "google.colab" not in _first_code_cell(p)]
     assert not missing, f"first code cell is not the Colab setup cell (`'google.colab' in sys.modules`): {missing}"

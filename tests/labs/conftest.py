@@ -3,12 +3,85 @@
 A test module names its lab once, `LAB = "lab01_naive"`, and takes the `impl` fixture: the module
 `labs.lab01_naive` under `--impl=labs`, `solutions.lab01_naive` under `--impl=solutions` (the default).
 This folder has no __init__.py on purpose: it would make it a package named `labs`, shadowing the stubs.
+
+A test module may also name, per lab function, the engine's finished functions that already do that
+function's job (functions, or whole modules and classes): `SHORTCUTS = {"naive_generate":
+[me.generate_naive], "forward_flops": [formulas]}`. Through `impl`, each call of that lab function then
+fails, in one line, if it reached any of them: the lab asks for the piece itself, not a call to the engine.
 """
+from __future__ import annotations
+
+import functools
 import importlib
+import inspect
+import sys
 
 import pytest
 
 import mini_engine as me
+
+
+def functions_of(*owners) -> list:
+    """Every function and method defined in these modules or classes (imports excluded)."""
+    found = []
+    for owner in owners:
+        name = owner.__name__ if inspect.ismodule(owner) else owner.__module__
+        for attr, obj in vars(owner).items():
+            if attr.startswith("__"):
+                continue
+            obj = getattr(obj, "__func__", obj)  # static and class methods
+            if inspect.isclass(obj) and obj.__module__ == name:
+                found += functions_of(obj)
+            elif inspect.isfunction(obj) and obj.__module__ == name:
+                found.append(obj)
+    return found
+
+
+def _code(fn):
+    fn = inspect.unwrap(fn)
+    return getattr(fn, "__code__", None)
+
+
+class _Guarded:
+    """The lab module, with some of its functions run under a watch for engine shortcuts."""
+
+    def __init__(self, module, shortcuts: dict[str, list]):
+        self._module = module
+        self._shortcuts = {}
+        for name, owners in shortcuts.items():
+            fns = [f for o in owners for f in (functions_of(o) if inspect.ismodule(o) or inspect.isclass(o) else [o])]
+            self._shortcuts[name] = {_code(f): f for f in fns if _code(f) is not None}
+
+    def __getattr__(self, name):
+        obj = getattr(self._module, name)
+        if name not in self._shortcuts or not callable(obj):
+            return obj
+        forbidden = self._shortcuts[name]
+
+        def guarded(*args, **kwargs):
+            hits = []
+
+            def watch(frame, event, _arg):
+                if event == "call" and frame.f_code in forbidden and not hits:
+                    hits.append(forbidden[frame.f_code])
+
+            previous = sys.getprofile()
+            sys.setprofile(watch)
+            try:
+                result = obj(*args, **kwargs)
+            finally:
+                sys.setprofile(previous)
+                if hits:
+                    fn = hits[0]
+                    pytest.fail(f"{name}() calls the engine's finished {fn.__module__}.{fn.__qualname__}(), which "
+                                f"already does this lab's job: write {name} yourself from the pieces its "
+                                "docstring names", pytrace=False)
+            return result
+
+        return functools.wraps(obj)(guarded)
+
+    def __repr__(self):
+        return f"<{self._module.__name__}, guarded against engine shortcuts>"
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +89,9 @@ def impl(request):
     lab = getattr(request.module, "LAB", None)
     if lab is None:
         pytest.fail(f"{request.module.__name__} uses `impl` but does not name its lab (LAB = 'labNN_topic')")
-    return importlib.import_module(f"{request.config.getoption('--impl')}.{lab}")
+    module = importlib.import_module(f"{request.config.getoption('--impl')}.{lab}")
+    shortcuts = getattr(request.module, "SHORTCUTS", None)
+    return _Guarded(module, shortcuts) if shortcuts else module
 
 
 @pytest.hookimpl(wrapper=True)
@@ -31,6 +106,7 @@ def pytest_runtest_makereport(item, call):
             f"{call.excinfo.value or 'fill in the TODO'}"
         )
     return report
+
 
 @pytest.fixture(scope="session")
 def real_model():

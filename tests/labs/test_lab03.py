@@ -12,13 +12,21 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import mini_engine as me
-from mini_engine import formulas
+from mini_engine import attention, formulas, generate
 from mini_engine.attention import AttentionMetadata, attention_with_cache
 from mini_engine.config import PRESETS, ModelConfig
 from mini_engine.kv_cache import ContiguousKVCache
 from mini_engine.model import LlamaModel
 
 LAB = "lab03_kv_cache"
+# The engine's finished versions of what this lab builds: calling them fails the test (see conftest.py).
+# cached_generate is meant to use prefill and decode_step (the lab imports them), not a whole loop.
+SHORTCUTS = {
+    "kv_cache_bytes": [formulas],
+    "max_concurrent_requests": [formulas],
+    "decode_attention": [attention],
+    "cached_generate": [generate.generate_naive, generate.generate_cached, generate.generate_batch, me.LLM],
+}
 GiB = 2**30
 
 
@@ -129,9 +137,27 @@ def test_decode_attention_steps_build_up_causal_attention(impl):
 
 
 def test_decode_attention_rejects_a_full_cache(impl):
-    k_cache, v_cache = torch.zeros(2, 8, 4), torch.zeros(2, 8, 4)
-    with pytest.raises(ValueError):
-        impl.decode_attention(torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4), k_cache, v_cache, 8)
+    k_cache, v_cache = torch.zeros(2, 8, 16), torch.zeros(2, 8, 16)
+    q, k_new, v_new = torch.randn(2, 16), torch.randn(2, 16), torch.randn(2, 16)
+    last = impl.decode_attention(q, k_new, v_new, k_cache, v_cache, 7)  # the last position still fits
+    assert last.shape == (2, 16), "position 7 of an 8-position cache is valid: expected an output of shape (2, 16)"
+    before = (k_cache.clone(), v_cache.clone())
+    for position in (8, 11):
+        try:
+            impl.decode_attention(q, k_new, v_new, k_cache, v_cache, position)
+        except ValueError as err:
+            message = str(err)
+        except Exception as err:
+            pytest.fail(f"position {position} of an 8-position cache raised {type(err).__name__}: {err}; check "
+                        "`position` against k_cache.shape[1] first and raise ValueError", pytrace=False)
+        else:
+            pytest.fail(f"position {position} is past the end of an 8-position cache: raise ValueError naming it "
+                        "before writing anything", pytrace=False)
+        assert str(position) in message, (
+            f"your ValueError says {message!r}: name the position ({position}) that does not fit the "
+            f"cache's {k_cache.shape[1]} positions, so the caller sees what went wrong")
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), (
+            "a rejected step must leave the caches as they were: check the position before writing")
 
 
 # ---------------------------------------------------------------- the cached loop

@@ -3,16 +3,22 @@
     pytest tests/labs/test_lab05.py --impl=labs        # your work
     pytest tests/labs/test_lab05.py --impl=solutions   # the reference answers
 """
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
 import triton
+
+from mini_engine import online_softmax as engine_online_softmax
 
 # Without a GPU the lab's kernels run in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET
 # before this module, or the lab file that `impl` imports, is loaded.
 from mini_engine.kernels.flash_attention import attention_reference
 
 LAB = "lab05_flash_attention"
+# Chapter 05's own online softmax already computes Part 1: calling it fails the test (see conftest.py).
+SHORTCUTS = {"online_softmax": [engine_online_softmax]}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # On a GPU, tl.dot of fp32 tiles uses TF32 unless told otherwise, which costs about 1e-3.
 TOL = dict(atol=1e-4, rtol=1e-4) if DEVICE == "cpu" else dict(atol=1e-2, rtol=1e-2)
@@ -84,6 +90,37 @@ def test_online_softmax_when_a_late_tile_holds_the_max(impl):
     np.testing.assert_allclose(got, exact_attention(scores, values), rtol=1e-12,
                                err_msg="the max arrives in the second tile: the first tile's contribution "
                                        "must shrink by exp(m_old - m_new), almost to nothing here")
+
+
+def test_online_softmax_streams_its_tiles(impl):
+    """A long sequence, its tiles made one at a time: gathering them all (a list of tiles, a concatenate, one
+    exact softmax at the end) needs memory for every score at once; a streaming pass needs one tile."""
+    queries, n_tiles, tile, dim = 4, 100, 1000, 8
+
+    def score_tiles():
+        rng = np.random.default_rng(5)
+        for _ in range(n_tiles):
+            yield rng.normal(size=(queries, tile))
+
+    def value_tiles():
+        rng = np.random.default_rng(6)
+        for _ in range(n_tiles):
+            yield rng.normal(size=(tile, dim))
+
+    expected = exact_attention(np.concatenate(list(score_tiles()), axis=1), np.concatenate(list(value_tiles())))
+    all_scores = queries * n_tiles * tile * 8  # bytes of every score as float64
+    tracemalloc.start()
+    try:
+        got = call("online_softmax", impl.online_softmax, score_tiles(), value_tiles())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12,
+                               err_msg=f"{n_tiles} tiles of {tile} keys: the result differs from softmax(S) @ V")
+    assert peak < all_scores / 4, (
+        f"online_softmax held {peak / 1e6:.1f} MB at its peak while all {n_tiles} tiles of scores take "
+        f"{all_scores / 1e6:.1f} MB: fold each tile into m, l and acc and let it go before reading the next "
+        "(no list of tiles, no concatenate, no softmax over the whole row)")
 
 
 # ---- Part 2 ---------------------------------------------------------------------------------------
