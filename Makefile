@@ -49,7 +49,10 @@ test: $(STAMP)
 	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q tests --impl=solutions || status=1; \
 	exit $$status
 
+# Every notebook's first cell becomes the Colab setup cell (tools/course_setup.py), then the .ipynb
+# files are regenerated from their sources.
 sync: $(STAMP)
+	$(PY) tools/course_setup.py --write
 	$(PY) tools/sync_notebooks.py
 
 clean:

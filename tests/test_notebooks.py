@@ -4,11 +4,13 @@ The checks over this checkout pass when it has no notebooks yet; the tests on a 
 show that each check catches what it is for.
 """
 import json
+import re
 from pathlib import Path
 
 import jupytext
 import pytest
 
+from tools import course_setup
 from tools.sync_notebooks import (
     ROOT,
     committed_notebooks,
@@ -79,9 +81,20 @@ def test_every_lab_has_a_notebook():
     assert not missing, f"lab modules without a notebook labs/labNN_notebook.py (+ .ipynb via `make sync`): {missing}"
 
 
-def test_chapter_notebooks_open_with_the_colab_setup_cell():
-    missing = [p.name for p in (ROOT / "chapters").glob("*.ipynb") if "google.colab" not in _first_code_cell(p)]
-    assert not missing, f"first code cell is not the Colab setup cell (`'google.colab' in sys.modules`): {missing}"
+def test_every_notebook_opens_with_the_colab_setup_cell():
+    # The cell installs the course on Colab from COURSE_URL (tests/test_colab_setup.py runs it).
+    wrong = [p.relative_to(ROOT).as_posix() for p in committed_notebooks()
+             if _first_code_cell(p) != course_setup.setup_cell(lab=p.parent.name == "labs")]
+    assert not wrong, (f"first code cell is not the Colab setup cell of tools/course_setup.py: {wrong} "
+                       "(run `make sync`, which writes it into every notebook source)")
+
+
+def test_readme_links_point_to_the_course_repository():
+    repo = course_setup.COURSE_URL.removeprefix("https://github.com/")
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"https://(?:colab\.research\.google\.com/github|mybinder\.org/v2/gh)/([^/]+/[^/]+)/", readme)
+    assert links, "README.md has no Colab or Binder links"
+    assert set(links) == {repo}, f"README's Colab/Binder links name {sorted(set(links))}, not {repo} (COURSE_URL)"
 
 
 # --- the checks themselves, on a scratch tree ------------------------------------------------
