@@ -54,6 +54,7 @@ class RequestOutput:
     text: str | None      # None when the engine has no tokenizer
     finish_reason: str    # "stop" (stop or EOS token, included in token_ids) or "length"
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when the request was first admitted
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,13 @@ class BlockPoolSnapshot:
     """The paged pool between two steps (`LLMEngine.block_pool()`): who holds each block."""
     step: int                          # steps run so far
     block_size: int
-    owners: tuple[int | None, ...]     # per block: the request id holding it, None when free
+    owners: tuple[int | None, ...]     # per block: a request id holding it (the first), None when free
     num_computed: dict[int, int]       # running request id -> tokens whose keys/values are in its blocks
     waiting: tuple[int, ...]           # queued request ids in queue order (preempted ones go first)
     num_preemptions: int               # preemptions since the engine started
+    ref_counts: tuple[int, ...] = ()   # per block: how many block tables hold it (> 1: shared by prefix caching)
+    cached: tuple[bool, ...] = ()      # per block: registered in the prefix cache (held, or free but evictable)
+    block_tables: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # request id -> its blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -126,7 +130,7 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         c = self.config
         if c.kv_cache == "paged":
-            blocks = BlockManager(c.num_kv_blocks, c.block_size)
+            blocks = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
             cache = PagedKVCache(model.config, c.num_kv_blocks, c.block_size, model.device, model.dtype)
         else:
             blocks = None
@@ -153,7 +157,8 @@ class LLMEngine:
         size = human_bytes(self.kv_cache_bytes)
         if c.kv_cache == "paged":
             cache = (f"paged KV cache: {c.num_kv_blocks} blocks x {c.block_size} positions ({size}), up to "
-                     f"{c.max_num_seqs} sequences of up to {self.scheduler.max_model_len} positions")
+                     f"{c.max_num_seqs} sequences of up to {self.scheduler.max_model_len} positions, prefix caching "
+                     f"{'on' if c.enable_prefix_caching else 'off'}")
         else:
             cache = f"contiguous KV cache: {c.max_num_seqs} slots x {c.max_model_len} positions ({size})"
         return (f"LLMEngine(scheduling={c.scheduling}, {cache}, chunked prefill {chunking}, "
@@ -171,8 +176,14 @@ class LLMEngine:
 
     @property
     def num_free_blocks(self) -> int | None:
-        """Blocks no request holds (None with the contiguous cache); all of them when the engine is idle."""
+        """Blocks no request holds (None with the contiguous cache), counting cached blocks that are evictable;
+        all of them when the engine is idle."""
         return self.scheduler.blocks.num_free_blocks if self.scheduler.blocks else None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no request holds (they become plain free blocks); returns how many.
+        Blocks running requests hold stay cached. 0 with the contiguous cache or caching off."""
+        return self.scheduler.blocks.reset_prefix_cache() if self.scheduler.blocks else 0
 
     def block_pool(self) -> BlockPoolSnapshot:
         """Who holds which block of the paged pool right now: call it between steps to watch the pool."""
@@ -182,10 +193,13 @@ class LLMEngine:
         owners: list[int | None] = [None] * blocks.num_blocks
         for request_id, table in blocks.block_tables.items():
             for block in table:
-                owners[block] = request_id
+                if owners[block] is None:
+                    owners[block] = request_id
         return BlockPoolSnapshot(self._num_steps, blocks.block_size, tuple(owners),
                                  {r.request_id: r.num_computed for r in self.scheduler.running},
-                                 tuple(r.request_id for r in self.scheduler.waiting), self.scheduler.num_preemptions)
+                                 tuple(r.request_id for r in self.scheduler.waiting), self.scheduler.num_preemptions,
+                                 tuple(blocks.ref_counts), tuple(h is not None for h in blocks.block_hash),
+                                 {i: tuple(t) for i, t in blocks.block_tables.items()})
 
     def validate(self, prompt, params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
         """Check one request without adding it: (prompt token ids, a private copy of the params), or a
@@ -262,7 +276,8 @@ class LLMEngine:
             num_preemptions=r.num_preemptions, num_prompt_tokens=len(r.prompt_ids), num_output_tokens=n,
             arrival_time=r.arrival_time, token_times=tuple(r.token_times))
         text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else None
-        return RequestOutput(r.request_id, r.prompt_ids, list(r.output_ids), text, r.finish_reason, metrics)
+        return RequestOutput(r.request_id, r.prompt_ids, list(r.output_ids), text, r.finish_reason, metrics,
+                             r.num_cached_tokens or 0)
 
 
 def _as_prompt_list(prompts) -> list:
@@ -283,7 +298,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
                  kv_cache: str = "paged", block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = False, chunked_prefill_tokens: int | None = 512,
+                 enable_prefix_caching: bool | None = None, chunked_prefill_tokens: int | None = 512,
                  scheduling: str = "continuous", speculative: dict | None = None, attention_backend: str = "auto",
                  **engine_kwargs):
         from .loader import load_model
@@ -308,6 +323,10 @@ class LLM:
 
     def __repr__(self) -> str:
         return repr(self.engine).replace("LLMEngine", "LLM", 1)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds (see `LLMEngine.reset_prefix_cache`); returns how many."""
+        return self.engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -34,7 +34,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # paged: blocks in the pool; None: the contiguous cache's memory (resolved)
     max_num_seqs: int | None = None     # None: paged 256 on a GPU, 64 on a CPU; contiguous 64 and 16
     max_model_len: int | None = None    # None: 2048 on a GPU, 1024 on a CPU, capped by the model's positions
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = None  # paged: share cached full blocks (chapter 08); None: on with paged
     chunked_prefill_tokens: int | None = 512  # tokens per step; None turns chunking off (prompts run whole)
     scheduling: str = "continuous"
     speculative: dict | None = None
@@ -48,8 +48,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
         if self.num_kv_blocks is not None and self.kv_cache != "paged":
             raise ValueError(f"num_kv_blocks sizes the paged KV pool; kv_cache={self.kv_cache!r} does not use it")
-        if self.enable_prefix_caching:
-            raise _not_yet("enable_prefix_caching=True", "08 (prefix caching)")
+        if self.enable_prefix_caching not in (None, True, False):
+            raise ValueError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}")
+        if self.enable_prefix_caching and self.kv_cache != "paged":
+            raise ValueError("enable_prefix_caching=True shares blocks of the paged KV cache; "
+                             f"kv_cache={self.kv_cache!r} has none (leave it None or False)")
         if self.speculative is not None:
             raise _not_yet("speculative", "06 (speculative decoding)")
         if self.dtype not in DTYPES:
@@ -87,6 +90,7 @@ class EngineConfig:
             if num_kv_blocks is None:
                 num_kv_blocks = -(-max_num_seqs * max_model_len // self.block_size)
             max_num_seqs = self.max_num_seqs or PAGED_MAX_NUM_SEQS[kind]
+        caching = self.kv_cache == "paged" if self.enable_prefix_caching is None else self.enable_prefix_caching
         return EngineConfig(**{**vars(self), "device": str(device), "max_num_seqs": max_num_seqs,
                                "num_kv_blocks": num_kv_blocks, "max_model_len": max_model_len,
-                               "attention_backend": backend})
+                               "attention_backend": backend, "enable_prefix_caching": caching})

@@ -1,4 +1,5 @@
-"""Paged KV memory (PagedAttention, Kwon et al. 2023): the bookkeeping, in pure Python with no tensors.
+"""Paged KV memory (PagedAttention, Kwon et al. 2023) and automatic prefix caching (chapter 08): the
+bookkeeping, in pure Python with no tensors.
 
 The KV pool is `num_blocks` blocks of `block_size` token positions each. A sequence owns a *block table*,
 the list of its blocks in order: its position p lives in block `block_table[p // block_size]` at offset
@@ -9,33 +10,79 @@ the list of its blocks in order: its position p lives in block `block_table[p //
 Blocks are taken only as positions are needed, so a sequence wastes at most the unused tail of its last
 block, where a contiguous cache reserves `max_model_len` positions for every sequence up front.
 
-Every block carries a reference count: the number of block tables that hold it. Here each block has one
-owner (count 1 while used, 0 while free); prefix caching (chapter 08) will let several tables share a full
-block, which then returns to the free list only when its last holder lets go.
+Every block carries a reference count: the number of block tables that hold it.
+
+Prefix caching (`enable_prefix_caching=True`). Attention is causal, so the keys and values of a block
+depend only on the tokens up to its end. A FULL block whose keys and values are written is registered
+under a hash of its tokens chained with its parent block's hash (SHA-256, so the hash names the whole
+prefix up to the block's end, and two prompts collide only if SHA-256 does). A new sequence first looks
+its tokens up (`lookup` / `allocate_cached`): every leading block found takes one more reference instead
+of being computed. The lookup stops one token short of the end, in whole blocks, so the block holding the
+last token is never a hit: it is recomputed into a block of the sequence's own, the step has logits to
+sample from, and no sequence ever writes into a block another one holds (a registered block is full, and
+writes go only to positions past what is computed).
+
+A registered block whose last holder lets go stays cached but *evictable*: it counts as free, and is
+handed out for new data only when the free list is empty, least recently released first (the sequence's
+tail is released before its head, since a block is only useful while every block before it is cached).
+Handing it out forgets its hash. `reset_prefix_cache` forgets every evictable block. The hash map holds
+at most one entry per block, so it cannot grow without bound.
 """
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """SHA-256 over the parent block's hash (nothing for a sequence's first block) and the block's token ids
+    (signed 64-bit each). Stable across processes, unlike Python's salted `hash()`."""
+    return hashlib.sha256((parent_hash or b"") + array("q", token_ids).tobytes()).digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, parents: Sequence[bytes] = ()) -> list[bytes]:
+    """Hashes of every full block of `token_ids`, in order. `parents`: hashes of the first blocks already
+    known (they are reused, and the chain goes on from the last of them)."""
+    hashes = list(parents)
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start:start + block_size]))
+    return hashes
 
 
 class BlockManager:
-    """The free list, one block table per sequence (keyed by any hashable id) and the reference counts."""
+    """The free list, one block table per sequence (keyed by any hashable id), the reference counts and,
+    with `enable_prefix_caching`, the hash-to-block map of full computed blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        # A queue: a freed block goes to the back, so the blocks handed out next are the longest free (prefix
-        # caching will want exactly that order, to keep recently freed contents around the longest).
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        # A queue: a freed block goes to the back, so the blocks handed out next are the longest free.
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.block_tables: dict[Hashable, list[int]] = {}
+        # Prefix caching. Every block is held (ref count > 0), in free_blocks (caches nothing), or in evictable
+        # (nobody holds it but it caches a prefix; least recently released first). A cached block, held or
+        # evictable, is registered both ways: cached_blocks[h] == b and block_hash[b] == h.
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.cached_blocks: dict[bytes, int] = {}
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.seq_hashes: dict[Hashable, list[bytes]] = {}  # hashes of each sequence's full computed blocks
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks a sequence could be given now: the free ones and the evictable cached ones."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, held or evictable."""
+        return len(self.cached_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` positions: ⌈num_tokens / block_size⌉."""
@@ -59,7 +106,8 @@ class BlockManager:
         return (len(self.block_table(seq_id)) + self.num_free_blocks) * self.block_size
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
-        """A new block table holding `num_tokens` positions, for a sequence that has none. Returns it."""
+        """A new block table holding `num_tokens` positions, for a sequence that has none, all of its blocks
+        fresh (no cache lookup: see `allocate_cached`). Returns it."""
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table; grow it with append_slots")
         self._check_room(seq_id, num_tokens)
@@ -74,10 +122,23 @@ class BlockManager:
         self._check_room(seq_id, num_tokens)
         table = self.block_tables[seq_id]
         for _ in range(self.num_new_blocks(seq_id, num_tokens)):
-            block = self.free_blocks.popleft()
-            self.ref_counts[block] = 1  # a block taken from the free list starts with exactly one holder
-            table.append(block)
+            table.append(self._take_block())
         return table
+
+    def _take_block(self) -> int:
+        """A block for new data, with one holder: the longest-free block, or when none is free the least
+        recently released cached one, whose hash is forgotten (its contents are about to be overwritten)."""
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached_blocks[self.block_hash[block]]
+            self.block_hash[block] = None
+            self.num_evictions += 1
+        if self.ref_counts[block] != 0:
+            raise RuntimeError(f"block {block} was free but has {self.ref_counts[block]} holders")
+        self.ref_counts[block] = 1  # a block taken for new data starts with exactly one holder
+        return block
 
     def _check_room(self, seq_id: Hashable, num_tokens: int) -> None:
         if not self.can_allocate(seq_id, num_tokens):
@@ -86,14 +147,89 @@ class BlockManager:
                                "first")
 
     def free(self, seq_id: Hashable) -> None:
-        """Drop the sequence's table (it finished or was preempted): each of its blocks loses a holder, and
-        a block nobody holds any more goes back to the free list."""
-        for block in self.block_tables.pop(seq_id):
-            if self.ref_counts[block] < 1:
-                raise RuntimeError(f"block {block} of sequence {seq_id!r} has no holder left to release")
+        """Drop the sequence's table (it finished or was preempted): each of its blocks loses a holder, last
+        block first. A block nobody holds any more goes back to the free list, or, if it caches a prefix, to
+        the back of the evictable queue (the most recently used)."""
+        table = self.block_tables.pop(seq_id)
+        self.seq_hashes.pop(seq_id, None)
+        if any(self.ref_counts[b] < 1 for b in table):
+            raise RuntimeError(f"a block of sequence {seq_id!r} has no holder left to release")
+        uncached = []
+        for block in reversed(table):  # the tail first: it goes before the head when blocks are evicted
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if self.block_hash[block] is not None:
+                    self.evictable[block] = None
+                else:
+                    uncached.append(block)
+        self.free_blocks.extend(reversed(uncached))  # plain free blocks keep the table's order
+
+    # ------------------------------------------------------------ prefix caching
+
+    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks the sequence `token_ids` starts with, changing nothing: leading full blocks whose
+        chained hash is registered, stopping at the first miss, and never the block holding the last token
+        (at most (len − 1) // block_size blocks: that token's logits are needed). Empty without caching."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent, size = [], None, self.block_size
+        for i in range((len(token_ids) - 1) // size):  # hashed one block at a time: a miss stops the work
+            parent = hash_block(parent, token_ids[i * size:(i + 1) * size])
+            block = self.cached_blocks.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_evictable(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` are evictable: a hit on one takes it out of the free count."""
+        return sum(1 for b in blocks if b in self.evictable)
+
+    def allocate_cached(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Start a block table for a sequence that has none with the cached blocks its tokens begin with
+        (`lookup`), each taking a reference (an evictable one is in use again). Returns how many tokens they
+        hold: the sequence computes from there, taking fresh blocks with `append_slots`."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        hits = self.lookup(token_ids)
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+        self.block_tables[seq_id] = list(hits)
+        if hits:
+            self.seq_hashes[seq_id] = [self.block_hash[b] for b in hits]
+        return len(hits) * self.block_size
+
+    def cache_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the sequence's full blocks whose keys and values are now written: call after a step, with
+        the tokens whose KV is in the cache (`num_computed` of `token_ids`), never for tokens still to be
+        computed or verified. A block whose hash is cached already (an identical prefix computed by another
+        sequence in the same step) stays unregistered: the first copy wins, and this one is freed as usual."""
+        if not self.enable_prefix_caching or seq_id not in self.block_tables:
+            return
+        known = self.seq_hashes.get(seq_id, [])
+        if (num_computed // self.block_size) <= len(known):
+            return
+        hashes = block_hashes(token_ids[:num_computed], self.block_size, known)
+        table = self.block_tables[seq_id]
+        for i in range(len(known), len(hashes)):
+            block, h = table[i], hashes[i]
+            if h not in self.cached_blocks and self.block_hash[block] is None:
+                self.cached_blocks[h] = block
+                self.block_hash[block] = h
+        self.seq_hashes[seq_id] = hashes
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no sequence holds (they become plain free blocks); blocks in use
+        keep their hashes. Returns how many were dropped."""
+        dropped = list(self.evictable)
+        for block in dropped:
+            del self.cached_blocks[self.block_hash[block]]
+            self.block_hash[block] = None
+            self.free_blocks.append(block)
+        self.evictable.clear()
+        return len(dropped)
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
         """Cache rows (slots) of positions start .. end − 1 of the sequence, where their keys/values go."""

@@ -58,6 +58,8 @@ class Request:
     slot: int | None = None        # lane while running: its row of a contiguous cache
     finish_reason: str | None = None  # "stop" (a stop token) or "length" (max_tokens or max_model_len)
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    num_cached_hint: int = 0       # what a prefix-cache lookup would serve now (set while waiting, for the budget)
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled
 
@@ -155,7 +157,7 @@ class ContinuousPolicy:
             if len(admitted) == free_slots or budget <= 0:
                 break
             admitted.append(r)
-            budget -= r.num_uncomputed
+            budget -= r.num_uncomputed - r.num_cached_hint  # prefix-cache hits cost the step nothing
         return admitted
 
     def seconds_until_admission(self, waiting, running, now) -> float:
@@ -232,17 +234,32 @@ class Scheduler:
         return decodes + [c for c in chunks if c.request.is_prefill]
 
     def _admit(self, budget: float, chunks: list[Chunk], now: float) -> None:
+        caching = self.blocks is not None and self.blocks.enable_prefix_caching
+        if caching:  # tell the policy what each candidate will really compute (lookups change nothing)
+            left = budget
+            for r in self.waiting[:len(self.free_slots)]:
+                if left <= 0:
+                    break
+                r.num_cached_hint = len(self.blocks.lookup(r.tokens)) * self.blocks.block_size
+                left -= r.num_uncomputed - r.num_cached_hint
         promised = 0  # blocks the requests admitted in this step will still need for the rest of their prompts
         for r in self.policy.admit(self.waiting, self.running, len(self.free_slots), budget, now):
             if self.blocks is not None:
-                need = self.blocks.num_new_blocks(r.request_id, r.num_tokens)
-                if need > self.blocks.num_free_blocks - promised:
+                # Sized after the cache lookup: hits need no new block, but a hit on an evictable block takes
+                # it out of the free count.
+                hits = self.blocks.lookup(r.tokens)
+                need = self.blocks.blocks_for(r.num_tokens) - len(hits)
+                if need > self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - promised:
                     break  # first come, first served: nobody overtakes a request that does not fit yet
                 promised += need
             self.waiting.remove(r)
             r.status, r.slot = RequestStatus.RUNNING, self.free_slots.pop()
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
+            if self.blocks is not None:
+                r.num_computed = self.blocks.allocate_cached(r.request_id, r.tokens)
+                if r.num_cached_tokens is None:
+                    r.num_cached_tokens = r.num_computed
             self.running.append(r)
             if budget > 0:  # a static batch admits all its requests at once; the budget starts what it can
                 n = int(min(r.num_uncomputed, budget))
@@ -269,7 +286,7 @@ class Scheduler:
 
     def _take_blocks(self, r: Request, num_tokens: int) -> None:
         """Grow r's block table to cover the tokens it computes in this step."""
-        if self.blocks is None:
+        if self.blocks is None or num_tokens == 0:
             return
         total = r.num_computed + num_tokens
         if r.request_id in self.blocks.block_tables:
@@ -285,6 +302,8 @@ class Scheduler:
             raise ValueError(f"sampled has {len(sampled)} tokens for {len(samplers)} sampling chunks")
         for c in chunks:
             c.request.num_computed += c.num_tokens
+            if self.blocks is not None:  # their keys and values are written now: full blocks join the cache
+                self.blocks.cache_blocks(c.request.request_id, c.request.tokens, c.request.num_computed)
         finished = []
         for c, token in zip(samplers, sampled):
             r = c.request
