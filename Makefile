@@ -43,10 +43,11 @@ bench: $(STAMP)
 
 # Notebooks run first without MPLBACKEND=Agg (their kernels use the inline backend), then the test
 # suite (its conftest sets Agg). Both always run; exit 5 (no notebooks collected) is not a failure.
+# -rs prints why a test was skipped (no GPU; no Chromium, with the command that installs it).
 test: $(STAMP)
 	status=0; \
 	$(OFFLINE) $(NBVAL) chapters labs || [ $$? -eq 5 ] || status=1; \
-	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q tests --impl=solutions || status=1; \
+	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs tests --impl=solutions || status=1; \
 	exit $$status
 
 # Every notebook's first cell becomes the Colab setup cell (tools/course_setup.py), then the .ipynb
