@@ -29,6 +29,12 @@ admitted only when the free blocks can hold everything it has to compute and sti
 running request to grow into: a prompt admitted into the last free blocks would only be preempted, and
 recomputed, a few steps later (on chapter 04's serving workload with the KV memory of 4 slots, this
 headroom took the preemptions from 31 to 3, and the tokens computed twice from 25% to 3%).
+
+With prefix caching (chapter 08) a request being admitted first takes the cached blocks its tokens start
+with (`BlockManager.allocate_cached`) and starts computing after them; the admission check is sized after
+that lookup, and a hit on an evictable cached block counts against the free blocks. After every step the
+full blocks whose keys and values are now written join the cache (`BlockManager.cache_blocks`), before a
+finished request releases them. The policy's token budget counts only what a request will compute.
 """
 from __future__ import annotations
 
