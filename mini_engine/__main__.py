@@ -71,6 +71,14 @@ def cmd_bench(args) -> None:
         if args.requests < 1 or args.batch < 1 or args.max_model_len < 2:
             raise ValueError("--requests and --batch must be >= 1, --max-model-len >= 2")
         bench_paging(args.requests, args.batch, args.device, args.dtype, max_model_len=args.max_model_len)
+    elif args.workload == "prefix":
+        from .bench_prefix import bench_prefix
+        if rungs:
+            raise ValueError("--workload prefix compares prefix caching on and off; it takes no --rung")
+        if args.requests < 1 or args.batch < 1 or args.prefix_len < 1 or args.question_len < 1:
+            raise ValueError("--requests, --batch, --prefix-len and --question-len must be >= 1")
+        bench_prefix(args.requests, args.device, args.dtype, prefix_len=args.prefix_len,
+                     question_len=args.question_len, batch=args.batch)
     elif serving or args.workload == "serving":
         if single:
             raise ValueError(f"--rung {single}: one-stream rungs; the serving workload takes {list(SERVING_RUNGS)}")
@@ -106,16 +114,19 @@ def main(argv=None) -> None:
                    choices=["naive", "cached", "compiled", "static", "dynamic", "continuous"],
                    help="repeatable; default: naive, cached and compiled (one stream), or all three policies "
                         "(serving)")
-    b.add_argument("--workload", choices=["single", "serving", "paging"], default="single",
+    b.add_argument("--workload", choices=["single", "serving", "paging", "prefix"], default="single",
                    help="single: one chat prompt, one stream; serving: many requests (implied by a policy rung); "
                         "paging: the serving workload on the contiguous vs the paged KV cache at equal memory, "
-                        "and one decode step from each")
+                        "and one decode step from each; prefix: a shared system prompt with prefix caching on "
+                        "vs off (TTFT, throughput) and the serving workload on vs off")
     b.add_argument("--tokens", type=int, default=128, help="single: new tokens of the one request")
     b.add_argument("--requests", type=int, default=64, help="serving: number of requests (lengths 16-256)")
     b.add_argument("--batch", type=int, default=16,
                    help="serving: max_num_seqs, and HF's batch size; paging: the contiguous slots, whose memory "
                         "the paged pool gets, and the decode step's batch")
     b.add_argument("--max-model-len", type=int, default=2048, help="paging: max_model_len of both engines")
+    b.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared prefix")
+    b.add_argument("--question-len", type=int, default=32, help="prefix: each request's own tokens")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     b.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="single: HF's dtype when it should differ from --dtype (e.g. our bf16 vs HF fp32)")
