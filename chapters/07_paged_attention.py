@@ -138,10 +138,11 @@ print("block tables:", dict(bm.block_tables), "free:", list(bm.free_blocks))
 print("slots of a's positions 0-8:", bm.slot_mapping("a", 0, 9), " (slot = block * 4 + offset)")
 
 # %% [markdown]
-# The engine now runs on this cache by default (`kv_cache="paged"`). The model writes each new token's
-# keys and values to its slot (`slot_mapping`), and attention reads each request's context through its
-# block table: on a GPU the Triton kernel `paged_decode_attention` follows the table itself; on a CPU the
-# torch path copies the blocks out first (section 6 measures what that costs).
+# The engine now runs on this cache by default (`kv_cache="paged"`; the prefix caching it also turns on is
+# chapter 08's subject, and this chapter's runs switch it off to see paging alone). The model writes each
+# new token's keys and values to its slot (`slot_mapping`), and attention reads each request's context
+# through its block table: on a GPU the Triton kernel `paged_decode_attention` follows the table itself; on
+# a CPU the torch path copies the blocks out first (section 6 measures what that costs).
 
 # %%
 llm = LLM.from_model(model, tok, max_model_len=512)
@@ -164,7 +165,7 @@ pool_blocks, pool_block_size = 24, 8
 rng = np.random.default_rng(7)
 arrivals = {0: [(30, 24), (20, 36)], 2: [(26, 20)], 4: [(18, 30)], 7: [(24, 26)], 10: [(12, 34)]}  # (prompt, output)
 engine = LLMEngine.from_model(model, tok, num_kv_blocks=pool_blocks, block_size=pool_block_size, max_num_seqs=6,
-                              max_model_len=256, chunked_prefill_tokens=32)
+                              max_model_len=256, chunked_prefill_tokens=32, enable_prefix_caching=False)
 history = []  # (snapshot after the step, ids finished in it)
 step = 0
 while engine.has_unfinished() or step <= max(arrivals):
@@ -247,7 +248,8 @@ serving = {}
 for kv_cache in tqdm(["contiguous", "paged"], desc="serving"):
     serving[kv_cache] = run_engine(
         model, tok, "continuous", work, slots if kv_cache == "contiguous" else None, name=kv_cache,
-        kv_cache=kv_cache, max_model_len=max_len, **({"num_kv_blocks": num_blocks} if kv_cache == "paged" else {}))
+        kv_cache=kv_cache, max_model_len=max_len, enable_prefix_caching=False,
+        **({"num_kv_blocks": num_blocks} if kv_cache == "paged" else {}))
 print(f"{work.name}: KV memory {serving['paged'].kv_bytes / 2**20:.0f} MiB for both ({slots} slots x {max_len} "
       f"positions = {num_blocks} blocks of 16)")
 print(f"{'cache':>10} {'peak reqs':>9} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
@@ -288,8 +290,9 @@ prompts = work.prompts[:n_pre]
 params = [me.SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8 if i % 3 == 0 else 0.0, seed=i)
           for i, n in enumerate(work.output_lens[:n_pre])]
 small = pick(cpu=12, gpu=96, device=device)
-roomy_llm = LLM.from_model(model, tok, num_kv_blocks=num_blocks, max_model_len=max_len)
-tight_llm = LLM.from_model(model, tok, num_kv_blocks=small, max_model_len=max_len, chunked_prefill_tokens=64)
+roomy_llm = LLM.from_model(model, tok, num_kv_blocks=num_blocks, max_model_len=max_len, enable_prefix_caching=False)
+tight_llm = LLM.from_model(model, tok, num_kv_blocks=small, max_model_len=max_len, chunked_prefill_tokens=64,
+                           enable_prefix_caching=False)
 roomy = roomy_llm.generate(prompts, params, use_tqdm=False)
 tight = tight_llm.generate(prompts, params, use_tqdm=False)
 preempted = [o for o in tight if o.metrics.num_preemptions]
@@ -303,7 +306,9 @@ print(f"blocks free afterwards: {tight_llm.engine.num_free_blocks} of {tight_llm
 # Preemption trades time for memory: the preempted requests compute their tokens twice, and the steps that
 # recompute them are prefill steps. The engine keeps the damage small: it preempts only when a step needs a
 # block and none is free, a prompt chunk first shrinks to the free blocks, and a waiting request is admitted
-# only once the pool can hold its whole prompt.
+# only once the pool can hold its whole prompt and still leave one free block for each running request to
+# grow into (without that headroom, chapter 04's workload on four slots' memory saw ten times the
+# preemptions).
 #
 # ## 6. The block size
 #
@@ -319,7 +324,8 @@ sizes = [1, 4, 16, 64, 256]
 lengths = np.array([len(p) + n for p, n in zip(work.prompts, work.output_lens)])
 sweep_tokens = slots * max_len // 4
 sweep = {b: run_engine(model, tok, "continuous", work, None, name=f"block {b}", num_kv_blocks=sweep_tokens // b,
-                       block_size=b, max_model_len=max_len) for b in tqdm(sizes, desc="block sizes")}
+                       block_size=b, max_model_len=max_len, enable_prefix_caching=False)
+         for b in tqdm(sizes, desc="block sizes")}
 batch, context = pick(cpu=8, gpu=32, device=device), pick(cpu=512, gpu=2048, device=device)
 step_s = time_decode_steps(model, batch, context, block_sizes=sizes)
 block_rows = [(b, float(formulas.paged_waste_tokens(lengths, b).mean()), sweep[b].peak_running, sweep[b].tok_s,

@@ -80,7 +80,7 @@ def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_l
                        kv_cache="contiguous", max_model_len=max_model_len),
             run_engine(model, tok, "continuous", work, None, name="mini_engine paged", progress=progress,
                        kv_cache="paged", num_kv_blocks=num_kv_blocks, block_size=block_size,
-                       max_model_len=max_model_len)]
+                       max_model_len=max_model_len, enable_prefix_caching=False)]  # paging alone
     steps = {c: time_decode_steps(model, batch, c, (block_size,)) for c in tqdm(contexts, desc="decode steps",
                                                                                 disable=not progress)}
     steps = {c: (t["contiguous"], t[block_size]) for c, t in steps.items()}
