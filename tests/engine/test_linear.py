@@ -85,6 +85,21 @@ def test_an_alternative_must_beat_the_plain_form_by_the_margin(alt_cost, winner)
     assert choice.speedup == pytest.approx(1 / alt_cost if winner == "alt" else 1.0)
 
 
+def test_one_lucky_round_does_not_crown_a_form():
+    """A busy machine: the alternative is slower in four rounds of five and fast in one. Its best time beats
+    the plain form's, but it did not win most rounds, so the plain form stays."""
+    clock = FakeClock()
+    tuner = Autotuner(repeats=5, clock=clock)
+    alt_costs = iter([3.0, 3.0, 0.5, 3.0, 3.0])
+
+    def plain():
+        clock.now += 1.0
+
+    def alt():
+        clock.now += next(alt_costs, 3.0)
+    assert tuner.choose("op", ("busy",), lambda: {"plain": plain, "alt": alt}) == "plain"
+
+
 def test_forms_can_be_forced_from_the_environment():
     assert forced_from_env("product=linear, attention=fp32") == {"product": "linear", "attention": "fp32"}
     assert forced_from_env("") == {}
