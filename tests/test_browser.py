@@ -2,8 +2,10 @@
 
 JupyterLab starts as `make lab` starts it (127.0.0.1, a token), headless Chromium opens chapter 03,
 runs every cell from the Run menu, drags the KV-memory calculator's context slider, and checks that
-the widget redrew: its summary and its plot change, as a reader would see. Screenshots go to
-build/browser/ (ignored by git).
+the widget redrew: its summary and its plot change, as a reader would see. Then the saved chapter
+becomes a site page (tools/build_site.py) showing the widget as last drawn, and a chapter built as
+`make site` builds it opens from disk with every plot decoded. Screenshots go to build/browser/
+(ignored by git).
 
 The browser is Debian's Chromium driven through Playwright's Python API; nothing is downloaded at
 run time (never `playwright install`). Without Chromium the test is skipped with the command that
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -23,7 +26,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
+
+from tools import build_site
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "build" / "browser"
@@ -76,6 +82,10 @@ def jupyterlab(tmp_path_factory):
     settings.mkdir(parents=True)
     # Every cell in the page, not only those scrolled into view, so the test can find the widget.
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    # Saving keeps the widgets' state, as `make site` does, so the saved chapter renders them.
+    widgets = base / "settings" / "@jupyter-widgets" / "jupyterlab-manager"
+    widgets.mkdir(parents=True)
+    (widgets / "plugin.jupyterlab-settings").write_text(json.dumps({"saveState": True}))
     port, token = _free_port(), secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel draws inline, as in make lab
     env.update(JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTER_RUNTIME_DIR=str(base / "runtime"),
@@ -101,7 +111,7 @@ def jupyterlab(tmp_path_factory):
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"JupyterLab did not start:\n{(base / 'jupyterlab.log').read_text()[-3000:]}")
             time.sleep(0.5)
-        yield url, token
+        yield url, token, base
     finally:
         server.terminate()
         try:
@@ -158,7 +168,7 @@ def _widget_view(page):
 
 
 def test_chapter_03_runs_in_jupyterlab_and_its_slider_redraws(browser, jupyterlab):
-    url, token = jupyterlab
+    url, token, base = jupyterlab
     SHOTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(60_000)
@@ -196,4 +206,46 @@ def test_chapter_03_runs_in_jupyterlab_and_its_slider_redraws(browser, jupyterla
     assert readout_after != readout, f"dragging the context slider did not move it (still {readout})"
     assert summary_after != summary, f"the summary did not change when context went {readout} -> {readout_after}"
     assert image_after != image, f"the plot was not redrawn when context went {readout} -> {readout_after}"
+
+    # Saved from JupyterLab, the chapter renders as a site page (tools/build_site.py, as make site
+    # does after executing it) with the widget as it was last drawn: the moved slider's value.
+    saved = base / "chapters" / CHAPTER
+    before_save = saved.stat().st_mtime
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 60
+    while saved.stat().st_mtime == before_save and time.monotonic() < deadline:
+        time.sleep(0.5)
+    nb = nbformat.read(saved, as_version=4)
+    html_page = build_site.write_page(nb, base / "site" / CHAPTER.replace(".ipynb", ".html"))
+    page.goto(html_page.as_uri(), wait_until="domcontentloaded")
+    loaded = _loaded_images(page)
+    page.screenshot(path=SHOTS / "03_site_page.png", full_page=True)
+    assert any(img["alt"] == "widget plot" for img in loaded), (
+        f"the site page shows no drawing of the KV-memory widget: images {[i['alt'] for i in loaded]}")
+    assert readout_after in page.inner_text("body"), f"the site page lost the slider's last value {readout_after}"
+    page.close()
+
+
+def _loaded_images(page) -> list[dict]:
+    """The page's images that the browser decoded (a broken image has naturalWidth 0)."""
+    page.wait_for_function("() => [...document.images].every(i => i.complete)", timeout=60_000)
+    return page.evaluate("""() => [...document.images].map(i => ({alt: i.alt, src: i.src.slice(0, 22),
+                                                                  width: i.naturalWidth}))
+                                  .filter(i => i.width > 0)""")
+
+
+def test_a_chapter_built_by_make_site_shows_its_plots(browser, tmp_path):
+    """`make site` for one chapter (00, the quickest), opened from disk: every plot it drew is there."""
+    written = build_site.build(["00"], out_dir=tmp_path / "site")
+    page_path, index = written[0], written[-1]
+    executed_pngs = len(re.findall(r'<img[^>]*src="data:image/png', page_path.read_text()))
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(index.as_uri(), wait_until="domcontentloaded")
+    page.click(f"a[href='{page_path.name}']")
+    page.wait_for_load_state("domcontentloaded")
+    assert "Setup and the model" in page.title(), f"the index should link chapter 00, not {page.title()!r}"
+    plots = [img for img in _loaded_images(page) if img["src"].startswith("data:image/png")]
+    page.screenshot(path=SHOTS / "00_site_page.png", full_page=True)
+    assert len(plots) >= 2 and len(plots) == executed_pngs, (
+        f"chapter 00's page should show its {executed_pngs} plots (at least 2); the browser decoded {len(plots)}")
     page.close()
