@@ -10,6 +10,7 @@ build the Makefile installs (TORCH_SPEC, by default torch==2.13.0), so pip takes
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,7 +59,8 @@ def colab(tmp_path_factory):
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "Colab (simulated)", "language": "python", "env": env}))
-    return {"base": base, "content": content, "python": python, "jupyter_path": base / "jupyter"}
+    yield {"base": base, "content": content, "python": python, "jupyter_path": base / "jupyter"}
+    shutil.rmtree(base, ignore_errors=True)  # a 2 GB virtual environment: pytest would keep three
 
 
 def execute(colab, notebook: str, monkeypatch) -> nbformat.NotebookNode:
