@@ -7,12 +7,14 @@ plus the new tokens. With no cache (`slots is None`) a sequence attends to its n
 Two caches (kv_cache.py): the contiguous one, where sequence i owns row `slots[i]`, and the paged one, where
 `block_tables[i]` lists the blocks holding its positions in order. On a CPU the paged path gathers each
 sequence's blocks (`index_select` on the block ids, once per layer) and calls SDPA as the contiguous path
-does. Measured against the other forms (decode, 16 sequences, SmolLM2's 3 KV heads of 64, fp32, one layer,
-AMD EPYC, 2 threads): contexts of 128 / 1024 positions took 0.14 / 1.2 ms from the contiguous cache, 0.19 /
-2.3 ms through `index_select`, 0.30 / 3.6 ms through advanced indexing (`pool[block_tables]`), 0.38 / 1.1 ms
-as views of contiguous block runs with one SDPA call per sequence (only possible when a sequence's blocks
-happen to be consecutive, which decodes growing side by side make rare), and 8-12 / 17-79 ms compiled with
-torch.compile (Inductor did not fuse the gather into a good reduction, and compiling took 8-20 s).
+does. The forms measured for one layer's decode (16 sequences, SmolLM2's 9 query and 3 KV heads of 64, fp32,
+two threads of a quiet AMD EPYC with AVX-512; shuffled block tables), contexts of 128 / 1024 positions:
+contiguous slice 0.14 / 0.83 ms; `index_select` gather 0.19 / 2.08 ms (kept); advanced indexing
+(`pool[block_tables]`) 0.27 / 3.78 ms; views of contiguous block runs with one SDPA call per sequence 0.44 /
+1.51 ms, and only when a sequence's blocks are consecutive, which decodes growing side by side make rare;
+torch.compile of a fused gather-and-reduce 0.15 / 1.80 ms, but compiled anew for each context length (3-4 s
+each), which a serving engine meets at every step. The copy reads the cached keys and values a second time, which is
+what a paged decode step costs over a contiguous one at long contexts (`bench --workload paging`).
 """
 from __future__ import annotations
 
