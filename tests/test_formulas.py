@@ -197,6 +197,24 @@ def test_speculative_speedup_reproduces_the_seed_table():
     assert table.shape == (5, 4)
     np.testing.assert_allclose(table, seed, atol=0.006)
     assert table[2, 2] == F.speculative_speedup(k=5, alpha=0.7, draft_cost=0.02, overhead=0.05)
+    # The defaults are the seed's grid and costs.
+    np.testing.assert_array_equal(F.speculative_speedup_table(), table)
+    assert (F.SEED_KS, F.SEED_ALPHAS) == (tuple(ks), tuple(alphas))
+
+
+def test_acceptance_rate_is_the_overlap_of_p_and_q():
+    assert F.acceptance_rate([0.2, 0.3, 0.5], [0.2, 0.3, 0.5]) == pytest.approx(1.0)
+    assert F.acceptance_rate([0.5, 0.5, 0.0], [0.0, 0.0, 1.0]) == 0.0
+    assert F.acceptance_rate([0.6, 0.3, 0.1], [0.0, 1.0, 0.0]) == pytest.approx(0.3)  # one-hot q: p(guess)
+    np.testing.assert_allclose(F.acceptance_rate([[0.5, 0.5], [1.0, 0.0]], [[1.0, 0.0], [0.5, 0.5]]), [0.5, 0.5])
+    with pytest.raises(ValueError, match="draft_probs"):
+        F.acceptance_rate([0.5, 0.5], [1.0, 0.0, 0.0])
+
+
+def test_expected_accepted_drafts_leaves_out_the_targets_token():
+    assert F.expected_accepted_drafts(4, 0.8) == pytest.approx(0.8 + 0.64 + 0.512 + 0.4096)
+    assert F.expected_accepted_drafts(3, 1.0) == 3
+    assert F.expected_accepted_drafts(3, 0.0) == 0
 
 
 def test_speculative_speedup_is_tokens_over_round_cost():
