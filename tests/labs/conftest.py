@@ -8,6 +8,8 @@ A test module may also name, per lab function, the engine's finished functions t
 function's job (functions, or whole modules and classes): `SHORTCUTS = {"naive_generate":
 [me.generate_naive], "forward_flops": [formulas]}`. Through `impl`, each call of that lab function then
 fails, in one line, if it reached any of them: the lab asks for the piece itself, not a call to the engine.
+A lab class may be named too (`{"ContinuousBatcher": [scheduler]}`): then every method of its instances is
+watched, so a `run()` that hands the work to the engine's scheduler fails the same way.
 """
 from __future__ import annotations
 
@@ -42,6 +44,32 @@ def _code(fn):
     return getattr(fn, "__code__", None)
 
 
+def _watched(name: str, fn, forbidden: dict):
+    """`fn`, failing in one line if a call of it reaches one of the `forbidden` functions (by code object)."""
+
+    def guarded(*args, **kwargs):
+        hits = []
+
+        def watch(frame, event, _arg):
+            if event == "call" and frame.f_code in forbidden and not hits:
+                hits.append(forbidden[frame.f_code])
+
+        previous = sys.getprofile()
+        sys.setprofile(watch)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            sys.setprofile(previous)
+            if hits:
+                hit = hits[0]
+                pytest.fail(f"{name}() calls the engine's finished {hit.__module__}.{hit.__qualname__}(), which "
+                            f"already does this lab's job: write {name} yourself from the pieces its "
+                            "docstring names", pytrace=False)
+        return result
+
+    return functools.wraps(fn)(guarded)
+
+
 class _Guarded:
     """The lab module, with some of its functions run under a watch for engine shortcuts."""
 
@@ -57,28 +85,12 @@ class _Guarded:
         if name not in self._shortcuts or not callable(obj):
             return obj
         forbidden = self._shortcuts[name]
-
-        def guarded(*args, **kwargs):
-            hits = []
-
-            def watch(frame, event, _arg):
-                if event == "call" and frame.f_code in forbidden and not hits:
-                    hits.append(forbidden[frame.f_code])
-
-            previous = sys.getprofile()
-            sys.setprofile(watch)
-            try:
-                result = obj(*args, **kwargs)
-            finally:
-                sys.setprofile(previous)
-                if hits:
-                    fn = hits[0]
-                    pytest.fail(f"{name}() calls the engine's finished {fn.__module__}.{fn.__qualname__}(), which "
-                                f"already does this lab's job: write {name} yourself from the pieces its "
-                                "docstring names", pytrace=False)
-            return result
-
-        return functools.wraps(obj)(guarded)
+        if inspect.isclass(obj):
+            # A subclass whose own methods are watched: instances still pass isinstance(obj) and keep state.
+            methods = {attr: _watched(f"{name}.{attr}", fn, forbidden) for attr, fn in vars(obj).items()
+                       if inspect.isfunction(fn) and (attr == "__init__" or not attr.startswith("__"))}
+            return type(name, (obj,), {**methods, "__module__": obj.__module__, "__doc__": obj.__doc__})
+        return _watched(name, obj, forbidden)
 
     def __repr__(self):
         return f"<{self._module.__name__}, guarded against engine shortcuts>"
