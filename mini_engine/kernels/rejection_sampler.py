@@ -1,0 +1,183 @@
+"""Speculative decoding's verify step in Triton: accept drafts, then draw the one token the target adds.
+
+One program per sequence. It reads the target's probability of each draft, runs the accept test
+u_j · q_j(x_j) < p_j(x_j) on all drafts at once and finds the first rejection, then streams the vocabulary
+of that position in BLOCK_V tiles to draw the last token by an exponential race, argmax(w · (1/E)), over
+w = max(0, p − q) (after a rejection) and w = p (the bonus token, or the fallback when rounding left the
+residual empty). All random numbers come in from outside (`speculative.draw_randoms`), so a launch is a
+pure function of its inputs: the kernel and its torch reference choose the same tokens, bit for bit, which
+is what the tests check. The whole step is a few loads per draft plus one pass over V floats per sequence,
+tiny next to the target's forward pass; as one launch it avoids a dozen small torch ops per step on a GPU.
+
+Laid out like the other kernels: the kernel, its torch reference (which lives in `mini_engine.speculative`
+as the CPU path and is imported here, so there is one formulation to read), the launch configuration and
+wrapper, then `aot_specs` for compiling it ahead of time (aot.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..speculative import rejection_sample_from_randoms as rejection_sampler_reference
+from .aot import KernelSpec
+from .gpus import GPUSpec
+
+_INT_ARGS = ["num_slots", "vocab_size", "stride_ts", "stride_tk", "stride_ds", "stride_qs", "stride_qk",
+             "stride_us", "stride_es", "stride_os"]
+
+
+# Sizes are not specialised (every int is passed as a plain i32): one compilation per k serves every
+# vocabulary and batch, and what aot_specs compiles is exactly what a launch runs.
+@triton.jit(do_not_specialize=_INT_ARGS)
+def _rejection_sample(TargetProbs, DraftIds, NumDrafts, DraftProbs, Uniforms, InvExp, Out,
+                      num_slots, vocab_size,
+                      stride_ts, stride_tk, stride_ds, stride_qs, stride_qk, stride_us, stride_es, stride_os,
+                      HAS_DRAFT_PROBS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Grid: (sequences,). num_slots = k, the drafts a row has room for; row s holds NumDrafts[s] of them."""
+    s = tl.program_id(0).to(tl.int64)
+    n = tl.load(NumDrafts + s)
+    offs_k = tl.arange(0, BLOCK_K)
+    drafted = offs_k < n
+
+    # The accept test on every draft at once; an id outside the vocabulary reads p = 0 and is rejected.
+    x = tl.load(DraftIds + s * stride_ds + offs_k, mask=drafted, other=-1).to(tl.int64)
+    in_vocab = drafted & (x >= 0) & (x < vocab_size)
+    p_x = tl.load(TargetProbs + s * stride_ts + offs_k * stride_tk + x, mask=in_vocab, other=0.0)
+    if HAS_DRAFT_PROBS:
+        q_x = tl.load(DraftProbs + s * stride_qs + offs_k * stride_qk + x, mask=in_vocab, other=1.0)
+    else:
+        q_x = tl.full([BLOCK_K], 1.0, tl.float32)  # a deterministic proposer: q is one-hot at its guess
+    u = tl.load(Uniforms + s * stride_us + offs_k, mask=drafted, other=1.0)
+    rejected = drafted & ~(u * q_x < p_x)
+    num_accepted = tl.min(tl.where(rejected, offs_k, n), axis=0)  # the first rejection, or n
+    was_rejected = num_accepted < n
+    x_at = tl.sum(tl.where(offs_k == num_accepted, x, 0), axis=0)  # the rejected draft (when there is one)
+    x_at_in_vocab = was_rejected & (x_at >= 0) & (x_at < vocab_size)
+
+    # One pass over the vocabulary at position num_accepted: a running argmax for each candidate w.
+    p_row = TargetProbs + s * stride_ts + num_accepted * stride_tk
+    q_row = DraftProbs + s * stride_qs + num_accepted * stride_qk
+    best_res, arg_res = -1.0, 0
+    best_p, arg_p = -1.0, 0
+    res_max = 0.0
+    for start in range(0, vocab_size, BLOCK_V):
+        offs_v = start + tl.arange(0, BLOCK_V)
+        in_row = offs_v < vocab_size
+        p = tl.load(p_row + offs_v, mask=in_row, other=0.0)
+        if HAS_DRAFT_PROBS:
+            # Read only after a rejection (row num_accepted = k does not exist when all were accepted).
+            q = tl.load(q_row + offs_v, mask=offs_v < tl.where(was_rejected, vocab_size, 0), other=0.0)
+        else:
+            q = tl.where((offs_v == x_at) & x_at_in_vocab, 1.0, 0.0)
+        residual = tl.maximum(p - q, 0.0)
+        inv_e = tl.load(InvExp + s * stride_es + offs_v, mask=in_row, other=0.0)
+        # Lanes past the vocabulary score -1, below any real lane (scores are >= 0).
+        tile_res, tile_arg_res = tl.max(tl.where(in_row, residual * inv_e, -1.0), axis=0, return_indices=True)
+        tile_p, tile_arg_p = tl.max(tl.where(in_row, p * inv_e, -1.0), axis=0, return_indices=True)
+        # Strictly greater: on a tie the earlier tile keeps it, the lowest index, as torch.argmax does.
+        arg_res = tl.where(tile_res > best_res, start + tile_arg_res, arg_res)
+        best_res = tl.maximum(best_res, tile_res)
+        arg_p = tl.where(tile_p > best_p, start + tile_arg_p, arg_p)
+        best_p = tl.maximum(best_p, tile_p)
+        res_max = tl.maximum(res_max, tl.max(residual, axis=0))
+    last = tl.where(was_rejected & (res_max > 0), arg_res, arg_p).to(tl.int64)
+
+    # The whole row: accepted drafts, the drawn token, then -1 padding.
+    out = tl.where(offs_k < num_accepted, x, tl.where(offs_k == num_accepted, last, -1))
+    tl.store(Out + s * stride_os + offs_k, out, mask=offs_k < num_slots + 1)
+
+
+INTERPRETED = not isinstance(_rejection_sample, triton.runtime.JITFunction)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_v: int
+    num_warps: int
+
+
+def launch_config(vocab_size: int, gpu: GPUSpec | None) -> LaunchConfig:
+    """Vocabulary tiles of 1024 fp32 (4 KiB per operand) with 4 warps: 8 values per thread per operand, no
+    spills, the same on every GPU since the step is a single streaming pass. The interpreter takes the
+    vocabulary in one tile when it is small (the tests' V <= 1024), in 1024s otherwise."""
+    block_v = min(triton.next_power_of_2(vocab_size), 1024)
+    return LaunchConfig(block_v=block_v if gpu is None else 1024, num_warps=4)
+
+
+def _compile_time_args(num_slots: int, vocab_size: int, has_draft_probs: bool, gpu: GPUSpec | None) -> dict:
+    """Constexprs and launch options for one call, shared by the launch and `aot_specs`."""
+    cfg = launch_config(vocab_size, gpu)
+    return dict(HAS_DRAFT_PROBS=has_draft_probs, BLOCK_K=triton.next_power_of_2(num_slots + 1),
+                BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)
+
+
+def _check_inputs(target_probs, draft_token_ids, num_drafts, draft_probs, uniforms, inv_exponentials) -> None:
+    s, k = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
+    expected = {"target_probs": (target_probs, (s, k + 1, vocab), torch.float32),
+                "num_drafts": (num_drafts, (s,), torch.int32),
+                "uniforms": (uniforms, (s, k), torch.float32),
+                "inv_exponentials": (inv_exponentials, (s, vocab), torch.float32)}
+    if draft_probs is not None:
+        expected["draft_probs"] = (draft_probs, (s, k, vocab), torch.float32)
+    for name, (t, shape, dtype) in expected.items():
+        if t.shape != shape or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} of shape {list(shape)}, got {t.dtype} {list(t.shape)}")
+        if t.device != draft_token_ids.device:
+            raise ValueError(f"{name} is on {t.device} but draft_token_ids is on {draft_token_ids.device}")
+    if draft_token_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"draft_token_ids must be int32 or int64, got {draft_token_ids.dtype}")
+    if draft_token_ids.device.type == "cpu" and not INTERPRETED:
+        raise ValueError("draft_token_ids is a CPU tensor but Triton is compiling for a GPU: set "
+                         "TRITON_INTERPRET=1 before importing mini_engine.kernels to run the kernel in the interpreter")
+
+
+def rejection_sampler(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor,
+                      draft_probs: torch.Tensor | None, uniforms: torch.Tensor,
+                      inv_exponentials: torch.Tensor) -> torch.Tensor:
+    """The kernel's launch, with `rejection_sampler_reference`'s arguments and result: [S, k + 1] int64 rows of
+    accepted drafts, the drawn token, -1 padding. target_probs [S, k+1, V], draft_probs [S, k, V] or None,
+    uniforms [S, k] and inv_exponentials [S, V] are fp32; num_drafts [S] int32 (drafts in each row)."""
+    _check_inputs(target_probs, draft_token_ids, num_drafts, draft_probs, uniforms, inv_exponentials)
+    target_probs, draft_token_ids, num_drafts, uniforms, inv_exponentials = (
+        t.contiguous() for t in (target_probs, draft_token_ids, num_drafts, uniforms, inv_exponentials))
+    s, k = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
+    out = torch.empty(s, k + 1, dtype=torch.int64, device=target_probs.device)
+    if s == 0:
+        return out
+    # Without draft probabilities the pointer is never read; the target's stands in so the signature is fixed.
+    q = draft_probs.contiguous() if draft_probs is not None else target_probs
+    q_strides = q.stride()[:2] if draft_probs is not None else (0, 0)
+    gpu = None if INTERPRETED else GPUSpec.from_device(target_probs.device)
+    _rejection_sample[(s,)](
+        target_probs, draft_token_ids, num_drafts, q, uniforms, inv_exponentials, out,
+        k, vocab, *target_probs.stride()[:2], draft_token_ids.stride(0), *q_strides,
+        uniforms.stride(0), inv_exponentials.stride(0), out.stride(0),
+        **_compile_time_args(k, vocab, draft_probs is not None, gpu))
+    return out
+
+
+def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
+    """The launches on `gpu`: k = 4 and k = 8 drafts over SmolLM2's 49,152-token vocabulary, with draft
+    probabilities (a sampled draft model) and without (n-gram or greedy drafts). Probabilities are always fp32
+    (speculative.rejection_sample casts them), so only the fp32 pass has launches to compile."""
+    if dtype != torch.float32:
+        return []
+    signature = {name: "i32" for name in _INT_ARGS}
+    signature |= dict(TargetProbs="*fp32:16", DraftIds="*i64:16", NumDrafts="*i32:16", DraftProbs="*fp32:16",
+                      Uniforms="*fp32:16", InvExp="*fp32:16", Out="*i64:16")
+    specs = []
+    for k in (4, 8):
+        for has_draft_probs in (True, False):
+            args = _compile_time_args(k, 49152, has_draft_probs, gpu)
+            options = {"num_warps": args.pop("num_warps")}
+            label = f"k={k}, {'draft probabilities' if has_draft_probs else 'deterministic drafts'}, V 49152"
+            specs.append(KernelSpec(_rejection_sample, signature, args, options, label))
+    return specs
+
+
+__all__ = ["rejection_sampler", "rejection_sampler_reference", "launch_config", "LaunchConfig", "aot_specs"]
