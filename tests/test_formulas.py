@@ -342,3 +342,22 @@ def test_prefix_cache_ttft_explains_the_seeds_40x():
     without, with_hit = F.prefix_cache_ttft(m, prefixes, 50, 2, **A100, block_size=16)
     flop_ratio = [F.prefix_cache_savings(p, 50, 1, m, block_size=16).ttft_ratio for p in prefixes]
     assert np.all(without / with_hit <= np.array(flop_ratio) + 1e-9), "a roofline never beats the FLOP ratio"
+
+
+# ---------------------------------------------------------------- attention's HBM traffic
+
+def test_attention_hbm_bytes_counts_every_pass():
+    n, d = 1000, 64
+    # naive: Q, K, V, O once each (N·d), S written, read, P written, read (N² each)
+    assert F.attention_hbm_bytes(n, d, 2) == 2 * (4 * n * d + 4 * n * n)
+    # tiled: Q and O once, K and V once per query tile (⌈1000/128⌉ = 8 tiles)
+    assert F.attention_hbm_bytes(n, d, 2, block_m=128) == 2 * (2 * n * d + 2 * n * d * 8)
+    # one tile holding every query reads K and V once: the minimum, 4·N·d
+    assert F.attention_hbm_bytes(n, d, 4, block_m=n) == 4 * 4 * n * d
+    # doubling the tile halves the K/V passes; the tiled traffic has no N² term when N ≤ block_m
+    big, small = F.attention_hbm_bytes(8192, 128, 2, 128), F.attention_hbm_bytes(8192, 128, 2, 64)
+    assert small - big == 2 * 2 * 8192 * 128 * (128 - 64)
+    assert np.allclose(F.attention_hbm_bytes(np.array([256, 512]), d, 2), [F.attention_hbm_bytes(256, d, 2),
+                                                                          F.attention_hbm_bytes(512, d, 2)])
+    with pytest.raises(ValueError, match="block_m"):
+        F.attention_hbm_bytes(n, d, 2, block_m=0)
