@@ -12,6 +12,14 @@ at the whole pool (`num_kv_blocks` x `block_size`): a prompt must leave room for
 (longer ones are rejected), and an output that would run past the cap stops there with finish_reason
 "length", whatever its max_tokens (vLLM does the same). When the pool runs out, the scheduler preempts the
 most recently admitted request, which later recomputes what it had (see scheduler.py).
+
+`SamplingParams(n=...)` asks for n completions of one prompt, returned together in
+`RequestOutput.outputs`. On the paged cache the prompt is prefilled once and the samples fork from it,
+sharing its blocks, the partly filled last one copied on a sample's first write into it (copy-on-write,
+see paging.py). The contiguous cache has no blocks to share: there each sample is a request of its own
+with its own slot, and computes the prompt itself (n prefills: the "before" picture). Either way, with a
+seed, sample i draws from its own stream (`sampling.sample_seed`), so the n answers differ, reproducibly,
+and sample 0 draws exactly what a request with n=1 would.
 """
 from __future__ import annotations
 
@@ -47,14 +55,24 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One of a request's n completions (vLLM's shape)."""
+    index: int            # which sample: 0 .. n − 1
     token_ids: list[int]
     text: str | None      # None when the engine has no tokenizer
     finish_reason: str    # "stop" (stop or EOS token, included in token_ids) or "length"
-    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # outputs[0]'s, as are text and finish_reason
+    text: str | None      # None when the engine has no tokenizer
+    finish_reason: str    # "stop" (stop or EOS token, included in token_ids) or "length"
+    metrics: RequestMetrics  # over all n samples (ttft: the first token of any, e2e: the last of all)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when the request was first admitted
+    outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)  # the n completions, by index
 
 
 @dataclass(frozen=True)
@@ -98,8 +116,11 @@ class ModelRunner:
                  blocks: BlockManager | None = None):
         self.model, self.kv_cache, self.backend, self.blocks = model, kv_cache, backend, blocks
 
-    def execute(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Logits [number of sampling chunks, vocab], in chunk order."""
+    def execute(self, chunks: list[Chunk], block_copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """Logits [number of sampling chunks, vocab], in chunk order. `block_copies`: the step's copy-on-write
+        (src, dst) blocks, copied before the step writes into them."""
+        if block_copies:
+            self.kv_cache.copy_blocks(block_copies)
         ids, query_lens, context_lens, rows = [], [], [], []
         for c in chunks:
             ids += c.request.tokens[c.start:c.start + c.num_tokens]
@@ -142,6 +163,8 @@ class LLMEngine:
         self.eos_token_id = model.config.eos_token_id if eos is None else eos
         self.trace: list[StepRecord] = []
         self._generators: dict[int, torch.Generator | None] = {}
+        self._samples: dict[int, list[Request]] = {}  # request id -> its n samples (sample 0 has the request's id)
+        self._request_of: dict[int, int] = {}          # sample's id -> its request's id
         self._ids = itertools.count()
         self._num_steps = 0
 
@@ -229,7 +252,19 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(prompt)} tokens: with one new token it needs "
                              f"{blocks.blocks_for(len(prompt) + 1)} blocks of {blocks.block_size}, more than the whole "
                              f"KV pool (num_kv_blocks={blocks.num_blocks})")
+        self._check_n(len(prompt), params.n)
         return prompt, params
+
+    def _check_n(self, prompt_len: int, n: int) -> None:
+        """n samples run side by side: one slot each, and on the paged cache the prompt's full blocks (shared)
+        plus one block of each sample's own for its first new token."""
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n={n} samples run side by side but max_num_seqs={self.config.max_num_seqs}")
+        blocks = self.scheduler.blocks
+        if blocks is not None and prompt_len // blocks.block_size + n > blocks.num_blocks:
+            raise ValueError(f"n={n} samples of a {prompt_len}-token prompt need {prompt_len // blocks.block_size} "
+                             f"shared blocks + {n} of their own, more than the KV pool (num_kv_blocks="
+                             f"{blocks.num_blocks})")
 
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
         """Queue a request (a string or token ids); it joins the batch at a step the policy allows.
@@ -238,10 +273,19 @@ class LLMEngine:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos and self.eos_token_id is not None:
             stop.add(self.eos_token_id)
-        request = Request(next(self._ids), prompt, params, frozenset(stop), time.perf_counter())
-        self._generators[request.request_id] = make_generator(params, self.model.device)
-        self.scheduler.add(request)
-        return request.request_id
+        now = time.perf_counter()
+        samples = [Request(next(self._ids), prompt, params, frozenset(stop), now, index=i) for i in range(params.n)]
+        for s in samples:
+            self._generators[s.request_id] = make_generator(params, self.model.device, s.index)
+            self._request_of[s.request_id] = samples[0].request_id
+        self._samples[samples[0].request_id] = samples
+        if self.scheduler.blocks is not None:
+            samples[0].forks = samples[1:]  # one prefill, then the others fork from it
+            self.scheduler.add(samples[0])
+        else:
+            for s in samples:  # no blocks to share: each sample computes the prompt in a slot of its own
+                self.scheduler.add(s)
+        return samples[0].request_id
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -256,8 +300,10 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests pending")
             time.sleep(max(wait, 0.0))  # a dynamic batcher waiting for its bucket: nothing to compute
             return []
-        logits = self.runner.execute(chunks)
-        samplers = [c.request for c in chunks if c.samples]
+        logits = self.runner.execute(chunks, self.scheduler.block_copies)
+        rows, samplers = zip(*self.scheduler.samplers(chunks)) if any(c.samples for c in chunks) else ((), ())
+        if len(samplers) > logits.shape[0]:  # forks draw from the row of the prefill they fork from
+            logits = logits[list(rows)]
         tokens = sample(logits, [r.params for r in samplers], [self._generators[r.request_id] for r in samplers])
         end = time.perf_counter()  # sample() read the tokens back, so the device has finished the step
         if self.config.record_trace:
@@ -265,19 +311,35 @@ class LLMEngine:
                 (c.request.request_id, c.request.slot, c.num_tokens, c.samples) for c in chunks),
                 len(self.scheduler.waiting), len(self.scheduler.running)))
         self._num_steps += 1
-        return [self._output(r) for r in self.scheduler.update(chunks, tokens, end)]
+        finished = self.scheduler.update(chunks, list(tokens), end)
+        return [out for out in map(self._finish_sample, finished) if out is not None]
 
-    def _output(self, r: Request) -> RequestOutput:
+    def _finish_sample(self, r: Request) -> RequestOutput | None:
+        """The request's output once its last sample has finished (None before)."""
         del self._generators[r.request_id]
-        n, first, last = len(r.output_ids), r.token_times[0], r.token_times[-1]
+        request_id = self._request_of.pop(r.request_id)
+        samples = self._samples[request_id]
+        if any(s.request_id in self._request_of for s in samples):  # a sample is still running
+            return None
+        del self._samples[request_id]
+        return self._output(samples)
+
+    def _output(self, samples: list[Request]) -> RequestOutput:
+        r = samples[0]
+        first = min(s.token_times[0] for s in samples)
+        last = max(s.token_times[-1] for s in samples)
+        tpots = [(s.token_times[-1] - s.token_times[0]) / (len(s.output_ids) - 1) for s in samples
+                 if len(s.output_ids) > 1]  # per sample: the time between its own tokens
         metrics = RequestMetrics(
-            queue_s=r.first_scheduled_time - r.arrival_time, ttft_s=first - r.arrival_time,
-            tpot_s=(last - first) / (n - 1) if n > 1 else float("nan"), e2e_s=last - r.arrival_time,
-            num_preemptions=r.num_preemptions, num_prompt_tokens=len(r.prompt_ids), num_output_tokens=n,
-            arrival_time=r.arrival_time, token_times=tuple(r.token_times))
-        text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else None
-        return RequestOutput(r.request_id, r.prompt_ids, list(r.output_ids), text, r.finish_reason, metrics,
-                             r.num_cached_tokens or 0)
+            queue_s=min(s.first_scheduled_time for s in samples) - r.arrival_time, ttft_s=first - r.arrival_time,
+            tpot_s=sum(tpots) / len(tpots) if tpots else float("nan"), e2e_s=last - r.arrival_time,
+            num_preemptions=sum(s.num_preemptions for s in samples), num_prompt_tokens=len(r.prompt_ids),
+            num_output_tokens=sum(len(s.output_ids) for s in samples), arrival_time=r.arrival_time,
+            token_times=tuple(sorted(t for s in samples for t in s.token_times)))
+        outputs = [CompletionOutput(s.index, list(s.output_ids), self.tokenizer.decode(s.output_ids)
+                                    if self.tokenizer is not None else None, s.finish_reason) for s in samples]
+        return RequestOutput(r.request_id, r.prompt_ids, outputs[0].token_ids, outputs[0].text,
+                             outputs[0].finish_reason, metrics, r.num_cached_tokens or 0, outputs)
 
 
 def _as_prompt_list(prompts) -> list:

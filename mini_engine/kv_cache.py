@@ -75,6 +75,12 @@ class PagedKVCache:
         """Keys and values of layer i: [num_blocks, block_size, kv_heads, head_dim] each."""
         return self._layers[i]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write (parallel sampling): every layer's keys and values of block src into block dst, for
+        each (src, dst). All sources are read before any destination is written."""
+        src, dst = (torch.tensor(ids, device=self.data.device) for ids in zip(*pairs))
+        self.data[:, :, dst] = self.data[:, :, src]
+
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions=None,
               backend: str = "torch") -> None:
         """Store the new tokens' keys/values (k/v [T,Hkv,D]) in their slots (`slot_mapping` [T], from the

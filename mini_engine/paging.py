@@ -27,6 +27,15 @@ handed out for new data only when the free list is empty, least recently release
 tail is released before its head, since a block is only useful while every block before it is cached).
 Handing it out forgets its hash. `reset_prefix_cache` forgets every evictable block. The hash map holds
 at most one entry per block, so it cannot grow without bound.
+
+Parallel sampling and copy-on-write (`SamplingParams(n=...)`). The n samples of one prompt share its
+prefill: when it is computed, `fork` gives each other sample a block table holding the same blocks (each
+gains a holder). Full blocks stay shared for good, since nobody writes into them again. The prompt's last
+block is usually partly filled, and every sample would write its own next token into it: before a
+sequence writes positions its table shares with another one, `copy_on_write` gives it a fresh block in
+that table alone and returns the (src, dst) pair whose keys and values the KV cache must copy before the
+step writes. The last holder left writes in place. So a block is written only while exactly one table
+holds it, and two samples never mix their tokens in one block.
 """
 from __future__ import annotations
 
@@ -101,9 +110,13 @@ class BlockManager:
         positions. Counts every block a multi-token step crosses into, not just one."""
         return self.num_new_blocks(seq_id, num_tokens) <= self.num_free_blocks
 
-    def capacity(self, seq_id: Hashable) -> int:
-        """The most positions the sequence could hold now: its blocks plus every free one."""
-        return (len(self.block_table(seq_id)) + self.num_free_blocks) * self.block_size
+    def capacity(self, seq_id: Hashable, start: int | None = None) -> int:
+        """The most positions the sequence could hold now: its blocks plus every free one, less one for each
+        block it shares with another table at or after position `start` (the next it writes; by default past
+        its blocks): writing there copies the block first (`copy_on_write`), which takes a free block."""
+        table = self.block_table(seq_id)
+        shared = 0 if start is None else len(self._shared(table, start, len(table) * self.block_size))
+        return (len(table) + self.num_free_blocks - shared) * self.block_size
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """A new block table holding `num_tokens` positions, for a sequence that has none, all of its blocks
@@ -163,6 +176,45 @@ class BlockManager:
                 else:
                     uncached.append(block)
         self.free_blocks.extend(reversed(uncached))  # plain free blocks keep the table's order
+
+    # ------------------------------------------------------------ parallel sampling: fork, copy-on-write
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[int]:
+        """Give `child_id` (no table yet) a block table holding every block of `parent_id`'s, each gaining a
+        holder: a sample of the same prompt reads the parent's keys and values instead of computing them.
+        Takes no block. Returns the child's table."""
+        if child_id in self.block_tables:
+            raise ValueError(f"sequence {child_id!r} already has a block table")
+        table = list(self.block_tables[parent_id])
+        for block in table:
+            self.ref_counts[block] += 1  # a held block: never free or evictable, so no list to update
+        self.block_tables[child_id] = table
+        if parent_id in self.seq_hashes:  # the same full blocks, already registered
+            self.seq_hashes[child_id] = list(self.seq_hashes[parent_id])
+        return table
+
+    def _shared(self, table: list[int], start: int, end: int) -> list[int]:
+        """Indices in `table` of the blocks holding positions start .. end − 1 that another table holds too."""
+        last = min(len(table), self.blocks_for(end))
+        return [i for i in range(start // self.block_size, last) if self.ref_counts[table[i]] > 1]
+
+    def copy_on_write(self, seq_id: Hashable, start: int, end: int) -> list[tuple[int, int]]:
+        """Before the sequence writes positions start .. end − 1: each block of its table there that another
+        table also holds is replaced, in this table only, by a fresh block (the shared one loses a holder).
+        Returns the (src, dst) block pairs; the KV cache must copy src's keys and values into dst before the
+        step writes. Nothing to copy (the common case) returns []."""
+        table = self.block_tables[seq_id]
+        shared = self._shared(table, start, end)
+        if len(shared) > self.num_free_blocks:
+            raise RuntimeError(f"sequence {seq_id!r} must copy {len(shared)} shared blocks but only "
+                               f"{self.num_free_blocks} are free; check capacity(seq_id, start) first")
+        copies = []
+        for i in shared:
+            src, dst = table[i], self._take_block()
+            self.ref_counts[src] -= 1  # still >= 1: another table holds it, so it stays held
+            table[i] = dst
+            copies.append((src, dst))
+        return copies
 
     # ------------------------------------------------------------ prefix caching
 

@@ -1,6 +1,7 @@
 """Sampling: greedy, temperature, top-k, top-p, seeded. Parameters are validated where they are made."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -15,8 +16,11 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1                        # parallel sampling: n completions of the one prompt (chapter 08)
 
     def __post_init__(self):
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1 (completions per prompt), got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -31,11 +35,21 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
-    """A request's own random stream: its draws depend on its seed alone, not on what else is in the batch."""
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed`: the seed itself for sample 0 (so n=1 draws
+    what it always drew), otherwise 64 bits of SHA-256 over both, so that sample 1 of seed 0 is not sample 0
+    of seed 1, as `seed + index` would make it."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little")
+
+
+def make_generator(params: SamplingParams, device="cpu", index: int = 0) -> torch.Generator | None:
+    """A sample's own random stream: its draws depend on its seed and its index among the request's n samples
+    alone, not on what else is in the batch."""
     if params.greedy or params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+    return torch.Generator(device=device).manual_seed(sample_seed(params.seed, index))
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

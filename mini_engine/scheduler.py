@@ -35,6 +35,15 @@ with (`BlockManager.allocate_cached`) and starts computing after them; the admis
 that lookup, and a hit on an evictable cached block counts against the free blocks. After every step the
 full blocks whose keys and values are now written join the cache (`BlockManager.cache_blocks`), before a
 finished request releases them. The policy's token budget counts only what a request will compute.
+
+Parallel sampling (`SamplingParams(n=...)`, paged cache): the request is queued as its sample 0, which
+carries the other samples in `forks`. Admission reserves a slot for every sample, and counts a block for
+each fork's first write. Sample 0 prefills the prompt once; the step that computes the prompt's last token
+forks the others from it (`BlockManager.fork`: they share all its blocks) and samples n first tokens from
+that one row of logits. From then on each sample is a request of its own: it decodes, finishes, or is
+preempted and recomputes alone, releasing only its own references. Its first write into the shared, partly
+filled last block copies it (`BlockManager.copy_on_write`); `block_copies` lists the step's copies, which
+the model runner makes before the step writes.
 """
 from __future__ import annotations
 
@@ -68,6 +77,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     num_cached_hint: int = 0       # what a prefix-cache lookup would serve now (set while waiting, for the budget)
+    index: int = 0                 # which of its prompt's n samples this is (parallel sampling)
+    forks: list[Request] = field(default_factory=list)  # samples that fork from this one once its prompt is computed
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled
 
@@ -204,8 +215,11 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.free_slots = list(range(num_slots - 1, -1, -1))  # a stack: pop() hands out slot 0 first
         self.num_preemptions = 0
+        self.block_copies: list[tuple[int, int]] = []  # the last step's copy-on-write: (src, dst) blocks
 
     def add(self, request: Request) -> None:
+        if request.forks and self.blocks is None:
+            raise ValueError("forked samples share the prompt's blocks: they need the paged KV cache")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -221,6 +235,7 @@ class Scheduler:
         policy allows (and, with a paged cache, what the free blocks hold)."""
         budget = math.inf if self.token_budget is None else self.token_budget
         chunks: list[Chunk] = []
+        self._copies: list[tuple[int, int, int]] = []  # (request_id, src, dst) copy-on-write made this step
         preemptions_before = self.num_preemptions
         # Oldest first: a request that must make room preempts only requests admitted after it.
         for r in [r for r in self.running if not r.is_prefill]:
@@ -239,6 +254,9 @@ class Scheduler:
         # Decodes in slot order: with every slot busy their contiguous-cache rows are adjacent, which attention
         # reads as one slice instead of gathering them.
         decodes = sorted((c for c in chunks if not c.request.is_prefill), key=lambda c: c.request.slot)
+        # A request preempted after its copy-on-write in this step gave the copy back: its copy must not run.
+        scheduled = {c.request.request_id for c in chunks}
+        self.block_copies = [(src, dst) for rid, src, dst in self._copies if rid in scheduled]
         return decodes + [c for c in chunks if c.request.is_prefill]
 
     def _admit(self, budget: float, chunks: list[Chunk], now: float) -> None:
@@ -252,11 +270,13 @@ class Scheduler:
                 left -= r.num_uncomputed - r.num_cached_hint
         promised = 0  # blocks the requests admitted in this step will still need for the rest of their prompts
         for r in self.policy.admit(self.waiting, self.running, len(self.free_slots), budget, now):
+            if len(self.free_slots) < 1 + len(r.forks):
+                break  # a slot for every sample it will fork
             if self.blocks is not None:
                 # Sized after the cache lookup: hits need no new block, but a hit on an evictable block takes
-                # it out of the free count.
+                # it out of the free count. Each fork copies (or starts) a block at its first decode.
                 hits = self.blocks.lookup(r.tokens)
-                need = self.blocks.blocks_for(r.num_tokens) - len(hits)
+                need = self.blocks.blocks_for(r.num_tokens) - len(hits) + len(r.forks)
                 # One free block is kept for each running request to grow into: a prompt let into the last free
                 # blocks would be preempted (and recomputed) as soon as the decodes cross a block boundary.
                 headroom = len(self.running)
@@ -265,6 +285,8 @@ class Scheduler:
                 promised += need
             self.waiting.remove(r)
             r.status, r.slot = RequestStatus.RUNNING, self.free_slots.pop()
+            for f in r.forks:  # reserved now: the fork happens steps later, when other requests want slots too
+                f.slot = self.free_slots.pop()
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
             if self.blocks is not None:
@@ -281,8 +303,11 @@ class Scheduler:
                 budget -= n
 
     def _room(self, r: Request) -> float:
-        """Tokens r can still compute with the blocks it holds and the free ones."""
-        return math.inf if self.blocks is None else self.blocks.capacity(r.request_id) - r.num_computed
+        """Tokens r can still compute with the blocks it holds and the free ones (a block it shares where it
+        writes next costs a free block for its copy)."""
+        if self.blocks is None:
+            return math.inf
+        return self.blocks.capacity(r.request_id, r.num_computed) - r.num_computed
 
     def _make_room(self, r: Request, chunks: list[Chunk]) -> bool:
         """Make sure r can compute at least one more token, preempting the most recently admitted requests
@@ -301,23 +326,36 @@ class Scheduler:
             return
         total = r.num_computed + num_tokens
         if r.request_id in self.blocks.block_tables:
+            copies = self.blocks.copy_on_write(r.request_id, r.num_computed, total)
+            self._copies += [(r.request_id, src, dst) for src, dst in copies]
             self.blocks.append_slots(r.request_id, total)
         else:
             self.blocks.allocate(r.request_id, total)
 
+    @staticmethod
+    def samplers(chunks: list[Chunk]) -> list[tuple[int, Request]]:
+        """Who gets a token from this step, each with the row of the step's logits it samples: the request of
+        every chunk that `samples`, in chunk order, each followed by the samples that fork from it now (they
+        draw their first tokens from the logits of the one prefill)."""
+        rows = [c.request for c in chunks if c.samples]
+        return [(row, s) for row, r in enumerate(rows) for s in (r, *r.forks)]
+
     def update(self, chunks: list[Chunk], sampled: list[int], now: float) -> list[Request]:
-        """Apply a step's results: `sampled` holds one token per chunk that `samples`, in chunk order.
-        Returns the requests that finished, their slots and blocks already free."""
-        samplers = [c for c in chunks if c.samples]
+        """Apply a step's results: `sampled` holds one token per request of `samplers(chunks)`, in that order
+        (one per chunk that `samples` when nothing forks). Returns the requests that finished, their slots and
+        blocks already free."""
+        samplers = [r for _, r in self.samplers(chunks)]
         if len(sampled) != len(samplers):
-            raise ValueError(f"sampled has {len(sampled)} tokens for {len(samplers)} sampling chunks")
+            raise ValueError(f"sampled has {len(sampled)} tokens for {len(samplers)} sampling requests")
         for c in chunks:
             c.request.num_computed += c.num_tokens
             if self.blocks is not None:  # their keys and values are written now: full blocks join the cache
                 self.blocks.cache_blocks(c.request.request_id, c.request.tokens, c.request.num_computed)
+        for c in chunks:
+            if c.samples and c.request.forks:
+                self._fork(c.request)
         finished = []
-        for c, token in zip(samplers, sampled):
-            r = c.request
+        for r, token in zip(samplers, sampled):
             r.output_ids.append(token)
             r.token_times.append(now)
             reason = self._finish_reason(r, token)
@@ -326,6 +364,16 @@ class Scheduler:
                 self._release(r)
                 finished.append(r)
         return finished
+
+    def _fork(self, parent: Request) -> None:
+        """The parent's prompt is computed: its other samples start running, sharing all its blocks (and each
+        holding the slot reserved at admission)."""
+        for f in parent.forks:
+            self.blocks.fork(parent.request_id, f.request_id)
+            f.num_computed, f.status = parent.num_computed, RequestStatus.RUNNING
+            f.first_scheduled_time, f.num_cached_tokens = parent.first_scheduled_time, parent.num_cached_tokens
+            self.running.append(f)
+        parent.forks = []
 
     def preempt(self, request: Request) -> None:
         """Take a running request off its slot and blocks and put it first in the queue; its cache is lost, so
@@ -340,8 +388,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
-        self.free_slots.append(request.slot)
-        request.slot = None
+        for r in (request, *request.forks):  # samples not forked yet give back the slots reserved for them
+            self.free_slots.append(r.slot)
+            r.slot = None
         if self.blocks is not None and request.request_id in self.blocks.block_tables:
             self.blocks.free(request.request_id)
 

@@ -4,36 +4,20 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 import mini_engine as me
-from mini_engine.config import ModelConfig
 from mini_engine.engine import LLM, LLMEngine
-from mini_engine.model import LlamaModel
 
 POLICIES = ["continuous", "static", "dynamic"]
 KV_CACHES = ["paged", "contiguous"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's ops are too small to split: on a busy 2-core machine, a second thread waiting at
-    # every op's barrier makes these tests many times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=None)
-    model = LlamaModel(cfg)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.5)  # sharp distributions: greedy ties are practically impossible
-    return model.eval()
+def tiny(tiny_model):
+    return tiny_model(0)
 
 
 @pytest.fixture(scope="module")

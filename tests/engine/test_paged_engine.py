@@ -3,32 +3,17 @@ that all come back, preemption under a small pool that changes no output, and re
 import random
 
 import pytest
-import torch
 
 import mini_engine as me
-from mini_engine.config import ModelConfig
 from mini_engine.engine import LLM, LLMEngine
-from mini_engine.model import LlamaModel
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # As in test_llm.py: the tiny model's ops are too small to split between two busy cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(1)
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=None)
-    model = LlamaModel(cfg)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.5)  # sharp distributions: greedy ties are practically impossible
-    return model.eval()
+def tiny(tiny_model):
+    return tiny_model(1)
 
 
 def run(llm, prompts, params):

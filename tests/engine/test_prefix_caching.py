@@ -7,24 +7,16 @@ import random
 from array import array
 
 import pytest
-import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import mini_engine as me
-from mini_engine.config import ModelConfig
 from mini_engine.engine import LLM, LLMEngine
-from mini_engine.model import LlamaModel
 from mini_engine.paging import BlockManager, block_hashes, hash_block
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- the block manager
@@ -249,23 +241,6 @@ def run(llm, prompts, params):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def guard_writes(llm):
-    """Wrap the runner so every step checks that no chunk writes into a block that is shared or registered."""
-    runner, blocks = llm.engine.runner, llm.engine.scheduler.blocks
-    execute = runner.execute
-
-    def checked(chunks):
-        for c in chunks:
-            table = blocks.block_table(c.request.request_id)
-            for p in range(c.start, c.start + c.num_tokens):
-                block = table[p // blocks.block_size]
-                assert blocks.ref_counts[block] == 1 and blocks.block_hash[block] is None, \
-                    f"request {c.request.request_id} writes position {p} into shared/cached block {block}"
-        return execute(chunks)
-    runner.execute = checked
-    return llm
-
-
 def shared_prefix_stream(rng, n, block_size, vocab=(200, 9000)):
     """Prompts drawn from a few roots, each reusing a random-length prefix of one root (whole multiples of the
     block size among them) plus its own tail; one prompt repeats an earlier one exactly."""
@@ -281,7 +256,7 @@ def shared_prefix_stream(rng, n, block_size, vocab=(200, 9000)):
     return prompts
 
 
-def test_real_model_outputs_with_and_without_prefix_caching_are_equal(real, assert_greedy_match):
+def test_real_model_outputs_with_and_without_prefix_caching_are_equal(real, assert_greedy_match, guard_writes):
     model, tok = real
     rng = random.Random(0)
     prompts = shared_prefix_stream(rng, 14, 16)
@@ -307,7 +282,7 @@ def test_real_model_outputs_with_and_without_prefix_caching_are_equal(real, asse
     assert engine.num_free_blocks == engine.num_kv_blocks
 
 
-def test_num_cached_tokens_on_the_engine(real):
+def test_num_cached_tokens_on_the_engine(real, guard_writes):
     model, tok = real
     llm = guard_writes(LLM.from_model(model, tok, block_size=16, max_num_seqs=4, max_model_len=256))
     assert llm.config.enable_prefix_caching, "on by default with the paged cache"
@@ -345,18 +320,8 @@ def test_block_pool_shows_shared_blocks_and_their_reference_counts(real):
     assert engine.block_pool().num_free_blocks == 32
 
 
-def tiny_model():
-    torch.manual_seed(1)
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=None)
-    model = LlamaModel(cfg)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.5)  # sharp distributions: greedy ties are practically impossible
-    return model.eval()
-
-
-def test_prefix_hits_with_preemption_under_a_small_pool_change_no_output():
-    model = tiny_model()
+def test_prefix_hits_with_preemption_under_a_small_pool_change_no_output(tiny_model, guard_writes):
+    model = tiny_model(1)
     rng = random.Random(2)
     roots = [[rng.randrange(128) for _ in range(40)] for _ in range(2)]
     prompts = [rng.choice(roots)[:rng.randint(1, 40)] + [rng.randrange(128) for _ in range(rng.randint(0, 8))]
