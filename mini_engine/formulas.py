@@ -490,3 +490,49 @@ def attention_hbm_bytes(n, head_dim, dtype_bytes=2, block_m=None):
         _check_at_least("block_m", block_m, 1)
         numbers = 2 * n * d + 2 * n * d * np.ceil(n / block_m)
     return _out(numbers * dtype_bytes)
+
+
+# ---------------------------------------------------------------- where the regimes change (chapters 01, 02)
+
+def attention_crossover_tokens(model):
+    """Length n at which a full forward pass's attention FLOPs (4 · L · H · D · n²) equal its weight-matmul
+    FLOPs (2 · params · n): n = params / (2 · L · H · D).
+
+    Below it a prefill's cost (the TTFT) grows about linearly with the prompt, above it about quadratically.
+    Counted over the full score rectangle, as `attention_flops` does; a causal kernel that skips the masked
+    half doubles it. SmolLM2-135M: about 3.9k tokens; Llama-7B: about 25.7k.
+    """
+    s = ModelShape.of(model)
+    return s.n_params / (2 * s.n_layers * s.n_heads * s.head_dim)
+
+
+def decode_knee_batch(model, context, dtype_bytes=2):
+    """Decode batch at which the sequences' K/V reads equal the one shared weight read:
+    weight_bytes / (kv_bytes_per_token · context).
+
+    While a step is memory-bound, a sequence below this batch rides almost free on the weight read; at it
+    the step takes about twice as long as at batch 1 and the throughput is half its ceiling, bandwidth /
+    (kv_bytes_per_token · context); above it the throughput saturates while every sequence's tokens slow
+    down in proportion. Llama-7B in fp16 at 512 to 2048 tokens of context: 50 down to 12.6.
+    """
+    _check_at_least("context", context, 1)
+    return weight_bytes(model, dtype_bytes) / (kv_bytes_per_token_for(model, dtype_bytes) * _arr(context))
+
+
+def decode_ridge_batch(model, context, dtype_bytes, peak_flops, peak_bw):
+    """Smallest decode batch (a real number; round it up) whose step reaches the ridge point, i.e. turns
+    compute-bound; inf when the per-sequence K/V and activation reads keep the intensity below the ridge at
+    any batch.
+
+    Intensity at batch b is b·F / (W + b·X) with F the FLOPs of one token, W the weight bytes and X the bytes
+    each sequence adds, so it reaches the ridge R at b = R·W / (F − R·X) when F > R·X.
+    """
+    _check_at_least("context", context, 1)
+    s = ModelShape.of(model)
+    ridge = ridge_point(peak_flops, peak_bw)
+    per_token = flops_per_token(s, context)
+    per_sequence = kv_bytes_per_token_for(s, dtype_bytes) * _arr(context) + _activation_bytes(s, 1, dtype_bytes)
+    margin = per_token - ridge * per_sequence
+    with np.errstate(divide="ignore"):
+        return _out(np.where(margin > 0, ridge * weight_bytes(s, dtype_bytes) / np.where(margin > 0, margin, 1),
+                             np.inf))

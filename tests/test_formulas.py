@@ -361,3 +361,43 @@ def test_attention_hbm_bytes_counts_every_pass():
                                                                           F.attention_hbm_bytes(512, d, 2)])
     with pytest.raises(ValueError, match="block_m"):
         F.attention_hbm_bytes(n, d, 2, block_m=0)
+
+
+# ---------------------------------------------------------------- where the regimes change
+
+def test_attention_crossover_is_where_attention_equals_the_matmuls():
+    for name in ("smollm2-135m", "llama-7b"):
+        n = F.attention_crossover_tokens(name)
+        assert F.attention_flops(name, n, n) == pytest.approx(F.matmul_flops(name, n))
+    assert F.attention_crossover_tokens("smollm2-135m") == pytest.approx(3.9e3, rel=0.01)
+    assert F.attention_crossover_tokens("llama-7b") == pytest.approx(25.7e3, rel=0.01)
+
+
+def test_decode_knee_batch_doubles_the_step_and_halves_the_ceiling():
+    m, c = "llama-7b", 1024
+    b = F.decode_knee_batch(m, c, 2)
+    kv = F.kv_bytes_per_token_for(m, 2)
+    assert b * kv * c == pytest.approx(F.weight_bytes(m, 2))
+    # a memory-bound step there moves twice the weights (batch 1 already adds one sequence's K/V, hence
+    # 2b / (b + 1) of its bytes); the throughput is half of bandwidth / (kv · c)
+    one, knee = F.decode_bytes(m, 1, c, 2), F.decode_bytes(m, b, c, 2)
+    assert knee == pytest.approx(2 * F.weight_bytes(m, 2), rel=1e-3)
+    assert knee / one == pytest.approx(2 * b / (b + 1), rel=1e-3)
+    assert (b / knee) / (1 / (kv * c)) == pytest.approx(0.5, rel=0.01)
+    np.testing.assert_allclose(F.decode_knee_batch(m, np.array([512, 2048]), 2), [2 * b, b / 2])
+    with pytest.raises(ValueError, match="context"):
+        F.decode_knee_batch(m, 0)
+
+
+def test_decode_ridge_batch_reaches_the_ridge_or_never():
+    m, c, dtype_bytes = "smollm2-135m", 128, 4
+    cpu = dict(peak_flops=60e9, peak_bw=17e9)
+    b = F.decode_ridge_batch(m, c, dtype_bytes, **cpu)
+    ridge = F.ridge_point(**cpu)
+    assert F.decode_intensity(m, b, c, dtype_bytes) == pytest.approx(ridge)
+    assert F.decode_intensity(m, np.floor(b), c, dtype_bytes) < ridge <= F.decode_intensity(m, np.ceil(b), c, dtype_bytes)
+    # Llama-7B (32 KV heads) on an A100: K/V reads cap the intensity below the ridge at 2k tokens of context
+    assert F.decode_ridge_batch("llama-7b", 2048, 2, **A100) == np.inf
+    assert np.isfinite(F.decode_ridge_batch("llama-7b", 16, 2, **A100))
+    got = F.decode_ridge_batch("llama-7b", np.array([16, 2048]), 2, **A100)
+    assert np.isfinite(got[0]) and got[1] == np.inf
