@@ -211,14 +211,14 @@ def draw_randoms(num_drafts: list[int], k: int, vocab_size: int, generator=None,
     if isinstance(generator, (list, tuple)):
         if len(generator) != s:
             raise ValueError(f"generator: one per sequence needed, got {len(generator)} for {s} sequences")
-        uniforms = torch.zeros(s, k, device=device)
-        exponentials = torch.empty(s, vocab_size, device=device)
+        uniforms = torch.zeros(s, k, device=device, dtype=torch.float32)
+        exponentials = torch.empty(s, vocab_size, device=device, dtype=torch.float32)
         for i, (n, gen) in enumerate(zip(num_drafts, generator)):
-            uniforms[i, :n] = torch.rand(n, generator=gen, device=device)
+            uniforms[i, :n] = torch.rand(n, generator=gen, device=device, dtype=torch.float32)
             exponentials[i].exponential_(generator=gen)
     else:
-        uniforms = torch.rand(s, k, generator=generator, device=device)
-        exponentials = torch.empty(s, vocab_size, device=device).exponential_(generator=generator)
+        uniforms = torch.rand(s, k, generator=generator, device=device, dtype=torch.float32)
+        exponentials = torch.empty(s, vocab_size, device=device, dtype=torch.float32).exponential_(generator=generator)
     # exponential_ can return 0; the smallest normal float keeps 1 / E finite.
     return uniforms, 1.0 / exponentials.clamp_min_(torch.finfo(torch.float32).tiny)
 

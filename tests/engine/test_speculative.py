@@ -225,8 +225,8 @@ def test_ngram_match_may_overlap_the_suffix():
     assert NgramProposer(1, 3).propose([7, 7, 7, 7], 3) == [7], "the 3-gram at 0 is followed by the last 7"
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(ngram_min=0), "ngram_min"), (dict(ngram_min=3, ngram_max=2), "ngram_max"),
-                                           (dict(ngram_min=1.5), "ngram_min")])
+@pytest.mark.parametrize("kwargs, match", [(dict(ngram_min=0), "ngram_min"), (dict(ngram_min=1.5), "ngram_min"),
+                                           (dict(ngram_min=3, ngram_max=2), "ngram_max")])
 def test_ngram_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         NgramProposer(**kwargs)
