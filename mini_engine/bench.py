@@ -219,10 +219,11 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
                max(r.num_running for r in llm.engine.trace), sum(o.metrics.num_preemptions for o in outs))
 
 
-def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int) -> Row:
+def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int, progress: bool = False) -> Row:
     """HF `generate` over batches of `batch` requests in arrival order, prompts left-padded to the longest of
     their batch, every batch decoding until its longest output is done. Only the tokens each request asked
     for are counted (the rest is the padding cost); a request's TPOT ends at its own last token."""
+    from tqdm import tqdm
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     stamps: list[float] = []
@@ -234,7 +235,7 @@ def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int
 
     ttft, tpot, peak_kv, tokens = [], [], 0, 0
     t0 = time.perf_counter()
-    for first in range(0, len(work.prompts), batch):
+    for first in tqdm(range(0, len(work.prompts), batch), desc="HF static batches", disable=not progress):
         prompts, lens = work.prompts[first:first + batch], work.output_lens[first:first + batch]
         width, new = max(len(p) for p in prompts), max(lens)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=hf.device)
@@ -252,7 +253,7 @@ def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int
 
 
 def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtype: str, with_hf: bool = True,
-                  low: int = 16, high: int = 256, print_fn=print) -> list[Row]:
+                  low: int = 16, high: int = 256, print_fn=print, progress: bool = True) -> list[Row]:
     from .formulas import kv_bytes_per_token
     from .loader import load_model
 
@@ -273,9 +274,9 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
             c = model.config  # the same weights as ours, so the same KV bytes per token
             per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype.itemsize)
             run_hf_static(hf, warm, batch, per_token)
-            rows.append(run_hf_static(hf, work, batch, per_token))
+            rows.append(run_hf_static(hf, work, batch, per_token, progress))
             del hf
-    rows += [run_engine(model, tok, rung, work, batch) for rung in rungs]
+    rows += [run_engine(model, tok, rung, work, batch, progress=progress) for rung in rungs]
     print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} workload: {requests} requests, "
              f"prompt and output lengths uniform in {low}-{high} (seed 0), ignore_eos, batch {batch}; "

@@ -6,7 +6,7 @@ with prefill chunks, and check the sign-folded RoPE against the textbook rotate-
 import pytest
 import torch
 
-from mini_engine.attention import AttentionMetadata, attention_with_cache
+from mini_engine.attention import AttentionMetadata, attention_with_cache, paged_decode_torch
 from mini_engine.config import ModelConfig
 from mini_engine.paging import BlockManager
 from mini_engine.model import apply_rope, rope_tables
@@ -87,6 +87,21 @@ def test_paged_attention_equals_the_contiguous_reference(step, block_size, backe
     got = attention_with_cache(q, k_pool, v_pool, paged, backend)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{step}, block {block_size}: {m}")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4])
+def test_paged_decode_gives_the_same_result_however_many_sequences_are_copied_at_once(chunk):
+    """On a CPU the paged decode copies the blocks of `chunk` sequences at a time (the autotuner picks how
+    many): every choice, including one that leaves a shorter last group, gives the reference's result."""
+    query_lens, context_lens, slots = STEPS["consecutive decodes, unequal contexts"]
+    g = torch.Generator().manual_seed(chunk)
+    k_cache, v_cache = torch.randn(2, 10, 2, MAX_LEN, D, generator=g).unbind(0)
+    q = torch.randn(sum(query_lens), 6, D, generator=g)
+    meta = AttentionMetadata.build(query_lens, context_lens, slots)
+    (k_pool, v_pool), tables = paged_copy(k_cache, v_cache, meta, 4, g)
+    paged = AttentionMetadata.build(query_lens, context_lens, block_tables=tables, block_size=4)
+    got = paged_decode_torch(q, k_pool, v_pool, paged.decode, chunk=chunk)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5)
 
 
 def test_paged_metadata_maps_each_new_token_to_its_slot():
