@@ -15,7 +15,7 @@
 # # 08 · Prefix caching: compute a shared prompt once
 #
 # Chat and agent traffic repeats itself. Every request of an assistant opens with the same system prompt;
-# a few-shot prompt repeats the same worked examples; a conversation sends the whole history again with
+# a few-shot prompt repeats the same worked examples; a conversation sends the whole hiname_prompt again with
 # one more turn at the end. Attention is causal, so the keys and values of a prompt's first tokens depend
 # on those tokens alone: a request that starts like an earlier one could *read* the earlier one's KV
 # blocks instead of computing them again.
@@ -33,7 +33,8 @@
 # 2. draws the block tables of several requests pointing at the same blocks, with their reference counts;
 # 3. serves many short questions behind one long system prompt, with prefix caching off and on;
 # 4. holds a multi-turn conversation whose every turn reuses the previous turns' blocks;
-# 5. puts the measured TTFT gain beside the formula's prediction, with the savings calculator.
+# 5. samples four answers to one prompt that share its blocks, copying a block only when a sample writes;
+# 6. puts the measured TTFT gain beside the formula's prediction, with the savings calculator.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -153,19 +154,27 @@ ids = [engine.add_request(tok.encode(tok.apply_chat_template([shop, {"role": "us
                           me.SamplingParams(max_tokens=8)) for q in questions]
 engine.step()
 snap = engine.block_pool()
-width = max(len(snap.block_tables[i]) for i in ids)
-fig, ax = plt.subplots(figsize=(9, 2.2))
-for row, rid in enumerate(ids):
-    for col, block in enumerate(snap.block_tables[rid]):
-        shared = snap.ref_counts[block] > 1
-        ax.add_patch(plt.Rectangle((col, row), 0.95, 0.9, color="tab:orange" if shared else "tab:blue"))
-        ax.text(col + 0.47, row + 0.45, f"{block}\nref {snap.ref_counts[block]}", ha="center", va="center",
-                color="white", fontsize=8)
-ax.set_xlim(0, width), ax.set_ylim(len(ids), 0)
-ax.set_yticks(np.arange(len(ids)) + 0.45, [f"request {i}: {q}" for i, q in zip(ids, questions)])
-ax.set_xticks(np.arange(width) + 0.47, [f"block {j}" for j in range(width)])
-ax.set_title("block tables after one step: orange blocks are shared (ref count > 1), blue ones private")
-plt.show()
+
+
+def draw_block_tables(snap, ids, labels, title):
+    """One row per request: its block table, each block with its id and reference count."""
+    width = max(len(snap.block_tables[i]) for i in ids)
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(ids) + 0.6))
+    for row, rid in enumerate(ids):
+        for col, block in enumerate(snap.block_tables[rid]):
+            shared = snap.ref_counts[block] > 1
+            ax.add_patch(plt.Rectangle((col, row), 0.95, 0.9, color="tab:orange" if shared else "tab:blue"))
+            ax.text(col + 0.47, row + 0.45, f"{block}\nref {snap.ref_counts[block]}", ha="center", va="center",
+                    color="white", fontsize=8)
+    ax.set_xlim(0, width), ax.set_ylim(len(ids), 0)
+    ax.set_yticks(np.arange(len(ids)) + 0.45, labels)
+    ax.set_xticks(np.arange(width) + 0.47, [f"block {j}" for j in range(width)])
+    ax.set_title(title)
+    plt.show()
+
+
+draw_block_tables(snap, ids, [f"request {i}: {q}" for i, q in zip(ids, questions)],
+                  "block tables after one step: orange blocks are shared (ref count > 1), blue ones private")
 for rid in ids:
     print(f"request {rid}: table {list(snap.block_tables[rid])}")
 while engine.has_unfinished():
@@ -224,7 +233,7 @@ print(f"hit rate: measured {measured_rate:.1%}, formula {predicted_rate:.1%}")
 # %% [markdown]
 # ## 4. A conversation: each turn reuses the previous turns' blocks
 #
-# A chat client sends the whole history every turn: system prompt, every question, every answer, and the
+# A chat client sends the whole hiname_prompt every turn: system prompt, every question, every answer, and the
 # new question. Generated tokens land in full blocks too, and those are cached as soon as they are
 # computed, so turn *t* finds turns 1 … t − 1 in the cache, answers included.
 
@@ -251,7 +260,60 @@ for t, (n, c, ttft) in enumerate(conversation, 1):
 # marker; the hit then stops at the first block that differs, which is why it is a little shorter than the
 # previous prompt plus its answer.)
 #
-# ## 5. Measured against the formula
+# ## 5. Parallel sampling: share the prompt, copy on write
+#
+# `SamplingParams(n=4)` asks for four answers to one prompt (to pick the best, or to show a user options).
+# The four samples have the same prompt, so on the paged cache they need its keys and values only once:
+# the engine prefills the prompt for sample 0, then **forks** the other three from it. A fork copies no
+# data: each new sample gets a block table holding the same blocks, and each block's reference count
+# goes up by one.
+#
+# Full blocks stay shared for good, since nobody writes into a full block again. The prompt's last block
+# is usually only partly filled, though, and every sample is about to write its own next token into it.
+# Four different tokens into one block would mix four streams (an engine that skipped this check would
+# return garbage after the first token). So the first time a sample writes into a block it shares, the
+# block manager gives that sample a fresh block in its table alone and asks the KV cache to copy the
+# shared block's contents into it: **copy-on-write**. The last holder left writes in place.
+#
+# With a seed, sample *i* draws from a random stream of its own (seeded from the seed and *i*), so the four
+# answers differ, and the same seed gives the same four answers; sample 0 draws what `n=1` would.
+
+# %%
+cow = LLMEngine.from_model(model, tok, block_size=16, max_num_seqs=4, num_kv_blocks=16, record_trace=True)
+ask = [{"role": "user", "content": "Give me a name for a new bicycle shop."}]
+name_prompt = tok.encode(tok.apply_chat_template(ask))
+cow.add_request(name_prompt, me.SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=0, max_tokens=20))
+cow.step()                                  # the one prefill; samples 1-3 fork from it
+forked = cow.block_pool()
+samples = sorted(forked.block_tables)
+print(f"prompt: {len(name_prompt)} tokens = {len(name_prompt) // 16} full blocks + {len(name_prompt) % 16} tokens "
+      "in a partly filled one")
+draw_block_tables(forked, samples, [f"sample {i}" for i in range(4)],
+                  "after the prefill and the fork: every block shared by all four samples")
+cow.step()                                  # the first decode: each sample writes its token after the prompt
+written = cow.block_pool()
+copies = list(cow.scheduler.block_copies)
+print(f"copy-on-write in that step, (shared block, its copy): {copies}")
+draw_block_tables(written, samples, [f"sample {i}" for i in range(4)],
+                  f"after the first decode: full prompt blocks still shared, the last one copied {len(copies)} times")
+finished = []
+while cow.has_unfinished():
+    finished += cow.step()
+answer = finished[0]                        # one RequestOutput; its .outputs holds the four completions
+for o in answer.outputs:
+    print(f"sample {o.index} ({o.finish_reason}): {o.text!r}")
+prefill_tokens = sum(n for step in cow.trace[:1] for _, _, n, _ in step.chunks)
+print(f"prompt tokens computed: {prefill_tokens} for four samples (the contiguous cache computes "
+      f"{4 * len(name_prompt)}: one prefill per sample, in a slot of its own); all blocks back: "
+      f"{cow.num_free_blocks == cow.num_kv_blocks}")
+
+# %% [markdown]
+# The blocks before the partly filled one keep reference count 4 to the end of the prompt: four samples,
+# one copy of their keys and values. Each copy-on-write is one block (here 16 positions × 30 layers ×
+# keys and values), far cheaper than the prefill it saves, and it happens once per sample, at its first
+# decode. The same mechanism lets beam search or a "regenerate" button share a prompt's blocks.
+#
+# ## 6. Measured against the formula
 #
 # `formulas.prefix_cache_savings` counts prefill FLOPs: without the cache a request computes its P + S
 # tokens; with a hit of C tokens it computes P + S − C of them, attending to all P + S. On a CPU a prefill
@@ -295,6 +357,9 @@ summary = [
     ("conversation: tokens from the cache per turn", ", ".join(f"{c}/{n}" for n, c, _ in conversation)),
     ("shared-block picture: ref counts of the shared blocks",
      f"{sorted({snap.ref_counts[b] for b in snap.block_tables[ids[0]] if snap.ref_counts[b] > 1})}"),
+    ("n=4: prompt tokens computed, blocks copied on write",
+     f"{prefill_tokens} of {4 * len(name_prompt)}, {len(copies)} (blocks {sorted({s for s, _ in copies})})"),
+    ("n=4: distinct answers", f"{len({tuple(o.token_ids) for o in answer.outputs})} of 4"),
 ]
 width = max(len(k) for k, _ in summary)
 for k, v in summary:
