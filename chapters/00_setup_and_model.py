@@ -46,7 +46,7 @@ import torch
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.devices import default_device
+from mini_engine.devices import default_device, timed
 from mini_engine.hardware import cpu_info, describe_machine, format_tuned_forms, measure_ceilings, tune_products
 
 device = default_device()
@@ -158,21 +158,31 @@ weight_bytes = n_params * bytes_per
 flops_token = formulas.flops_per_token(cfg, len(prompt_ids))
 t_memory = weight_bytes / ceil.peak_bw
 t_compute = flops_token / ceil.peak_flops
+bound = formulas.roofline_bound(flops_token, weight_bytes, ceil.peak_flops, ceil.peak_bw)  # the busier unit
 print(f"one decode step moves {weight_bytes / 2**20:.0f} MiB of weights -> {t_memory * 1e3:.1f} ms at best")
 print(f"one decode step does {flops_token / 1e9:.2f} GFLOP            -> {t_compute * 1e3:.1f} ms at best")
+print(f"its {flops_token / weight_bytes:.2f} FLOP per byte are {'below' if bound == 'memory' else 'above'} "
+      f"the ridge point of {ceil.ridge_point:.1f}")
 best_tok_s = 1 / max(t_memory, t_compute)
-print(f"=> memory-bound: at most {best_tok_s:.0f} tokens/s for one stream on this {device}")
+print(f"=> {bound}-bound: at most {best_tok_s:.0f} tokens/s for one stream on this {device}")
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 2.6))
 ax.barh(["memory (read weights)", "compute (2 FLOPs/weight)"], [t_memory * 1e3, t_compute * 1e3],
         color=["#C44E52", "#4C72B0"])
 ax.set_xlabel("ms per generated token (lower bound)")
-ax.set_title("Decode is bounded by memory, not arithmetic")
+ax.set_title(f"One decode step on this {device} is {bound}-bound")
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# The longer bar sets the pace, and the verdict above is computed from your two measurements, not assumed.
+# A decode step does two FLOPs (one multiply-add) with each weight it reads: half a FLOP per byte in
+# float32, where a weight takes four bytes, and one in bfloat16. The **ridge point**, peak FLOP/s divided
+# by bandwidth, is the intensity a computation needs to keep the arithmetic units busy. Only a machine
+# whose ridge sat below one FLOP per byte could be compute-bound here, and processors are built the other
+# way round: their arithmetic outruns their memory. Chapter 02 turns this into the roofline.
+#
 # ## The engine measures its own products
 #
 # Every weight product `y = x Wᵀ` can be computed in several equal ways: PyTorch's `F.linear`, the
@@ -195,6 +205,27 @@ else:
     print("on a GPU every product is F.linear (cuBLAS picks its own kernels)")
 
 # %% [markdown]
+# ## The map of the course
+#
+# Each later chapter removes one cost from the loop you just ran. A request runs in two phases (chapter 02
+# names them): **prefill**, one forward pass over the whole prompt, which sets the time to the first
+# token, and **decode**, one forward pass per new token. Here is which phase each chapter speeds up and
+# which bottleneck it attacks; the bar chart above told you which of the first two binds a single stream
+# on your machine.
+#
+# | chapter | what it changes | phase | bottleneck it attacks |
+# | --- | --- | --- | --- |
+# | 01 naive baseline | nothing yet: the whole sequence is recomputed at every step | both | none: it measures the waste, O(N³) work for N tokens |
+# | 02 prefill vs decode | several sequences advance in one decode step | decode | memory bandwidth: one weight read serves the whole batch |
+# | 03 KV cache | each position's keys and values are kept | decode | redundant compute, paid for in memory capacity |
+# | 04 batching | finished sequences leave the batch and new ones join at every step | decode | idle batch slots, so each weight read serves fewer tokens than it could |
+# | 05 FlashAttention | attention runs in tiles held in on-chip memory | prefill (long prompts) | memory traffic and memory size of the N × N attention scores |
+# | 06 speculative decoding | a small model drafts tokens, the large one checks them in one pass | decode | memory bandwidth: idle arithmetic verifies several tokens per weight read |
+# | 07 PagedAttention | the cache lives in fixed-size blocks, allocated as needed | decode | memory capacity: cache reserved for tokens that never come |
+# | 08 prefix caching | the cache of a prompt prefix seen before is reused | prefill | redundant compute across requests, hence the time to first token |
+# | 09 the full stack | all of the above, behind an HTTP server | both | none new: it measures the whole ladder |
+# | 10 quantization | weights stored in 8 or 4 bits | decode | memory bandwidth and capacity: fewer bytes per weight |
+#
 # ## What you measured
 
 # %%
@@ -207,7 +238,130 @@ summary = [
     (f"forward pass, {len(prompt_ids)} tokens", f"{forward_s * 1e3:.1f} ms"),
     ("matmul ceiling", f"{ceil.peak_flops / 1e9:.1f} GFLOP/s"),
     ("memory bandwidth", f"{ceil.peak_bw / 1e9:.1f} GB/s"),
-    ("best possible decode speed", f"{best_tok_s:.0f} tok/s (memory-bound)"),
+    ("best possible decode speed", f"{best_tok_s:.0f} tok/s ({bound}-bound)"),
 ]
 for k, v in summary:
     print(f"{k:<30} {v}")
+
+# %% [markdown]
+# ## Exercises: predict, then run
+#
+# Write your prediction down before you run each cell; the answer under it says what you should see and
+# why. Each cell takes a few seconds.
+#
+# **1. Sixty-four tokens in one pass.** A forward pass over one token and a forward pass over 64 tokens
+# read exactly the same weights. How many times longer does the 64-token pass take: about the same, 64
+# times longer, or something in between?
+
+# %%
+def pass_time(n: int) -> float:
+    x = torch.randint(100, 40000, (1, n), device=device)
+    model(x)  # warm-up
+    return min(timed(lambda: model(x), device)[1] for _ in range(3))
+
+
+pass_s = {n: pass_time(n) for n in (1, 64)}
+roof_s = {n: formulas.roofline_time(formulas.prefill_flops(cfg, n), formulas.prefill_bytes(cfg, n, bytes_per),
+                                    ceil.peak_flops, ceil.peak_bw) for n in pass_s}
+for n in pass_s:
+    print(f"{n:3d} tokens: {pass_s[n] * 1e3:7.1f} ms ({pass_s[n] / n * 1e3:6.2f} ms per token), "
+          f"roofline bound {roof_s[n] * 1e3:6.1f} ms")
+print(f"64 tokens / 1 token: measured {pass_s[64] / pass_s[1]:.1f}x, roofline {roof_s[64] / roof_s[1]:.1f}x")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# In between. The one-token pass pays for reading every weight and then does only two FLOPs with each, so
+# it waits on memory. The other 63 tokens reuse weights that are already on their way to the arithmetic
+# units: they add their FLOPs but almost no bytes. How far the ratio climbs depends on the ridge point. A
+# machine with a low ridge (a CPU) becomes compute-bound after a handful of tokens, so 64 tokens cost a
+# good fraction of 64 single passes; a machine with a high ridge (a GPU) runs 64 tokens in about the time
+# of one. Either way the cost per token falls. That is the difference between prefill and decode, the
+# subject of chapter 02.
+# </details>
+#
+# **2. Half the bytes per weight.** Load the same model in another dtype (bfloat16 if this chapter runs in
+# float32, and the other way round). Predict the memory its weights take, its memory-bound ceiling on
+# decode speed, and the decode speed you will actually measure.
+
+# %%
+from mini_engine.hardware import measure_matmul_flops
+from mini_engine.metrics import TokenTimer
+
+other_dtype = "bfloat16" if dtype == "float32" else "float32"
+other_model, _ = me.load_model("smollm2-135m", device=device, dtype=other_dtype)
+decode_params = me.SamplingParams(max_tokens=16, ignore_eos=True)
+dtype_rows = {}
+for name, m in ((dtype, model), (other_dtype, other_model)):
+    nbytes_m = sum(p.numel() * p.element_size() for p in m.parameters())
+    flops_m = measure_matmul_flops(device, m.dtype)
+    me.generate_cached(m, prompt_ids, 4, decode_params)  # warm-up (on a CPU it also picks product forms)
+    timer = TokenTimer(device).begin()
+    ids_m = me.generate_cached(m, prompt_ids, 16, decode_params, on_token=timer.on_token)
+    dtype_rows[name] = ids_m
+    print(f"{name:>9}: weights {nbytes_m / 2**20:4.0f} MiB, ceilings {ceil.peak_bw / nbytes_m:5.0f} tok/s (memory) "
+          f"and {flops_m / flops_token:5.0f} tok/s (matmul), measured {1 / timer.tpot_s:5.1f} tok/s")
+same = dtype_rows[dtype] == dtype_rows[other_dtype]
+print(f"same 16 tokens in both dtypes: {same}")
+del other_model
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# A bfloat16 weight takes two bytes instead of four, so the weights take half the memory and the
+# memory-bound ceiling doubles: the same bandwidth now carries twice as many weights per second. Whether
+# the measured speed follows depends on the arithmetic. On hardware that multiplies bfloat16 natively
+# (recent GPUs, CPUs with AVX-512 BF16 or AMX) it rises too, though rarely by the full factor, since part
+# of every step (attention, norms, Python between the kernels) does not shrink with the weights; a
+# processor that converts each bfloat16 product to float32 can gain little or even lose, and the matmul
+# ceiling column shows which case you are in. The tokens may differ: bfloat16 keeps far fewer mantissa bits, and when
+# two candidates score almost equally, rounding can pick the other one.
+# </details>
+#
+# **3. Tokens are not words.** Every cost in this course is counted per token. Which of these strings
+# needs the most tokens for its length: English prose, the same sentence in French, a line of Python, or
+# a 20-digit number?
+
+# %%
+samples = {
+    "English": "The cat sat on the mat because it was warm.",
+    "French": "Le chat s'est assis sur le tapis parce qu'il faisait chaud.",
+    "Python": "for i in range(10):\n    print(i ** 2)",
+    "digits": "31415926535897932384",
+}
+for name, s in samples.items():
+    pieces = [tok.decode([i]) for i in tok.encode(s)]
+    print(f"{name:<8}{len(s):4d} chars -> {len(pieces):3d} tokens ({len(s) / len(pieces):.1f} chars per token): "
+          f"{pieces[:8]}")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# The number. A byte-level BPE vocabulary is learned from its training text: frequent words of that text
+# become single tokens, rarer ones are cut into pieces. SmolLM2's vocabulary was learned mostly from
+# English and code, so the English sentence is about one token per word, the French one is cut into
+# syllable-sized pieces, and this tokenizer splits numbers into single digits. The same request therefore
+# costs more compute, cache and time in a language or format the vocabulary covers less well.
+# </details>
+#
+# **4. A longer answer.** `generate_cached` keeps the keys and values of earlier tokens (chapter 03 builds
+# it). How much longer does it take to generate 32 tokens than 8 from the same prompt?
+
+# %%
+length_s = {n: timed(lambda: me.generate_cached(model, prompt_ids, n, me.SamplingParams(max_tokens=n, ignore_eos=True)),
+                     device)[1] for n in (8, 32)}
+for n, s in length_s.items():
+    print(f"{n:3d} new tokens: {s:.2f} s")
+print(f"32 / 8 tokens: {length_s[32] / length_s[8]:.1f}x for {32 / 8:.0f}x the tokens")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# A little under four times. Each new token costs one decode step, and a step costs about the same
+# whatever its position (it reads the weights once), so the time grows in proportion to the number of
+# tokens; the prompt's prefill is a fixed cost paid once, which keeps the ratio below four. Chapter 01
+# removes the cache, and then every step costs more than the one before.
+# </details>
+#
+# **Next.** This chapter has no lab. Continue with [chapter 01, the naive baseline](01_naive_baseline.ipynb),
+# where the first lab has you write the generation loop that every later chapter speeds up.
