@@ -59,11 +59,13 @@ def last_level_cache_bytes() -> int:
 def _timing_inputs(weight: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x of `rows` rows, and copies of the weight that together exceed the last-level cache when the product
     is memory-bound. A decode step streams every weight from memory once: a single weight timed in a loop
-    would sit in cache and could crown a form that loses on the real model. Copies are capped so that one
-    timed pass stays around 0.2 GFLOP (large row counts are compute-bound; caching matters little there)."""
+    would sit in cache and could crown a form that loses on the real model (a cap of 0.2 GFLOP per pass once
+    kept 16-row bf16 timings in cache, and a form that won there by 8% made the chained products 5-12% slower).
+    Copies are capped so that one timed pass stays under about 1 GFLOP: only large row counts reach the cap,
+    and they are compute-bound, where caching matters little."""
     per_copy = weight.nbytes
     copies = -(-2 * last_level_cache_bytes() // per_copy)
-    copies = max(1, min(copies, 64, int(2e8 // (2 * rows * weight.numel()))))
+    copies = max(1, min(copies, 64, int(1e9 // (2 * rows * weight.numel()))))
     gen = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
     return x, weight.detach().expand(copies, *weight.shape).clone()
@@ -100,6 +102,12 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         w = self.weight
+        # The common case first, in as few Python operations as possible: a decode step makes 121 products,
+        # and every microsecond here is a microsecond on each of them (`_forms` only holds CPU cases).
+        if x.dim() == 2 and not torch.compiler.is_compiling():
+            form = self._forms.get((x.shape[0], w.dtype))
+            if form is not None and not counting_mode_active():
+                return form(x, w)
         if x.device.type != "cpu" or x.dim() != 2:
             return F.linear(x, w)
         if torch.compiler.is_compiling():  # the choice is a fact about the machine: a constant in the graph
@@ -107,6 +115,10 @@ class Linear(nn.Linear):
         if counting_mode_active():
             return F.linear(x, w)
         return self.form_for(x.shape[0])(x, w)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._forms.clear()  # moved to another device or dtype: the forms are decided anew
+        return super()._apply(fn, *args, **kwargs)
 
     def form_for(self, rows: int):
         """The product function tuned for `rows` rows of this weight (timed on first use)."""
