@@ -30,6 +30,16 @@
 # 4. compiles it for a T4, an A100 and an H100, on any machine, and reads what each GPU gets: shared
 #    memory, registers, the tensor-core instructions, and why the tiles have the sizes they have;
 # 5. times it: against naive attention and PyTorch's SDPA on a GPU; on a CPU, SDPA against naive.
+#
+# An aside after section 3 says what FlashAttention-2 changed, and exercises close the chapter.
+#
+# **What needs a GPU.** Two measurements in this chapter only mean something on a GPU: the allocator's
+# *peak* memory of naive attention against the kernel (section 1), and the kernel's speed in TFLOP/s
+# against SDPA and naive attention (section 5). Without a GPU, Triton's interpreter runs the kernel as
+# NumPy: the results are exact, the timings are not the kernel's. On a CPU the chapter shows, in their
+# place, what the interpreter does measure: the memory the kernel allocates, its correctness, and what
+# one interpreted call costs. Everything else (the sizes, the online softmax, the correctness checks and
+# the compilation for three GPUs) runs the same everywhere. The next cell says which case this is.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -78,6 +88,12 @@ fa = importlib.import_module("mini_engine.kernels.flash_attention")
 
 device = default_device()
 print(f"device: {device}; Triton kernels {'in the interpreter' if fa.INTERPRETED else 'compiled for the GPU'}")
+for what, where in (("peak memory, naive vs kernel (section 1)", "GPU allocator" if device == "cuda" else
+                     "needs a GPU; here: torch allocations of an interpreted call instead"),
+                    ("kernel TFLOP/s vs SDPA and naive (section 5)", "measured on this GPU" if device == "cuda" else
+                     "needs a GPU; here: one interpreted call, timed for scale"),
+                    ("kernel vs reference, compilation for T4/A100/H100", "runs here")):
+    print(f"  {what:<50} {where}")
 
 # %% [markdown]
 # ## 1. The N × N problem
@@ -117,6 +133,17 @@ llama = PRESETS["llama-7b"]
 for n in (4096, 32768, 131072):
     print(f"llama-7b, N = {n:6d}: naive scores {human_bytes(score_bytes(llama.num_heads, n, 2)):>10}   "
           f"flash {human_bytes(linear_bytes(llama.num_heads, n, llama.head_dim, 2)):>10}")
+
+# %% [markdown]
+# The seed's own example: one head, N = 8192, 2-byte numbers (fp16 or bf16). It counts "67M entries,
+# 134 MB": decimal megabytes.
+
+# %%
+n_seed = 8192
+print(f"N = {n_seed}: N² = {n_seed * n_seed:,} scores per head (about {n_seed * n_seed / 1e6:.0f}M); "
+      f"at 2 bytes each {score_bytes(1, n_seed, 2) / 1e6:.0f} MB = {human_bytes(score_bytes(1, n_seed, 2))} per head")
+print(f"llama-7b's {llama.num_heads} heads in one layer: {human_bytes(score_bytes(llama.num_heads, n_seed, 2))} of scores, "
+      f"against {human_bytes(linear_bytes(llama.num_heads, n_seed, llama.head_dim, 2))} for what FlashAttention keeps")
 
 # %% [markdown]
 # Those are formulas. Now measure: run naive attention step by step on real tensors (the shapes of
@@ -171,7 +198,24 @@ if device == "cuda":
         print(f"N = {n:5d}: peak extra memory naive {human_bytes(peaks[0]):>10}   flash {human_bytes(peaks[1]):>10}")
         del q, k, v
 else:
-    print("no GPU: peak-allocator measurement skipped (see the tensor sizes above)")
+    # No GPU allocator to ask. The profiler still records every torch allocation on the CPU: the kernel's
+    # tiles live in the interpreter's NumPy arrays (tile-sized), its outputs in torch tensors.
+    from torch.profiler import ProfilerActivity, profile
+
+    print("no GPU: the allocator's peak needs one. Instead, the torch memory each call allocates on this CPU "
+          "(the kernel in Triton's interpreter), one head of 64 dims:")
+    for n in (128, 256):
+        q, k, v = (torch.randn(1, 1, n, 64) for _ in range(3))
+        allocated = []
+        for fn in (lambda: attention_reference(q, k, v, True, upcast=False), lambda: flash_attention(q, k, v)):
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                fn()
+            allocated.append(sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0))
+        peak_rows.append((n, *allocated))
+        print(f"N = {n:4d}: naive allocates {human_bytes(allocated[0]):>10}, the kernel {human_bytes(allocated[1]):>10} "
+              f"(its output alone: {human_bytes(q.nelement() * 4)})")
+    print(f"doubling N: naive x{peak_rows[1][1] / peak_rows[0][1]:.1f}, kernel x{peak_rows[1][2] / peak_rows[0][2]:.1f}")
+    del q, k, v
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -181,14 +225,69 @@ ax.loglog(ns, [r[3] for r in mem_rows], "bs", label="output (all the kernel allo
 ax.loglog(ns, 3 * score_bytes(smol.num_heads, ns, 4) + ns ** 2, "r:", label="3 · heads · N² · 4 B + N² (mask)")
 ax.loglog(ns, smol.num_heads * ns * smol.head_dim * 4.0, "b:", label="heads · N · d · 4 B")
 if peak_rows:
-    ax.loglog([r[0] for r in peak_rows], [r[1] for r in peak_rows], "r^", label="naive: GPU peak")
-    ax.loglog([r[0] for r in peak_rows], [r[2] for r in peak_rows], "b^", label="flash: GPU peak")
+    how = "GPU peak" if device == "cuda" else "allocated (interpreter)"
+    ax.loglog([r[0] for r in peak_rows], [r[1] for r in peak_rows], "r^", label=f"naive: {how}")
+    ax.loglog([r[0] for r in peak_rows], [r[2] for r in peak_rows], "b^", label=f"flash: {how}")
 ax.set_xscale("log", base=2)
 ax.set(xlabel="N", ylabel="bytes", title="one layer of SmolLM2: measured")
 ax.legend(fontsize=8)
 plt.show()
 print(f"doubling N from {ns[-2]} to {ns[-1]}: naive intermediates x{mem_rows[-1][1] / mem_rows[-2][1]:.1f}, "
       f"output x{mem_rows[-1][3] / mem_rows[-2][3]:.1f}")
+
+# %% [markdown]
+# ### Where the bytes go: SRAM tiles and HBM traffic
+#
+# Memory size is half the story; the other half is traffic. A GPU keeps its big tensors in HBM (device
+# memory: tens of GB, a few TB/s) and computes out of on-chip SRAM (shared memory and registers: a few
+# hundred KB per multiprocessor, an order of magnitude faster). Naive attention sends the N × N scores
+# S and probabilities P through HBM: written, read back, written again, read again. The tiled kernel
+# keeps a Q tile in SRAM, streams K and V tiles past it, and the only score tile that ever exists is the
+# `BLOCK_M × BLOCK_N` one in registers. `formulas.attention_hbm_bytes` counts both, per head:
+
+# %%
+from mini_engine.formulas import attention_hbm_bytes
+
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.15, 1]})
+rect = lambda ax, x, y, w, h, color, text, **kw: (ax.add_patch(plt.Rectangle((x, y), w, h, color=color, alpha=0.55, **kw)),
+                                                 ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8))
+left.add_patch(plt.Rectangle((0, 0), 10, 6.2, fill=False, lw=1.5))
+left.text(0.2, 5.85, "HBM (device memory)", fontsize=9, weight="bold")
+for i, name in enumerate("QKVO"):
+    rect(left, 0.4 + i * 1.0, 0.5, 0.6, 4.8, "C0" if name != "O" else "C2", f"{name}\nN×d")
+rect(left, 4.6, 2.6, 2.4, 2.6, "C3", "S = QKᵀ\nN×N\n(naive only)")
+rect(left, 7.3, 2.6, 2.4, 2.6, "C3", "P = softmax(S)\nN×N\n(naive only)")
+left.add_patch(plt.Rectangle((4.6, 0.3), 5.1, 1.9, fill=False, lw=1.5, ls="--"))
+left.text(4.75, 1.9, "SRAM (on chip), one program", fontsize=8, weight="bold")
+rect(left, 4.8, 0.45, 1.0, 1.0, "C0", "Q tile")
+rect(left, 6.0, 0.45, 0.7, 1.0, "C1", "K, V\ntile")
+rect(left, 6.9, 0.45, 1.0, 1.0, "C3", "S tile")
+rect(left, 8.1, 0.45, 1.4, 1.0, "C2", "acc, m, l")
+left.annotate("", xy=(4.8, 1.0), xytext=(0.7, 0.8), arrowprops=dict(arrowstyle="->", color="C0"))
+left.annotate("", xy=(6.3, 1.45), xytext=(1.7, 3.0), arrowprops=dict(arrowstyle="->", color="C1"))
+left.text(2.4, 1.05, "read once", fontsize=7, color="C0")
+left.text(2.9, 2.15, "streamed past each\nQ tile, tile by tile", fontsize=7, color="C1")
+left.set(xlim=(-0.1, 10.1), ylim=(-0.1, 6.3), xticks=[], yticks=[], title="What lives where")
+n_axis = np.array([2 ** p for p in range(9, 16)])
+for d, style in ((64, "-"), (128, "--")):
+    right.loglog(n_axis, attention_hbm_bytes(n_axis, d, 2), "r" + style, label=f"naive, d = {d}")
+    right.loglog(n_axis, attention_hbm_bytes(n_axis, d, 2, block_m=128), "b" + style, label=f"tiled, BLOCK_M = 128, d = {d}")
+right.set_xscale("log", base=2)
+right.set(xlabel="N", ylabel="bytes moved per head (fp16)", title="HBM traffic of one head")
+right.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+for d in (64, 128):
+    naive_b, tiled_b = attention_hbm_bytes(n_seed, d, 2), attention_hbm_bytes(n_seed, d, 2, block_m=128)
+    print(f"N = {n_seed}, d = {d}: naive {human_bytes(naive_b)}, tiled {human_bytes(tiled_b)} per head "
+          f"({naive_b / tiled_b:.1f}x less traffic)")
+
+# %% [markdown]
+# Both curves grow as N², because every query still meets every key. The tiled kernel's N² term is
+# K and V read once per query tile, so it shrinks as tiles grow and as `d` shrinks relative to the tile;
+# the naive one carries four N × N passes whatever the tile. What the picture does not show is that the
+# naive kernel's traffic also comes in separate launches (a matmul, a softmax, another matmul), each of
+# which waits on HBM, where the fused kernel overlaps its loads with its tensor-core work.
 
 # %% [markdown]
 # ## 2. Online softmax, step by step
@@ -343,6 +442,23 @@ varlen_error = (packed_out - fa.attention_reference_varlen(q, k, v, cu_q, cu_k, 
 print(f"packed prefill of {len(q_lens)} sequences, {sum(q_lens)} query tokens: max error {varlen_error:.1e}")
 
 # %% [markdown]
+# ### Aside: what FlashAttention-2 changed
+#
+# FlashAttention-2 (Dao, 2023) keeps the tiles and the online softmax and reorganises the work around
+# them; the seed credits it with roughly another 2× over the first version. Three changes matter. First,
+# fewer operations that are not matrix products: version 1 rescaled its output tile by the running
+# denominator after every K/V tile, version 2 keeps the accumulator unnormalised and divides by `l` once
+# at the end (our kernel's final division above). On a GPU whose tensor cores do matrix products an
+# order of magnitude faster than anything else, every non-matmul operation in the inner loop is
+# expensive. Second, more parallelism: version 1 gave each (sequence, head) one thread block, which left
+# most of the GPU idle when a long sequence came with a small batch; version 2 also splits the queries
+# into tiles, one program each, as our launch grid does (query tile, head, sequence). Third, the split
+# of work inside a program: version 1 divided K and V among the warps, so the warps had to merge their
+# partial softmax results through shared memory; version 2 divides the *queries* among warps, so each
+# warp finishes its own rows without talking to the others. For causal attention it also skips tiles
+# that lie wholly above the diagonal, as our kernel's two loop ranges do.
+
+# %% [markdown]
 # ## 4. What the kernel becomes on each GPU
 #
 # The wrapper chooses its tiles from a *description* of the GPU (`mini_engine.kernels.gpus.GPUSpec`:
@@ -478,9 +594,13 @@ else:
     print("No GPU here. Triton's interpreter runs the kernel as NumPy, one program at a time, so timing it "
           "would measure Python, not the kernel. One small call, for scale:")
     q, k, v = (torch.randn(1, 1, 128, 64) for _ in range(3))
-    _, interp_s = timed(lambda: flash_attention(q, k, v))
+    interp_out, interp_s = timed(lambda: flash_attention(q, k, v))
+    interp_error = (interp_out - attention_reference(q, k, v, True)).abs().max().item()
     print(f"  interpreter, 1 head x 128 tokens: {interp_s:.2f} s, for about "
-          f"{fa.attention_flops(1, 1, 128, 128, 64, True) / 1e6:.0f} MFLOP")
+          f"{fa.attention_flops(1, 1, 128, 128, 64, True) / 1e6:.0f} MFLOP "
+          f"({fa.attention_flops(1, 1, 128, 128, 64, True) / interp_s / 1e9:.2f} GFLOP/s: Python's speed, not the "
+          f"kernel's); max error vs the reference {interp_error:.1e}")
+    print("  The TFLOP/s plot of this section needs a GPU (on Colab: Runtime > Change runtime type > GPU).")
 
 # %% [markdown]
 # What *can* be measured on a CPU is the same contrast between PyTorch's fused CPU kernel
@@ -533,3 +653,115 @@ if speed_rows:
     summary.append((f"GPU TFLOP/s at N = {n_top}: ours / SDPA", f"{top['triton']:.0f} / {top['sdpa']:.0f}"))
 for name, value in summary:
     print(f"{name:<40} {value}")
+
+
+# %% [markdown]
+# ## Exercises: predict, then run
+#
+# Write your prediction down before you run each cell; the answer under it says what you should see
+# and why. Each cell takes a few seconds.
+#
+# **1. The tile size of the online softmax.** Run section 2's recurrence over the same 48 scores with
+# tiles of 1, 4, 16 and 48 keys. Does the final output depend on the tile size? How many times can the
+# running max move?
+
+# %%
+for tile_size in (1, 4, 16, 48):
+    states = list(online_softmax_states(scores, values, tile_size))
+    moves = sum(1 for a, b in zip(states, states[1:]) if b.m != a.m)
+    print(f"tile {tile_size:2d}: {len(states):2d} tiles, running max moved {moves:2d} times, "
+          f"|output - exact| = {np.abs(states[-1].output - exact).max():.1e}")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# The final output is the exact softmax-weighted average for every tile size, up to float rounding: the
+# rescaling by `exp(m − m')` makes the order and grouping of the keys irrelevant. The running max can
+# move at most once per tile after the first (it moves only when a tile holds a new largest score), so
+# small tiles see more moves, and one tile holding everything sees none: that is the ordinary softmax.
+# Tile size is a hardware choice (what fits in SRAM and registers), never a numerical one.
+# </details>
+#
+# **2. The engine's attention backend.** The engine takes `attention_backend="naive"` (scores
+# materialised, as in section 1) or `"torch"` (PyTorch's fused SDPA). Serve one request with a 512-token
+# prompt both ways. Will the tokens match? Which has the shorter time to first token, and does the gap
+# stay the same for the decode steps that follow?
+
+# %%
+import mini_engine as me
+from mini_engine.engine import LLM
+
+backend_model, backend_tok = me.load_model("smollm2-135m", device=device, dtype="float32" if device == "cpu" else "bfloat16")
+long_prompt = np.random.default_rng(0).integers(1000, 20000, size=512).tolist()
+backend_runs = {}
+for backend in ("naive", "torch"):
+    backend_llm = LLM.from_model(backend_model, backend_tok, kv_cache="contiguous", max_num_seqs=1, max_model_len=600,
+                                 attention_backend=backend)
+    backend_llm.generate([long_prompt[:8]], me.SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    out = backend_llm.generate([long_prompt], me.SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    backend_runs[backend] = out
+    print(f"{backend:>6}: TTFT {out.metrics.ttft_s * 1e3:6.0f} ms, TPOT {out.metrics.tpot_s * 1e3:5.1f} ms, "
+          f"tokens {out.token_ids}")
+print(f"same tokens: {backend_runs['naive'].token_ids == backend_runs['torch'].token_ids}; TTFT naive / torch: "
+      f"{backend_runs['naive'].metrics.ttft_s / backend_runs['torch'].metrics.ttft_s:.1f}x, TPOT: "
+      f"{backend_runs['naive'].metrics.tpot_s / backend_runs['torch'].metrics.tpot_s:.1f}x")
+del backend_model
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# The tokens match: both backends compute the same attention, and their float rounding differs far too
+# little to swap greedy choices unless two candidates are nearly tied. The prefill is where they differ:
+# 512 queries against 512 keys in 30 layers, for which the naive backend writes and reads the
+# 9 × 512 × 512 scores, their mask and their softmax in every layer. A decode step has one query per
+# sequence, so its "N × N" matrix is a single row of scores, and the two backends are nearly equally
+# fast there. FlashAttention's win is a prefill (and long-context) win; for decode, the bottleneck is
+# reading the KV cache, which chapter 07's paged kernel addresses.
+# </details>
+#
+# **3. A bigger query tile.** In the tiled kernel each query tile reads all of K and V once. At N = 8192
+# and d = 128, how does the HBM traffic of one head change when `BLOCK_M` goes from 64 to 128? And
+# what would a tile of all 8192 queries move?
+
+# %%
+for block in (64, 128, 8192):
+    print(f"BLOCK_M = {block:5d}: {human_bytes(attention_hbm_bytes(n_seed, 128, 2, block_m=block)):>10} per head "
+          f"(naive: {human_bytes(attention_hbm_bytes(n_seed, 128, 2))})")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Almost halves: the K and V reads, which dominate, happen once per query tile, and doubling the tile
+# halves the number of tiles (Q and O are read and written once either way). A single tile of every
+# query would read K and V once, the minimum possible: 4 · N · d numbers. It cannot be done, because the
+# tile must fit in registers and shared memory (section 4's limits): the kernel's tile sizes are the
+# compromise between traffic and what the chip can hold.
+# </details>
+#
+# **4. Why subtract the max?** Add 1000 to every score. Softmax does not change when all scores shift by
+# the same amount. What does a softmax *without* the max subtraction return, and what does the online
+# softmax return?
+
+# %%
+shifted = scores + 1000.0
+with np.errstate(over="ignore", invalid="ignore"):
+    weights_plain = np.exp(shifted) / np.exp(shifted).sum()
+    plain_out = weights_plain @ values
+online_out = list(online_softmax_states(shifted, values, tile))[-1].output
+print(f"exp(1000 + s) overflows float64: {np.isinf(np.exp(shifted)).all()}; plain softmax output: {plain_out[:3]}")
+print(f"online softmax of the shifted scores vs exact of the originals: {np.abs(online_out - exact).max():.1e}")
+fp16_max = float(np.finfo(np.float16).max)
+print(f"fp16's largest number {fp16_max:,.0f} = exp({np.log(fp16_max):.1f}): a score above that overflows exp in fp16")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# `exp(1000)` is larger than any float can hold, so every exponential is `inf` and the ratio `inf / inf`
+# is `nan`: the plain formula returns garbage. The online softmax subtracts the running max before
+# exponentiating, so its largest exponent is `exp(0) = 1`, and it returns the same output as for the
+# unshifted scores. In fp16 the danger starts far sooner, at the modest score the last line prints,
+# which is why every attention kernel tracks `m`.
+# </details>
+#
+# **Lab.** [Lab 05](../labs/lab05_notebook.ipynb) has you write the online softmax in NumPy, then the same
+# update as the body of a Triton kernel's loop over K/V tiles, checked against the materialised reference.
