@@ -21,7 +21,8 @@
 #
 # This chapter counts the redundancy, builds the cache, proves that it changes nothing in the output,
 # measures the speedup against the formula, and then looks at the price: memory, which grows with
-# every token of every sequence, and which grouped-query attention (GQA) cuts at the source.
+# every token of every sequence, and which grouped-query attention (GQA) cuts at the source. An aside at
+# the end looks at what else a cached step spends its time on; exercises close the chapter.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -251,73 +252,6 @@ print(f"1024 tokens from a 1-token prompt: {formulas.naive_generation_flops(cfg,
       f"fewer FLOPs in total; attention alone: Σi²/Σi = {formulas.attention_work_ratio(1024):.0f}x")
 
 # %% [markdown]
-# ### How close is a cached step to the floor?
-#
-# A cached decode step must at least read every weight once. `hardware.matmul_floor_tok_s` times the
-# model's weight products alone, chained, with nothing else: the fastest an eager decoder computing them
-# this way could go. "This way" is itself measured: for one row the engine times a few equal forms of each
-# product on your CPU (plain `F.linear`, a single row computed as a two-row GEMM, ...) and keeps the
-# fastest; the table shows what it found here (chapter 04 returns to this). The gap to a real step is attention, the norms, RoPE, the cache writes and, on a CPU, the
-# fixed cost of launching some forty small operations per layer, each of which touches only a few kilobytes.
-
-# %%
-from mini_engine.hardware import format_tuned_forms, matmul_floor_tok_s
-
-print(format_tuned_forms(rows=1))
-step_s = float(np.median(np.diff(cached_t)))  # one decode step, from the stamps above
-floor_s = 1 / matmul_floor_tok_s(model, 1)
-print(f"a cached decode step: {step_s * 1e3:.1f} ms; the weight products alone: {floor_s * 1e3:.1f} ms "
-      f"({100 * floor_s / step_s:.0f}% of the step); everything else: {(step_s - floor_s) * 1e3:.1f} ms")
-fig, ax = plt.subplots(figsize=(6, 1.6))
-ax.barh([0], [floor_s * 1e3], label="weight products (the floor)")
-ax.barh([0], [(step_s - floor_s) * 1e3], left=[floor_s * 1e3], label="everything else")
-ax.set(yticks=[], xlabel="ms per decode step", title=f"One cached decode step, {dtype} on {device}")
-ax.legend(fontsize=8, loc="lower right")
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# ### Closing the gap: the whole step as one compiled graph
-#
-# None of the "everything else" is heavy arithmetic: per layer, two RMSNorms, RoPE, the cache write, the
-# residual adds and SiLU times up, each a separate kernel that reads and writes a few kilobytes, called
-# from Python. `torch.compile` removes that cost: it traces a decode step once into a graph, and Inductor
-# fuses the small operations into a handful of C++ loops per layer, leaving the products as they are.
-# (gpt-fast does this on GPUs; vLLM's CUDA graphs attack the same launch cost.)
-#
-# The traced function is `compiled_decode.decode_one_token`: the same step, written with tensors only.
-# Its one design choice is static shapes: attention reads the cache's whole length and masks what lies
-# past the context, so the graph compiled at the first step serves every later step. The first call
-# compiles (about a minute on a 2-core CPU); the tokens must not change.
-
-# %%
-t0 = time.perf_counter()
-me.generate_cached(model, prompt_ids, 2, compile=True)  # compiles the step
-compile_s = time.perf_counter() - t0
-compiled_out, compiled_t = run(lambda *a, **kw: me.generate_cached(*a, **kw, compile=True))
-compiled_step_s = float(np.median(np.diff(compiled_t)))
-print(f"compiling took {compile_s:.0f} s, once; identical tokens: {compiled_out == cached_out}")
-print(f"decode step: eager {step_s * 1e3:.1f} ms, compiled {compiled_step_s * 1e3:.1f} ms "
-      f"({step_s / compiled_step_s:.2f}x faster); the weight products alone: {floor_s * 1e3:.1f} ms")
-fig, ax = plt.subplots(figsize=(6, 2))
-for row, total in enumerate([compiled_step_s, step_s]):
-    ax.barh([row], [floor_s * 1e3], color="C0", label="weight products (the floor)" if row == 0 else None)
-    ax.barh([row], [(total - floor_s) * 1e3], left=[floor_s * 1e3], color="C1",
-            label="everything else" if row == 0 else None)
-ax.set(yticks=[0, 1], yticklabels=["compiled", "eager"], xlabel="ms per decode step",
-       title=f"Eager vs compiled decode step, {dtype} on {device}")
-ax.legend(fontsize=8, loc="lower right")
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# On a CPU the compiled step can even beat the "floor": that floor is timed eagerly, and each of its 121
-# products (four per layer and the vocabulary projection) still pays its own Python call and dispatch,
-# which the compiled graph does not. The products' arithmetic and memory traffic are unchanged; only the
-# overhead around them went. On a GPU the same overhead is kernel launches, which is why serving engines
-# capture their decode steps in CUDA graphs.
-
-# %% [markdown]
 # ## The price: memory that grows with every token
 #
 # Each token adds one key and one value vector per KV head in every layer:
@@ -400,19 +334,62 @@ for name in ("llama-7b", "llama-2-13b", "llama-70b-gqa", "llama-70b-mha"):
 
 # %%
 gpu = 80 * 2**30
+big_models = ("llama-7b", "llama-2-13b", "llama-70b-gqa", "llama-70b-mha")
 fits = {(name, n): formulas.max_concurrent_requests(gpu, formulas.weight_bytes(name, 2),
                                                    formulas.kv_cache_bytes_for(name, n, 1, 2))
-        for name in ("llama-7b", "llama-2-13b", "llama-70b-gqa", "llama-70b-mha") for n in (2048, 4096)}
+        for name in big_models for n in (2048, 4096)}
 print(f"{'model':<15}{'weights GiB':>12}{'2K requests':>12}{'4K requests':>12}")
-for name in ("llama-7b", "llama-2-13b", "llama-70b-gqa", "llama-70b-mha"):
+for name in big_models:
     weights = formulas.weight_bytes(name, 2)
     print(f"{name:<15}{weights / 2**30:12.1f}{fits[name, 2048]:12d}{fits[name, 4096]:12d}")
 
 # %% [markdown]
-# Llama-2-13B fits about 35 requests of 2048 tokens; a 70B model does not fit on one such card at all
-# (its fp16 weights alone exceed 80 GiB), which is why it is sharded across GPUs, and why its GQA
-# matters: 8 KV heads instead of 64 make each request's cache 8x smaller.
+# Llama-2-13B is the seed's example: the row above is its "about 35 requests on an 80 GB A100"
+# (`formulas.max_concurrent_requests` spells out the assumptions). A 70B model does not fit on one such
+# card at all: its fp16 weights alone exceed 80 GiB, which is why it is sharded across GPUs.
 #
+# ### The seed's GQA case: Llama-2-13B with 8 KV heads instead of 40
+#
+# The seed says that cutting the KV heads fivefold buys about five times the concurrent requests. Take
+# Llama-2-13B and give it 8 KV heads (each shared by 5 of its 40 query heads). Its K and V projections
+# shrink too, so the weights get a little lighter; everything else is the same model.
+
+# %%
+mha13 = PRESETS["llama-2-13b"]
+gqa13 = dataclasses.replace(mha13, num_kv_heads=8)
+for n in (2048, 4096):
+    fits["llama-2-13b-gqa8", n] = formulas.max_concurrent_requests(
+        gpu, formulas.weight_bytes(gqa13, 2), formulas.kv_cache_bytes_for(gqa13, n, 1, 2))
+kv_cut = formulas.kv_bytes_per_token_for(mha13, 2) / formulas.kv_bytes_per_token_for(gqa13, 2)
+gqa_gain = fits["llama-2-13b-gqa8", 2048] / fits["llama-2-13b", 2048]
+print(f"KV heads {mha13.num_kv_heads} -> {gqa13.num_kv_heads}: KV per token "
+      f"{formulas.kv_bytes_per_token_for(mha13, 2) / 2**20:.3f} -> {formulas.kv_bytes_per_token_for(gqa13, 2) / 2**20:.3f} MiB "
+      f"({kv_cut:.0f}x smaller); weights {formulas.weight_bytes(mha13, 2) / 2**30:.1f} -> "
+      f"{formulas.weight_bytes(gqa13, 2) / 2**30:.1f} GiB")
+print(f"2K-token requests on 80 GiB: {fits['llama-2-13b', 2048]} -> {fits['llama-2-13b-gqa8', 2048]} "
+      f"({gqa_gain:.1f}x); 4K-token requests: {fits['llama-2-13b', 4096]} -> {fits['llama-2-13b-gqa8', 4096]} "
+      f"({fits['llama-2-13b-gqa8', 4096] / fits['llama-2-13b', 4096]:.1f}x)")
+
+# %% [markdown]
+# The gain is the KV cut, rounded down to whole requests, plus a little from the lighter weights. The
+# table as a chart, with the GQA variant beside the model it came from:
+
+# %%
+order = ("llama-7b", "llama-2-13b", "llama-2-13b-gqa8", "llama-70b-gqa", "llama-70b-mha")
+x = np.arange(len(order))
+fig, ax = plt.subplots(figsize=(8, 3.4))
+for i, (n, color) in enumerate(((2048, "C0"), (4096, "C1"))):
+    counts = [fits[name, n] for name in order]
+    bars = ax.bar(x + (i - 0.5) * 0.38, counts, 0.38, color=color, label=f"{n // 1024}K-token requests")
+    ax.bar_label(bars, labels=[str(c) if c else "0: weights\ndo not fit" for c in counts], fontsize=7)
+ax.set(xticks=x, xticklabels=order, ylabel="requests that fit",
+       title="Concurrent requests on an 80 GiB GPU beside fp16 weights")
+ax.tick_params(axis="x", labelsize=8)
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
 # ## Slider: the KV memory calculator
 #
 # Pick a model (the seed's presets and SmolLM2), a context length, a batch, a dtype and a number of KV
@@ -422,6 +399,80 @@ for name in ("llama-7b", "llama-2-13b", "llama-70b-gqa", "llama-70b-mha"):
 
 # %%
 display(kv_memory_widget("llama-2-13b", gpu_gib=80.0))
+
+# %% [markdown]
+# ## Aside: per-step overheads (optional)
+#
+# > **An aside.** The chapter's argument is complete above: the cache removes the recomputation, costs
+# > memory that grows with every token, and GQA shrinks that memory. This aside looks at something else:
+# > what a cached decode step spends its time on besides the weight products, and how compiling the
+# > step removes most of it. It contains the chapter's only slow cell (a `torch.compile` run).
+#
+# ### How close is a cached step to the floor?
+#
+# A cached decode step must at least read every weight once. `hardware.matmul_floor_tok_s` times the
+# model's weight products alone, chained, with nothing else: the fastest an eager decoder computing them
+# this way could go. "This way" is itself measured: for one row the engine times a few equal forms of each
+# product on your CPU (plain `F.linear`, a single row computed as a two-row GEMM, ...) and keeps the
+# fastest; the table shows what it found here (chapter 04 returns to this). The gap to a real step is attention, the norms, RoPE, the cache writes and, on a CPU, the
+# fixed cost of launching some forty small operations per layer, each of which touches only a few kilobytes.
+
+# %%
+from mini_engine.hardware import format_tuned_forms, matmul_floor_tok_s
+
+print(format_tuned_forms(rows=1))
+step_s = float(np.median(np.diff(cached_t)))  # one decode step, from the stamps above
+floor_s = 1 / matmul_floor_tok_s(model, 1)
+print(f"a cached decode step: {step_s * 1e3:.1f} ms; the weight products alone: {floor_s * 1e3:.1f} ms "
+      f"({100 * floor_s / step_s:.0f}% of the step); everything else: {(step_s - floor_s) * 1e3:.1f} ms")
+fig, ax = plt.subplots(figsize=(6, 1.6))
+ax.barh([0], [floor_s * 1e3], label="weight products (the floor)")
+ax.barh([0], [(step_s - floor_s) * 1e3], left=[floor_s * 1e3], label="everything else")
+ax.set(yticks=[], xlabel="ms per decode step", title=f"One cached decode step, {dtype} on {device}")
+ax.legend(fontsize=8, loc="lower right")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### Closing the gap: the whole step as one compiled graph
+#
+# None of the "everything else" is heavy arithmetic: per layer, two RMSNorms, RoPE, the cache write, the
+# residual adds and SiLU times up, each a separate kernel that reads and writes a few kilobytes, called
+# from Python. `torch.compile` removes that cost: it traces a decode step once into a graph, and Inductor
+# fuses the small operations into a handful of C++ loops per layer, leaving the products as they are.
+# (gpt-fast does this on GPUs; vLLM's CUDA graphs attack the same launch cost.)
+#
+# The traced function is `compiled_decode.decode_one_token`: the same step, written with tensors only.
+# Its one design choice is static shapes: attention reads the cache's whole length and masks what lies
+# past the context, so the graph compiled at the first step serves every later step. The first call
+# compiles (about a minute on a 2-core CPU); the tokens must not change.
+
+# %%
+t0 = time.perf_counter()
+me.generate_cached(model, prompt_ids, 2, compile=True)  # compiles the step
+compile_s = time.perf_counter() - t0
+compiled_out, compiled_t = run(lambda *a, **kw: me.generate_cached(*a, **kw, compile=True))
+compiled_step_s = float(np.median(np.diff(compiled_t)))
+print(f"compiling took {compile_s:.0f} s, once; identical tokens: {compiled_out == cached_out}")
+print(f"decode step: eager {step_s * 1e3:.1f} ms, compiled {compiled_step_s * 1e3:.1f} ms "
+      f"({step_s / compiled_step_s:.2f}x faster); the weight products alone: {floor_s * 1e3:.1f} ms")
+fig, ax = plt.subplots(figsize=(6, 2))
+for row, total in enumerate([compiled_step_s, step_s]):
+    ax.barh([row], [floor_s * 1e3], color="C0", label="weight products (the floor)" if row == 0 else None)
+    ax.barh([row], [(total - floor_s) * 1e3], left=[floor_s * 1e3], color="C1",
+            label="everything else" if row == 0 else None)
+ax.set(yticks=[0, 1], yticklabels=["compiled", "eager"], xlabel="ms per decode step",
+       title=f"Eager vs compiled decode step, {dtype} on {device}")
+ax.legend(fontsize=8, loc="lower right")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# On a CPU the compiled step can even beat the "floor": that floor is timed eagerly, and each of its 121
+# products (four per layer and the vocabulary projection) still pays its own Python call and dispatch,
+# which the compiled graph does not. The products' arithmetic and memory traffic are unchanged; only the
+# overhead around them went. On a GPU the same overhead is kernel launches, which is why serving engines
+# capture their decode steps in CUDA graphs.
 
 # %% [markdown]
 # ## What you measured
@@ -439,6 +490,123 @@ summary = [
     (f"cache after {positions[-1]} positions", f"{used[-1] / 2**20:.2f} MiB measured = formula: {bool(np.all(used == predicted))}"),
     ("GQA vs MHA cache", f"{gqa_saving:.0f}x smaller"),
     ("Llama-2-13B 2K requests on 80 GiB", f"{fits['llama-2-13b', 2048]}"),
+    ("... with 8 KV heads instead of 40", f"{fits['llama-2-13b-gqa8', 2048]} ({gqa_gain:.1f}x)"),
 ]
 for k, v in summary:
     print(f"{k:<34} {v}")
+
+
+# %% [markdown]
+# ## Exercises: predict, then run
+#
+# Write your prediction down before you run each cell; the answer under it says what you should see
+# and why. Each cell takes a few seconds.
+#
+# **1. A longer prompt.** The hook at the start of the chapter counted the K/V rows layer 0 computes
+# while each loop generates `steps` tokens. Double the prompt's length (same number of new tokens): how
+# many rows does the naive loop compute now, and how many does the cached loop compute?
+
+# %%
+double_prompt = prompt_ids + prompt_ids  # twice the tokens; only their number matters here
+rows_2p = {}
+for name, generate in (("naive", me.generate_naive), ("cached", me.generate_cached)):
+    seen = []
+    hook = model.layers[0].self_attn.qkv_proj.register_forward_hook(lambda _m, _i, out: seen.append(out.shape[0]))
+    generate(model, double_prompt, steps, me.SamplingParams(max_tokens=steps, ignore_eos=True))
+    hook.remove()
+    rows_2p[name] = sum(seen)
+P2 = len(double_prompt)
+print(f"prompt {P} -> {P2} tokens, {steps} new tokens each time")
+print(f"naive : {sum(naive_rows)} -> {rows_2p['naive']} rows "
+      f"(formula steps·P + steps·(steps-1)/2 = {steps * P2 + steps * (steps - 1) // 2})")
+print(f"cached: {sum(cached_rows)} -> {rows_2p['cached']} rows (formula P + steps - 1 = {P2 + steps - 1})")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Step *s* of the naive loop pushes all *P + s* tokens through the projections, so its total is
+# `steps · P + steps · (steps − 1) / 2`: doubling *P* adds another `steps · P` rows, one extra prompt's
+# worth per generated token. The cached loop computes every position once, *P + steps − 1* rows (the
+# last token is never fed back), so it grows only by the extra prompt tokens themselves. The longer the
+# prompt, the larger the share of the naive loop's work that is pure repetition.
+# </details>
+#
+# **2. What a contiguous cache reserves.** The serving engine of chapter 04 can keep its keys and values
+# in a contiguous cache (`kv_cache="contiguous"`), one slot per sequence, each reserved for
+# `max_model_len` positions. Predict the memory it holds for `max_num_seqs=4, max_model_len=256`; then
+# with `max_model_len=512`; then with 8 sequences of 512. And what fraction of the first one does one
+# request with this chapter's prompt and a 16-token answer fill?
+
+# %%
+for seqs, length in ((4, 256), (4, 512), (8, 512)):
+    engine_llm = me.LLM.from_model(model, tok, kv_cache="contiguous", max_num_seqs=seqs, max_model_len=length)
+    print(f"max_num_seqs={seqs}, max_model_len={length}: {engine_llm.engine.kv_cache_bytes / 2**20:6.1f} MiB held "
+          f"(formula {formulas.kv_cache_bytes_for(cfg, length, seqs, nbytes) / 2**20:6.1f} MiB)")
+small = me.LLM.from_model(model, tok, kv_cache="contiguous", max_num_seqs=4, max_model_len=256)
+answer = small.generate([prompt_ids], me.SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+touched = P + len(answer.token_ids)
+print(f"one request of {P} + {len(answer.token_ids)} tokens touches at most {touched} of the "
+      f"{4 * 256} reserved positions: {100 * touched / (4 * 256):.0f}% of the cache")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# The reservation is `kv_cache_bytes(layers, kv_heads, head_dim, max_model_len, max_num_seqs, bytes)`:
+# it is fixed when the engine starts and does not depend on what the requests need, so doubling either
+# `max_model_len` or `max_num_seqs` doubles it. A single short request fills a small corner of it: the
+# rest is held but empty. That waste is what the paged cache of chapter 07 removes.
+# </details>
+#
+# **3. A narrower dtype.** Run the same engine on the model in another dtype (bfloat16 if this chapter
+# runs in float32, and the other way round). How do the bytes of its cache change? Does greedy
+# decoding still produce the same 24 tokens?
+
+# %%
+other_dtype = "bfloat16" if dtype == "float32" else "float32"
+other_model, _ = me.load_model("smollm2-135m", device=device, dtype=other_dtype)
+dtype_runs = {}
+for name, m in ((dtype, model), (other_dtype, other_model)):
+    engine_llm = me.LLM.from_model(m, tok, kv_cache="contiguous", max_num_seqs=1, max_model_len=256)
+    out = engine_llm.generate([prompt_ids], me.SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    dtype_runs[name] = (engine_llm.engine.kv_cache_bytes, out.token_ids)
+    print(f"{name:>9}: cache {engine_llm.engine.kv_cache_bytes / 2**20:5.2f} MiB, {tok.decode(out.token_ids)!r}")
+(bytes_a, ids_a), (bytes_b, ids_b) = dtype_runs.values()
+diverge = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), None)
+print(f"cache bytes {dtype} / {other_dtype}: {bytes_a / bytes_b:.1f}x; identical tokens: {ids_a == ids_b}"
+      + ("" if diverge is None else f" (first difference at token {diverge})"))
+del other_model
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# The cache holds one number per (layer, K/V, head, position, dim), so its bytes scale with the bytes per
+# number: bfloat16 needs half of float32's. The tokens are another matter. bfloat16 keeps 8 bits of
+# mantissa against float32's 24, so weights, activations, keys and values are all rounded: when two
+# candidate tokens have close scores, the rounding can swap them, and from that token on the two texts
+# go their own ways. They may agree for all 24 tokens, or part ways early; either way both are valid
+# greedy decodes of slightly different models. That is why the chapter compared naive and cached loops
+# in the *same* dtype: the cache itself changes nothing.
+# </details>
+#
+# **4. When does the cache outweigh the model?** At what context length does one sequence's KV cache take
+# as much memory as SmolLM2's weights (in this chapter's dtype)? And for a batch of 16 sequences?
+
+# %%
+weights_here = sum(p.numel() * p.element_size() for p in model.parameters())
+per_token_here = formulas.kv_bytes_per_token_for(cfg, nbytes)
+break_even = weights_here / per_token_here
+print(f"weights {weights_here / 2**20:.0f} MiB, KV {per_token_here:,} B per token: equal at {break_even:,.0f} tokens "
+      f"for one sequence, {break_even / 16:,.0f} tokens each for 16 (the model allows {cfg.max_position_embeddings:,})")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Both sides scale with the bytes per number, so the dtype cancels: the length is the parameter count
+# divided by `2 · layers · kv_heads · head_dim`. A single sequence reaches it only near the long end of
+# the model's context window; a batch divides it by the batch size, so a server with a few dozen
+# sequences in flight holds more cache than weights at quite ordinary lengths. That is the sense of "the
+# cache, not the weights, decides how many requests a GPU serves".
+# </details>
+#
+# **Lab.** [Lab 03](../labs/lab03_notebook.ipynb) has you write the pieces of this chapter yourself: the
+# memory formula and how many requests fit, one cached attention step, and the cached generation loop.
