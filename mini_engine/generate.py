@@ -1,5 +1,9 @@
-"""The plain generation loops: full recompute (chapter 01) and the KV-cached loop (chapter 03)."""
+"""The plain generation loops: full recompute (chapter 01), the KV-cached loop (chapter 03) and the
+speculative loop (chapter 06), each for one sequence (`generate_batch` decodes several together)."""
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -7,6 +11,7 @@ from .attention import AttentionMetadata
 from .compiled_decode import compiled_decode_step
 from .kv_cache import ContiguousKVCache
 from .sampling import SamplingParams, make_generator, sample
+from .speculative import rejection_sample, target_probs_from_logits
 
 
 def _check(model, prompt_ids, max_new_tokens):
@@ -106,3 +111,119 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
         active = still
         logits = step(model, kv_cache, [outs[i][-1] for i in active],
                       [len(prompts[i]) + len(outs[i]) for i in active], active)
+
+
+@dataclass
+class SpeculativeStats:
+    """What one `generate_speculative` run did. A round is one target forward pass after the prefill: it
+    verifies the drafts proposed for it and yields 1 to k + 1 tokens."""
+    target_steps: int = 0            # target forward passes after the prefill (rounds)
+    num_draft_tokens: int = 0        # drafts proposed, over all rounds
+    num_accepted_tokens: int = 0     # drafts the rejection sampler accepted
+    rounds: list[tuple[list[int], int]] = field(default_factory=list)  # per round: (drafts, number accepted)
+    prefill_s: float = 0.0           # wall time of the prefill (and the first token)
+    draft_s: float = 0.0             # wall time spent in the proposer
+    target_s: float = 0.0            # wall time of the verify passes and the rejection sampler
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted: the share of all drafts that became output (vLLM's "draft acceptance rate")."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """The formula's α, estimated: accepted / tested. A draft is tested only when every draft before it in
+        its round was accepted, so each round tests its accepted drafts plus the one rejected (if any); drafts
+        after a rejection were never judged and do not count. With k drafts per round and each tested draft
+        accepted with probability α, this is the maximum-likelihood estimate of α."""
+        rejections = sum(accepted < len(drafts) for drafts, accepted in self.rounds)
+        tested = self.num_accepted_tokens + rejections
+        return self.num_accepted_tokens / tested if tested else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens the verify passes produced per pass (the prefill's first token is not counted)."""
+        produced = self.num_accepted_tokens + self.target_steps
+        return produced / self.target_steps if self.target_steps else 0.0
+
+
+def generate_speculative(model, prompt_ids: list[int], proposer, k: int = 4, max_new_tokens: int = 32,
+                         params: SamplingParams | None = None, eos_token_id: int | None = None, on_token=None,
+                         kv_cache: ContiguousKVCache | None = None) -> tuple[list[int], SpeculativeStats]:
+    """Speculative decoding for one sequence: each round a proposer drafts up to k tokens, the target runs its
+    last token and the drafts as ONE chunk against its KV cache, and `rejection_sample` keeps the drafts it
+    agrees with plus one token of its own. Returns (new tokens, SpeculativeStats).
+
+    Greedy, the tokens are `generate_cached`'s (up to floating-point ties between the chunked and one-token
+    forms of the same products); sampled, they follow the same distribution (not the same draws), and a
+    seeded run is reproducible. `proposer` is anything with `propose(token_ids, k) -> list[int]` (a
+    deterministic proposer: `NgramProposer`, `DraftModelProposer`); a proposer that also has
+    `propose_sampled` (`DraftModelProposer`) draws its drafts from its processed distribution when `params`
+    samples, which the rejection sampler then corrects with those probabilities.
+
+    Rollback is a length: the cache holds valid keys/values for the first `len(prompt) + len(out) - 1`
+    positions (every token but the newest); a rejected draft's rows lie past that length, are never read
+    (attention reads a slot's first context_len rows only) and are overwritten by the next round's chunk.
+    Stop tokens are checked after each accepted token, and a round never drafts more than the
+    `max_new_tokens` budget leaves room for, so nothing past a stop or the budget is emitted.
+    """
+    params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    _check(model, prompt_ids, max_new_tokens)
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    length = len(prompt_ids) + max_new_tokens
+    if kv_cache is None:
+        kv_cache = ContiguousKVCache(model.config, 1, length, model.device, model.dtype)
+    elif kv_cache.max_len < length:
+        raise ValueError(f"kv_cache too small: need {length} positions")
+    stops, gen = _stops(model, params, eos_token_id), make_generator(params, model.device)
+    sampled_drafts = not params.greedy and hasattr(proposer, "propose_sampled")
+    stats, out = SpeculativeStats(), []
+
+    def commit(tokens: list[int]) -> bool:
+        """Append tokens one at a time; True once a stop token or the budget ends the sequence."""
+        for token in tokens:
+            out.append(token)
+            if on_token:
+                on_token(token)
+            if token in stops or len(out) >= max_new_tokens:
+                return True
+        return False
+
+    t0 = time.perf_counter()
+    logits = prefill(model, kv_cache, [list(prompt_ids)], [0])
+    done = commit(_verify(logits, [], None, params, gen))
+    stats.prefill_s = time.perf_counter() - t0
+    while not done:
+        seq = list(prompt_ids) + out           # the cache holds all but seq[-1]
+        t0 = time.perf_counter()
+        n = min(k, max_new_tokens - len(out) - 1)  # a round adds its drafts plus one: never past the budget
+        draft_probs = None
+        if n <= 0:
+            drafts = []
+        elif sampled_drafts:
+            drafts, draft_probs = proposer.propose_sampled(seq, n, params, gen)
+        else:
+            drafts = list(proposer.propose(seq, n))[:n]
+        t1 = time.perf_counter()
+        chunk = [seq[-1]] + drafts
+        meta = AttentionMetadata.build([len(chunk)], [len(seq) + len(drafts)], slots=[0], device=model.device)
+        logits = model(torch.tensor(chunk, device=model.device), meta, kv_cache)  # [n + 1, V]: p_0 .. p_n
+        tokens = _verify(logits, drafts, draft_probs, params, gen)
+        stats.draft_s += t1 - t0
+        stats.target_s += time.perf_counter() - t1
+        stats.target_steps += 1
+        stats.num_draft_tokens += len(drafts)
+        stats.num_accepted_tokens += len(tokens) - 1
+        stats.rounds.append((drafts, len(tokens) - 1))
+        done = commit(tokens)
+    return out, stats
+
+
+def _verify(logits, drafts, draft_probs, params, gen) -> list[int]:
+    """The rejection sampler over one sequence's k + 1 target rows; with no drafts, an ordinary sample."""
+    probs = target_probs_from_logits(logits, params)[None]
+    ids = torch.tensor([drafts], dtype=torch.int64, device=logits.device).view(1, len(drafts))
+    q = None if draft_probs is None else draft_probs.to(logits.device)[None]
+    # One generator per sequence (a list): only the drafts actually proposed consume uniforms.
+    return rejection_sample(probs, ids, q, [gen])[0]
