@@ -41,6 +41,7 @@ if "google.colab" in sys.modules or "MINI_ENGINE_COURSE_URL" in os.environ:
     course_setup.install(home, lab=False)
 
 # %%
+import dataclasses
 import time
 
 import matplotlib.pyplot as plt
@@ -50,7 +51,7 @@ from IPython.display import display
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.devices import default_device, pick, synchronize
+from mini_engine.devices import default_device, pick, synchronize, timed
 from mini_engine.hardware import measure_ceilings
 from mini_engine.widgets import naive_cost_widget
 
@@ -147,7 +148,7 @@ plt.show()
 # crossover, and the attention share at every length, come straight from the formulas:
 
 # %%
-crossover = formulas.matmul_flops(cfg, 1) / formulas.attention_flops(cfg, 1, 1)
+crossover = formulas.attention_crossover_tokens(cfg)  # params / (2·L·H·D)
 print(f"attention FLOPs equal matmul FLOPs at n ≈ {crossover:.0f} tokens for {cfg.num_layers} layers × "
       f"{cfg.num_heads} heads × {cfg.head_dim} dims")
 
@@ -168,11 +169,92 @@ display(naive_cost_widget("smollm2-135m", tokens=1024))
 # %%
 # Calibrate: achieved FLOP/s at the longest measured length, applied to whole generations.
 achieved = flops[-1] / measured[-1]
+nbytes = model.dtype.itemsize
+
+
+def cached_roofline_s(prompt_len: int, total: int) -> float:
+    """A cached generation priced step by step on the roofline: one prefill, then total − 1 decode steps,
+    each the slower of its FLOPs at the achieved rate and its bytes (all weights + the K/V) at the bandwidth."""
+    contexts = np.arange(prompt_len + 1, prompt_len + total)
+    first = formulas.roofline_time(formulas.prefill_flops(cfg, prompt_len), formulas.prefill_bytes(cfg, prompt_len, nbytes),
+                                   achieved, ceil.peak_bw)
+    steps = formulas.roofline_time(formulas.decode_flops(cfg, contexts), formulas.decode_bytes(cfg, 1, contexts, nbytes),
+                                   achieved, ceil.peak_bw)
+    return first + float(np.sum(steps))
+
+
+print(f"{'tokens':>6}  {'naive':>9}  {'KV cache, compute only':>23}  {'KV cache, on the roofline':>26}")
 for total in (64, 256, 1024):
     t_naive = formulas.naive_generation_flops(cfg, len(prompt_ids), total) / achieved
     t_cached = formulas.cached_generation_flops(cfg, len(prompt_ids), total) / achieved
-    print(f"{total:5d} tokens: naive ≈ {t_naive:8.1f} s   with a KV cache (compute only) ≈ {t_cached:6.1f} s")
+    print(f"{total:6d}  {t_naive:8.1f}s  {t_cached:22.1f}s  {cached_roofline_s(len(prompt_ids), total):25.1f}s")
 print(f"attention work ratio Σi²/Σi at 1024 tokens: {formulas.attention_work_ratio(1024):.0f}×")
+
+# %% [markdown]
+# The middle column is an **optimistic bound**: it prices the cached loop by its FLOPs alone, as if the
+# arithmetic units set the pace of every step. They do not. A cached decode step does only two FLOPs per
+# weight but must still read every weight, and chapter 00 measured which of the two takes longer on this
+# machine. The right column prices each step on the roofline instead (the slower of its FLOPs at the
+# achieved rate and its bytes at the measured bandwidth), so it can only be slower. Chapter 03 builds the
+# cache and measures where the real loop lands. The naive column has no such gap: every naive step
+# pushes the whole sequence through the weights, enough tokens to keep the arithmetic busy.
+#
+# ## The seed's "about 10⁹ redundant multiply-adds"
+#
+# The textbook behind this course says that for one 1,024-token completion the attention term alone
+# contributes roughly 10⁹ redundant multiply-adds. *Redundant* means what the naive loop computes minus
+# what a cache needs. At the step where the sequence holds *i* tokens, naive attention scores all *i*
+# queries against *i* keys (*i²* pairs, counted over the full square as `formulas.attention_flops` does),
+# while a cached step scores one query against *i* keys: *i² − i* pairs are repeats. Each pair costs two
+# multiply-adds per dimension of a head (one in QKᵀ, one in PV). The formulas give the sum directly: feed
+# them a model with no weights and a single layer, head and dimension, and subtract the cached total from
+# the naive one.
+
+# %%
+completion = 1024  # from a one-token prompt, as the seed's sums Σ i² and Σ i over i = 1..1024 assume
+shape = formulas.ModelShape.of(cfg)
+
+
+def redundant_macs(s) -> float:
+    """Multiply-adds (FLOPs / 2) the naive loop spends beyond the cached loop over the whole completion."""
+    return (formulas.naive_generation_flops(s, 1, completion) - formulas.cached_generation_flops(s, 1, completion)) / 2
+
+
+unit = dataclasses.replace(shape, n_params=0, n_layers=1, n_heads=1, head_dim=1)  # attention only, one unit wide
+per_unit = redundant_macs(unit)
+attention_waste = redundant_macs(dataclasses.replace(shape, n_params=0))  # all layers, heads and dimensions
+matmul_waste = redundant_macs(dataclasses.replace(shape, n_heads=0))      # the weight matmuls only
+print(f"one layer, one head, one dimension: {per_unit:.2e} redundant multiply-adds "
+      f"(10^{np.log10(per_unit):.1f}, the seed's 'roughly 10^9')")
+print(f"SmolLM2's {shape.n_layers} layers × {shape.n_heads} heads × {shape.head_dim} dims: "
+      f"{attention_waste:.2e} in attention")
+print(f"its weight matmuls, recomputed for every earlier token: {matmul_waste:.2e}, "
+      f"{matmul_waste / attention_waste:.1f}× the attention's")
+
+# %% [markdown]
+# So the seed's figure is the count for one unit of the model's width: the order of magnitude of
+# Σ *i²*. A real model multiplies it by layers × heads × head dimension, and the weight matmuls, which
+# the naive loop also recomputes for every earlier token, waste more still at this length, as the seed
+# says.
+#
+# ## A note on the seed's ratios
+#
+# The same section of the seed puts a 7B model on an A100 at 5 to 10 tokens/s without optimisations and
+# 200 to 500 with them, and calls that "a 5 to 50× throughput gap"; its closing section says the
+# combination gives "roughly 5× to 10×". Its own endpoints give neither:
+
+# %%
+naive_tok_s_seed, optimised_tok_s_seed = (5, 10), (200, 500)  # the seed's ranges, tokens/s
+low = optimised_tok_s_seed[0] / naive_tok_s_seed[1]   # slowest optimised stack over the fastest naive one
+high = optimised_tok_s_seed[1] / naive_tok_s_seed[0]  # fastest over slowest
+print(f"{optimised_tok_s_seed[0]} / {naive_tok_s_seed[1]} = {low:.0f}x  up to  "
+      f"{optimised_tok_s_seed[1]} / {naive_tok_s_seed[0]} = {high:.0f}x")
+
+# %% [markdown]
+# Only part of the "5 to 50×" falls inside the range the seed's own endpoints give, and none of the
+# "5× to 10×" does, so at least two of the three figures cannot describe the same comparison. This
+# course does not settle it by picking one: every ratio it reports is measured on one machine in one
+# run, rung by rung, the cache in chapter 03 and the whole ladder in chapter 09.
 
 # %% [markdown]
 # ## What you measured
@@ -185,6 +267,112 @@ summary = [
     (f"forward over {lengths[-1]} tokens", f"{measured[-1] * 1e3:.1f} ms"),
     ("achieved matmul rate", f"{achieved / 1e9:.1f} GFLOP/s of {ceil.peak_flops / 1e9:.1f} peak"),
     ("attention = matmul FLOPs at", f"{crossover:.0f} tokens"),
+    ("redundant attention, 1,024 tokens", f"{per_unit:.1e} multiply-adds per layer, head and dim"),
 ]
 for k, v in summary:
-    print(f"{k:<28} {v}")
+    print(f"{k:<34} {v}")
+
+# %% [markdown]
+# ## Exercises: predict, then run
+#
+# Write your prediction down before you run each cell; the answer under it says what you should see and
+# why. Each cell takes a few seconds.
+#
+# **1. Four times the answer, no cache.** Generate 6 tokens and then 24 tokens with `generate_naive`
+# from a four-token prompt. How many times longer does the second run take?
+
+# %%
+short_prompt = tok.encode("Once upon a time")
+runs = {}
+for n in (6, 24):
+    params_n = me.SamplingParams(max_tokens=n, ignore_eos=True)
+    runs[n] = timed(lambda: me.generate_naive(model, short_prompt, n, params_n), device)[1]
+    print(f"{n:3d} new tokens after {len(short_prompt)} prompt tokens: {runs[n]:.2f} s")
+flop_ratio = (formulas.naive_generation_flops(cfg, len(short_prompt), 24)
+              / formulas.naive_generation_flops(cfg, len(short_prompt), 6))
+print(f"measured {runs[24] / runs[6]:.1f}x for 4x the tokens; the FLOP count grows {flop_ratio:.1f}x")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Much more than four times. Step *s* pushes all *P + s − 1* tokens through the model, so the total work
+# is a sum of growing sequence lengths: quadrupling the number of steps adds steps that are each longer
+# than any of the first six. The FLOP ratio the cell prints is that sum. The measured ratio comes out
+# near it when each step is compute-bound (a CPU, whose ridge point a few tokens already pass) and below it
+# where short steps are paced by their weight read instead (a GPU). Chapter 00's exercise 4 did the
+# same with the cache, and the time grew no faster than the tokens.
+# </details>
+#
+# **2. A different attention.** The engine's `naive` attention backend computes the full *n × n* score
+# matrix and its softmax explicitly, as the textbook formula is written; `torch` calls PyTorch's fused
+# `scaled_dot_product_attention`. How much slower is a forward pass over 128 tokens with the naive one?
+
+# %%
+x128 = torch.randint(100, 40000, (1, 128), device=device)
+backend_s = {}
+for backend in ("torch", "naive"):
+    model(x128, backend=backend)  # warm-up
+    backend_s[backend] = min(timed(lambda: model(x128, backend=backend), device)[1] for _ in range(2))
+    print(f"backend {backend:>5}: {backend_s[backend] * 1e3:7.1f} ms")
+share = formulas.attention_flops(cfg, 128, 128) / formulas.prefill_flops(cfg, 128)
+print(f"naive / torch: {backend_s['naive'] / backend_s['torch']:.2f}x; attention is {100 * share:.1f}% "
+      f"of this pass's FLOPs (half of all FLOPs at {crossover:.0f} tokens)")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Hardly slower, if at all. At 128 tokens attention is a small share of the pass: the weight matmuls,
+# which both backends compute the same way, do almost all the work, so even a clumsy attention moves the
+# total little. The share grows in proportion to *n*, reaching half at the crossover computed above; far
+# beyond it, the naive backend's *n × n* matrices cost memory and time that grow quadratically, which is
+# what FlashAttention (chapter 05) removes.
+# </details>
+#
+# **3. The cache against its FLOP count.** Run the chapter's first request again with `generate_cached`
+# (same prompt, same 48 tokens). The FLOP ratio says how much work the cache saves; predict the speedup
+# you will measure.
+
+# %%
+cached_out, cached_s = timed(lambda: me.generate_cached(model, prompt_ids, new_tokens, params), device)
+work_ratio = (formulas.naive_generation_flops(cfg, len(prompt_ids), len(out))
+              / formulas.cached_generation_flops(cfg, len(prompt_ids), len(out)))
+roofline_ratio = (formulas.naive_generation_flops(cfg, len(prompt_ids), len(out)) / achieved
+                  / cached_roofline_s(len(prompt_ids), len(out)))
+print(f"naive {naive_s:.2f} s, cached {cached_s:.2f} s: measured speedup {naive_s / cached_s:.1f}x")
+print(f"FLOP ratio {work_ratio:.1f}x; priced on the roofline {roofline_ratio:.1f}x; same tokens: {cached_out == out}")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Less than the FLOP ratio, and usually well below it. The ratio assumes a cached step costs only its
+# FLOPs, but a cached step does so little arithmetic per weight that reading the weights sets its pace:
+# this is the optimistic bound of the "compute only" column, and the roofline ratio, which prices those
+# reads, comes closer to the measurement. The tokens are the same, since the cache changes only how
+# much is recomputed. At 48 tokens the gain is modest; it grows with the length, because the naive
+# loop's steps keep getting longer while the cached ones do not (chapter 03).
+# </details>
+#
+# **4. Bigger models, later crossover.** Attention overtakes the weight matmuls at
+# `params / (2 · layers · heads · head_dim)` tokens. Is that length shorter or longer for Llama-7B and
+# Llama-2-13B than for SmolLM2?
+
+# %%
+for name in ("smollm2-135m", "llama-7b", "llama-2-13b", "llama-70b-gqa"):
+    s = formulas.ModelShape.of(name)
+    print(f"{name:<14} hidden {s.hidden_size:5d}: crossover {formulas.attention_crossover_tokens(name):7,.0f} tokens "
+          f"({formulas.attention_crossover_tokens(name) / s.hidden_size:.1f} × hidden)")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Longer, in proportion to the model's width. A standard layer holds about 12 · hidden² weights (4 in
+# attention, 8 in the MLP), while its query heads span heads · head_dim = hidden, so the crossover is
+# about six times the hidden size (a little more where a large vocabulary adds embedding weights, as in
+# SmolLM2). Grouped-query attention changes nothing here: it shrinks the keys and values, not the
+# queries. For the models people serve, prompts of a few thousand tokens are still in the linear regime,
+# and attention's quadratic term matters mostly at long contexts.
+# </details>
+#
+# **Lab.** [Lab 01](../labs/lab01_notebook.ipynb) has you write the naive decode loop and the FLOP
+# counts of this chapter (weight matmuls, attention, a forward pass, a whole naive generation), graded
+# by `tests/labs/test_lab01.py`.
