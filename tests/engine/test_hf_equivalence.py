@@ -64,7 +64,9 @@ def test_real_model_logits_match_hf_gguf(real, hf_real, chat_prompts):
     ids = torch.tensor([chat_prompts[0]])
     with torch.no_grad():
         expected = ref(ids).logits
-    torch.testing.assert_close(model(ids), expected, atol=1e-4, rtol=0)
+    # rtol: the products' form is chosen per machine (`products`), and oneDNN's packed GEMM sums in another
+    # order than MKL's: about 1e-5 of a logit's size after 30 layers.
+    torch.testing.assert_close(model(ids), expected, atol=1e-4, rtol=1e-5)
 
 
 def test_naive_greedy_matches_hf_generate(real, hf_real, chat_prompts, assert_greedy_match):

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mini_engine.attention import attention_in_fp32, run_attention
 from mini_engine.autotune import Autotuner, forced_from_env, row_bucket
-from mini_engine.products import FORMS, Linear, candidate_forms, choose_form
+from mini_engine.products import FORMS, Linear, candidate_forms, choose_form, prepare_weight
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
@@ -21,7 +21,7 @@ def test_every_candidate_form_equals_f_linear(rows, dtype, tol):
     forms = candidate_forms(row_bucket(rows), dtype)
     assert forms[0] == "linear", "the plain form is the first candidate: the one kept on a tie"
     for name in forms:
-        got = FORMS[name](x, layer.weight)
+        got = FORMS[name](x, prepare_weight(name, layer.weight, row_bucket(rows)))
         assert got.dtype == dtype and got.shape == (rows, 480), name
         assert got.is_contiguous(), f"{name}: the next layer expects row-major activations"
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * 10, msg=lambda m: f"{name}: {m}")
@@ -38,6 +38,36 @@ def test_linear_computes_each_forced_form_correctly(form, dtype):
     assert [c.form for c in tuner.choices.values()] == [form], "the forced form must be the one used"
     assert tuner.timings_run == 0, "a forced form is not timed"
     torch.testing.assert_close(got.float(), F.linear(x.float(), layer.weight.float()), rtol=1e-2, atol=1e-2)
+
+
+def test_a_packed_form_follows_in_place_changes_of_the_weight():
+    """The oneDNN form runs on a packed copy of the weight: a weight changed in place (as loading a checkpoint
+    into a model does) must be packed again, never leave the old copy in use."""
+    layer = Linear(64, 48, tuner=Autotuner(forced={"product": "onednn"}))
+    x = torch.randn(3, 64)
+    layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_a_copied_layer_uses_its_own_weight():
+    import copy
+    layer = Linear(64, 48, tuner=Autotuner(forced={"product": "onednn"}))
+    x = torch.randn(3, 64)
+    layer(x)  # packs the weight
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.mul_(3.0)
+    torch.testing.assert_close(twin(x), F.linear(x, twin.weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_products_never_use_a_packed_form():
+    """torch.compile traces the products: it gets the tuned choice among the forms it can trace."""
+    tuner = Autotuner(forced={"product": "onednn"})
+    with pytest.raises(ValueError, match="onednn"):
+        choose_form(torch.randn(48, 64), 3, tuner, packed=False)
 
 
 def test_a_forced_form_that_does_not_apply_is_refused():
