@@ -187,9 +187,13 @@ plt.show()
 #
 # Every weight product `y = x Wᵀ` can be computed in several equal ways: PyTorch's `F.linear`, the
 # transposed product `(W xᵀ)ᵀ`, a single row computed as two copies of itself (a GEMM instead of a GEMV),
-# or bf16 weights converted to fp32 first. They give the same numbers to rounding, but which is fastest
-# depends on the CPU: on an AMD EPYC with AVX2 the two-row trick was 1.3x faster than `F.linear`; on an
-# Intel Xeon with AVX-512 BF16 the same trick was 2.6x *slower*. So the engine does not guess. The first
+# bf16 weights converted to fp32 first, or oneDNN's GEMM on a copy of the weight packed once into its own
+# blocked layout (what Inductor's weight prepacking does; it costs a second copy of the weight). They give
+# the same numbers to rounding, but which is fastest depends on the CPU: on an AMD EPYC with AVX2 the
+# two-row trick was 1.3x faster than `F.linear`; on an Intel Xeon with AVX-512 BF16 the same trick was 2.6x
+# *slower*; on an AMD EPYC Zen 5 the packed oneDNN form ran 2-4x faster than `F.linear` from 16 rows up,
+# because PyTorch's fp32 `F.linear` calls MKL there, and MKL's fast code paths are tuned for Intel's
+# processors. So the engine does not guess. The first
 # time it meets a weight shape with a new number of rows, it times each candidate on this machine (over
 # enough copies of the weight to stream them from memory, as decoding does) and keeps the fastest, as
 # Triton's `autotune` does for kernels. An alternative must beat `F.linear` by 3% to be chosen.
