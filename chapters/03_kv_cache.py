@@ -602,10 +602,11 @@ print(f"weights {weights_here / 2**20:.0f} MiB, KV {per_token_here:,} B per toke
 # <details><summary>Answer</summary>
 #
 # Both sides scale with the bytes per number, so the dtype cancels: the length is the parameter count
-# divided by `2 · layers · kv_heads · head_dim`. A single sequence reaches it only near the long end of
-# the model's context window; a batch divides it by the batch size, so a server with a few dozen
-# sequences in flight holds more cache than weights at quite ordinary lengths. That is the sense of "the
-# cache, not the weights, decides how many requests a GPU serves".
+# divided by `2 · layers · kv_heads · head_dim`. For SmolLM2 it lies past the end of the model's own
+# context window, so one sequence never outweighs the model: with only 3 KV heads (GQA), its cache is
+# small for its size. A batch divides the length by the batch size, and 16 sequences pass it at lengths
+# well inside the window. At serving scale the cache, not the weights, fills the memory, which is why
+# it decides how many requests a GPU serves.
 # </details>
 #
 # **Lab.** [Lab 03](../labs/lab03_notebook.ipynb) has you write the pieces of this chapter yourself: the
