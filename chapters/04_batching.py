@@ -479,14 +479,14 @@ for lanes in (8, 32):
 # batches that decode needs to read its weights efficiently.
 # </details>
 #
-# **2. `max_num_seqs`: how many steps?** Eight requests, each with a 10-token prompt and exactly 8 output
+# **2. `max_num_seqs`: how many steps?** Eight requests, each with a 10-token prompt and exactly 4 output
 # tokens, run under continuous batching with `max_num_seqs` 1, 4 and 8. Predict how many engine steps
 # each takes (the prompt and the first token take one step). Which is fastest in seconds, and by as much
 # as in steps?
 
 # %%
 eight = ([rng.integers(1000, 20000, size=10).tolist() for _ in range(8)],
-         [me.SamplingParams(max_tokens=8, ignore_eos=True)] * 8)
+         [me.SamplingParams(max_tokens=4, ignore_eos=True)] * 8)
 for seqs in (1, 4, 8):
     outs, engine, seconds = serve("continuous", batch=seqs, reqs=eight)
     print(f"max_num_seqs={seqs}: {len(engine.trace):3d} steps, {seconds:5.2f} s, "
@@ -495,8 +495,8 @@ for seqs in (1, 4, 8):
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# Each request needs 8 steps (one prefill step that samples its first token, then 7 decode steps), so
-# one slot needs 8 × 8 steps, four slots a quarter of that and eight slots an eighth. The seconds fall
+# Each request needs 4 steps (one prefill step that samples its first token, then 3 decode steps), so
+# one slot needs 8 × 4 steps, four slots a quarter of that and eight slots an eighth. The seconds fall
 # by less than the steps: a step that carries eight requests does more work than a step that carries
 # one. How much more depends on the machine: where a step is dominated by reading the weights (a GPU, and
 # largely a CPU too) the extra rows are almost free; where arithmetic dominates they are not.
@@ -527,7 +527,7 @@ for chunk_tokens in (64, None):
 # </details>
 #
 # **4. Static against continuous when every request is alike.** The eight requests of exercise 2 (prompts
-# of equal length, exactly 8 output tokens each) on 4 slots: how many steps does static batching take, and how
+# of equal length, exactly 4 output tokens each) on 4 slots: how many steps does static batching take, and how
 # many does continuous batching take?
 
 # %%

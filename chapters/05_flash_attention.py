@@ -714,8 +714,8 @@ del backend_model
 # little to swap a greedy choice (only a near-tie between two candidates could flip). The prefill is where they differ:
 # 512 queries against 512 keys in 30 layers, for which the naive backend writes and reads the
 # 9 × 512 × 512 scores, their mask and their softmax in every layer. A decode step has one query per
-# sequence, so its "N × N" matrix is a single row of scores: the gap between the backends shrinks to
-# much less than the prefill's. FlashAttention's win is a prefill (and long-context) win; for decode, the bottleneck is
+# sequence, so its "N × N" matrix is a single row of scores and there is little for a fused kernel to
+# save: the decode times are close, and which backend wins there depends on the machine. FlashAttention's win is a prefill (and long-context) win; for decode, the bottleneck is
 # reading the KV cache, which chapter 07's paged kernel addresses.
 # </details>
 #
