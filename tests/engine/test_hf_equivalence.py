@@ -64,9 +64,11 @@ def test_real_model_logits_match_hf_gguf(real, hf_real, chat_prompts):
     ids = torch.tensor([chat_prompts[0]])
     with torch.no_grad():
         expected = ref(ids).logits
-    # rtol: the products' form is chosen per machine (`products`), and oneDNN's packed GEMM sums in another
-    # order than MKL's: about 1e-5 of a logit's size after 30 layers.
-    torch.testing.assert_close(model(ids), expected, atol=1e-4, rtol=1e-5)
+    # The products' form is chosen per machine and per run (`products`): oneDNN's packed GEMM and the two-row
+    # GEMM sum in other orders than HF's F.linear, and after 30 fp32 layers logits of size ~10 differed by up
+    # to 1.2e-4 (measured on an AMD EPYC). 3e-4 is still far below any difference a wrong weight, RoPE or
+    # mask makes (those move logits by 1e-1 or more); the greedy tests check the tokens themselves.
+    torch.testing.assert_close(model(ids), expected, atol=3e-4, rtol=1e-5)
 
 
 def test_naive_greedy_matches_hf_generate(real, hf_real, chat_prompts, assert_greedy_match):
