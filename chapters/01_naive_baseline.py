@@ -278,26 +278,26 @@ for k, v in summary:
 # Write your prediction down before you run each cell; the answer under it says what you should see and
 # why. Each cell takes a few seconds.
 #
-# **1. Four times the answer, no cache.** Generate 6 tokens and then 24 tokens with `generate_naive`
-# from a four-token prompt. How many times longer does the second run take?
+# **1. Four times the answer, no cache.** Generate 4 tokens and then 16 tokens with `generate_naive`
+# from a 17-token prompt (the start of this chapter's). How many times longer does the second run take?
 
 # %%
-short_prompt = tok.encode("Once upon a time")
+short_prompt = prompt_ids[:17]
 runs = {}
-for n in (6, 24):
+for n in (4, 16):
     params_n = me.SamplingParams(max_tokens=n, ignore_eos=True)
     runs[n] = timed(lambda: me.generate_naive(model, short_prompt, n, params_n), device)[1]
     print(f"{n:3d} new tokens after {len(short_prompt)} prompt tokens: {runs[n]:.2f} s")
-flop_ratio = (formulas.naive_generation_flops(cfg, len(short_prompt), 24)
-              / formulas.naive_generation_flops(cfg, len(short_prompt), 6))
-print(f"measured {runs[24] / runs[6]:.1f}x for 4x the tokens; the FLOP count grows {flop_ratio:.1f}x")
+flop_ratio = (formulas.naive_generation_flops(cfg, len(short_prompt), 16)
+              / formulas.naive_generation_flops(cfg, len(short_prompt), 4))
+print(f"measured {runs[16] / runs[4]:.1f}x for 4x the tokens; the FLOP count grows {flop_ratio:.1f}x")
 
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# Much more than four times. Step *s* pushes all *P + s − 1* tokens through the model, so the total work
-# is a sum of growing sequence lengths: quadrupling the number of steps adds steps that are each longer
-# than any of the first six. The FLOP ratio the cell prints is that sum. The measured ratio comes out
+# More than four times. Step *s* pushes all *P + s − 1* tokens through the model, so the total work is
+# a sum of growing sequence lengths: quadrupling the number of steps adds steps that are each longer
+# than any of the first four. The FLOP ratio the cell prints is that sum. The measured ratio comes out
 # near it when each step is compute-bound (a CPU, whose ridge point a few tokens already pass) and below it
 # where short steps are paced by their weight read instead (a GPU). Chapter 00's exercise 4 did the
 # same with the cache, and the time grew no faster than the tokens.
@@ -321,9 +321,9 @@ print(f"naive / torch: {backend_s['naive'] / backend_s['torch']:.2f}x; attention
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# Hardly slower, if at all. At 128 tokens attention is a small share of the pass: the weight matmuls,
-# which both backends compute the same way, do almost all the work, so even a clumsy attention moves the
-# total little. The share grows in proportion to *n*, reaching half at the crossover computed above; far
+# Slower by a modest fraction at most. At 128 tokens attention is a small share of the pass's FLOPs:
+# the weight matmuls, which both backends compute the same way, do almost all the work, so even a clumsy
+# attention moves the total little. The share grows in proportion to *n*, reaching half at the crossover computed above; far
 # beyond it, the naive backend's *n × n* matrices cost memory and time that grow quadratically, which is
 # what FlashAttention (chapter 05) removes.
 # </details>
