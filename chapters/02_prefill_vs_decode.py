@@ -183,10 +183,47 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Prefill time grows about linearly with the prompt: every token costs its `2 · params` FLOPs, and the
-# arithmetic units are the bottleneck. A decode step costs nearly the same at any context length: it
-# is dominated by reading all the weights once; the K/V reads grow with the context, but for this small
-# GQA model they stay small next to the weights until the context reaches thousands of tokens.
+# At these prompt lengths prefill time grows about linearly with the prompt: every token costs its
+# `2 · params` FLOPs in the weight matmuls, and those FLOPs are most of the work. Attention adds
+# `4 · L · H · D · n²`, which grows with the square of the prompt, so it takes over past a crossover,
+# `params / (2 · L · H · D)` tokens (`formulas.attention_crossover_tokens`). Below it TTFT is close to
+# linear in the prompt; well above it, close to quadratic, which is the regime the seed has in mind
+# when it says long prompts push TTFT up roughly quadratically. The FLOP count of the whole range,
+# priced at this machine's matmul rate, with the measured points on top:
+
+# %%
+ttft_crossover = formulas.attention_crossover_tokens(cfg)
+print(f"attention = weight-matmul FLOPs at {ttft_crossover:,.0f} prompt tokens "
+      f"({2 * ttft_crossover:,.0f} for a causal kernel that skips the masked half); "
+      f"Llama-7B: {formulas.attention_crossover_tokens('llama-7b'):,.0f}")
+n_range = np.logspace(0, np.log10(16 * ttft_crossover), 200)
+matmul_part, attention_part = formulas.matmul_flops(cfg, n_range), formulas.attention_flops(cfg, n_range, n_range)
+for n in (prompt_lens[-1], ttft_crossover, 8 * ttft_crossover):
+    m, a = formulas.matmul_flops(cfg, n), formulas.attention_flops(cfg, n, n)
+    # d log(FLOPs) / d log(n): 1 for a linear cost, 2 for a quadratic one
+    print(f"  {n:9,.0f} tokens: attention {100 * a / (m + a):4.1f}% of the FLOPs, TTFT grows as n^{(m + 2 * a) / (m + a):.2f}")
+
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+ax.plot(n_range, (matmul_part + attention_part) / ceil.peak_flops, "k", label="all FLOPs / peak")
+ax.plot(n_range, matmul_part / ceil.peak_flops, ":", color="C2", label="weight matmuls (∝ n)")
+ax.plot(n_range, attention_part / ceil.peak_flops, ":", color="C3", label="attention (∝ n²)")
+ax.plot(prompt_lens, ttft, "o", color="C0", label="measured TTFT")
+ax.axvline(ttft_crossover, color="grey", ls="--", label=f"crossover {ttft_crossover:,.0f} tokens")
+ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds",
+       title="TTFT: linear below the crossover, quadratic above", ylim=(1e-4, None))
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The measured points sit above the line by the overheads of a real pass (the line assumes every FLOP
+# runs at the peak of a large square matmul), but they roughly follow its slope. This small model
+# reaches the crossover at a few thousand tokens; a wider model reaches it much later (the Llama-7B
+# figure above), so for prompts of ordinary length the linear term dominates.
+#
+# A decode step costs nearly the same at any context length: it is dominated by reading all the weights
+# once; the K/V reads grow with the context, but for this small GQA model they stay small next to the
+# weights until the context reaches thousands of tokens.
 #
 # ## Arithmetic intensity
 #
@@ -298,13 +335,25 @@ ax.plot(prefill_int, prefill_achieved / 1e9, "s-", color="C1", label="prefill, p
 ax.plot(decode_int, decode_achieved / 1e9, "o-", color="C0", label="decode, batch " + "/".join(map(str, batches)))
 for b, i, a in zip(batches, decode_int, decode_achieved):
     ax.annotate(str(b), (i, a / 1e9), textcoords="offset points", xytext=(3, -10), fontsize=7, color="C0")
+# The intensity table above, each row placed on the roof: the most this machine allows at that intensity.
+table_int = np.array([f / b for _, f, b in rows])
+table_roof = formulas.attainable_flops(table_int, ceil.peak_flops, ceil.peak_bw) / 1e9
+ax.plot(table_int, table_roof, "D", mfc="none", color="C4",
+        label="intensity table on the roof: prefill n=…, decode b=…")
+for (name, _, _), i, r in zip(rows, table_int, table_roof):
+    is_prefill = name.startswith("prefill")
+    short = name.split(", ")[1].replace(" = ", "=") if is_prefill else "b=" + name.split(", ")[1].split()[1]
+    ax.annotate(short, (i, r), textcoords="offset points", xytext=(-4, 7) if is_prefill else (5, -11),
+                fontsize=7, color="C4")
 ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="achieved GFLOP/s",
        title=f"SmolLM2-135M on this {device} ({dtype})")
+ax.set_ylim(top=3 * ceil.peak_flops / 1e9)  # room for the labels above the flat roof
 ax.legend(fontsize=8, loc="lower right")
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# The hollow diamonds are the rows of the intensity table, each at the height the roof allows it.
 # Decode at batch 1 sits at the far left, pinned under the slanted memory roof; every doubling of the
 # batch moves it right and up, towards the ridge. Prefill lies further right: from a few dozen tokens
 # on it is past the ridge, under the flat compute roof. The gaps between the points and the roof are
@@ -325,14 +374,128 @@ controls["context"].value = batch_context
 display(roofline)
 
 # %%
-crossover = next((b for b in range(1, 4097)
-                  if formulas.decode_intensity(cfg, b, batch_context, nbytes) >= ceil.ridge_point), None)
-print(f"on this {device}, a decode step at context {batch_context} reaches the ridge at batch {crossover}")
+ridge_batch = formulas.decode_ridge_batch(cfg, batch_context, nbytes, ceil.peak_flops, ceil.peak_bw)
+print(f"on this {device}, a decode step at context {batch_context} reaches the ridge at batch "
+      + (f"{int(np.ceil(ridge_batch))}" if np.isfinite(ridge_batch) else "none: the K/V reads keep it below"))
 for b in (1, 4, 16, 64, 256):
     i = formulas.decode_intensity(cfg, b, batch_context, nbytes)
     bound = formulas.roofline_bound(formulas.decode_flops(cfg, batch_context, b),
                                     formulas.decode_bytes(cfg, b, batch_context, nbytes), ceil.peak_flops, ceil.peak_bw)
     print(f"  batch {b:4d}: {i:6.2f} FLOP/byte -> {bound}-bound")
+
+# %% [markdown]
+# ## The batch-size sweet spot, derived
+#
+# The seed reports that the sweet spot for a 7B model on an A100 is "somewhere around batch size 16 to
+# 64", observed in practice. The roofline predicts it. A decode step moves the weights once, shared by
+# the whole batch, plus every sequence's own keys and values. While the weights dominate, one more
+# sequence rides almost free: throughput grows with the batch and the step time hardly moves. Once the
+# K/V reads equal the weight read, at batch `weight_bytes / (kv_bytes_per_token · context)`
+# (`formulas.decode_knee_batch`), the step takes twice as long as at batch 1 and the throughput is half
+# of its ceiling, `bandwidth / (kv_bytes_per_token · context)`. Beyond that knee every extra sequence
+# brings its own reads: throughput creeps towards the ceiling while each user's tokens slow down in
+# proportion. The compute roof never enters: with a K/V head for every query head, Llama-7B's cache
+# reads keep the step below the A100's ridge at any batch (`formulas.decode_ridge_batch` is infinite).
+
+# %%
+a100 = dict(peak_flops=312e12, peak_bw=2.039e12)  # A100 SXM: dense bf16 tensor-core peak, HBM bandwidth
+m7, fp16 = "llama-7b", 2
+w7, kv7 = formulas.weight_bytes(m7, fp16), formulas.kv_bytes_per_token_for(m7, fp16)
+sweep = np.arange(1, 257)
+print(f"{'context':>8}{'knee batch':>12}{'ridge batch':>13}{'fit in 80 GiB':>15}{'tok/s at 1 / 16 / 64 / ceiling':>34}")
+fig, (tput_ax, lat_ax) = plt.subplots(1, 2, figsize=(10, 3.4))
+for c in (512, 1024, 2048):
+    knee = formulas.decode_knee_batch(m7, c, fp16)
+    fits = formulas.max_concurrent_requests(80 * 2**30, w7, formulas.kv_cache_bytes_for(m7, c, 1, fp16))
+    tok_s = formulas.predicted_decode_tok_s(m7, sweep, c, fp16, **a100)
+    print(f"{c:8d}{knee:12.1f}{formulas.decode_ridge_batch(m7, c, fp16, **a100):13.0f}{fits:15d}"
+          f"{tok_s[0]:11.0f} / {tok_s[15]:5.0f} / {tok_s[63]:5.0f} / {a100['peak_bw'] / (kv7 * c):6.0f}")
+    line = tput_ax.plot(sweep, tok_s, label=f"context {c}")[0]
+    lat_ax.plot(sweep, sweep / tok_s * 1e3, color=line.get_color(), label=f"context {c}")
+    tput_ax.plot(knee, np.interp(knee, sweep, tok_s), "o", color=line.get_color())
+lo_ctx, hi_ctx = (w7 / (kv7 * b) for b in (64, 16))
+print(f"the knee sits at batch 64 for {lo_ctx:,.0f}-token contexts and at batch 16 for {hi_ctx:,.0f}-token contexts")
+for ax_ in (tput_ax, lat_ax):
+    ax_.axvspan(16, 64, color="grey", alpha=0.15, label="the seed's 16–64")
+    ax_.set(xscale="log", xlabel="decode batch size")
+tput_ax.set(ylabel="tokens/s (roofline)", title="Llama-7B fp16 on an A100: throughput (dots: knee)")
+lat_ax.set(ylabel="ms per token, each sequence", title="…and every user's per-token latency")
+tput_ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+print(f"SmolLM2 on this {device} at context {batch_context}: knee at batch "
+      f"{formulas.decode_knee_batch(cfg, batch_context, nbytes):.0f}, ridge at batch "
+      + (f"{np.ceil(ridge_batch):.0f}" if np.isfinite(ridge_batch) else "never"))
+
+# %% [markdown]
+# For contexts the length of ordinary chat requests, several hundred to under two thousand tokens (the
+# cell prints the exact range), the knee falls inside the seed's 16 to 64. Below it a server leaves
+# throughput unused for little gain in latency; above it, it buys little throughput at a steep price in
+# latency, and at the long end of that range the fit column shows an 80 GB card running out of memory
+# not far beyond 64 anyway. The seed's empirical range is the roofline's knee.
+#
+# The last line applies the same arithmetic to SmolLM2 on this machine. On a CPU the low ridge point
+# comes first: the step turns compute-bound after a few sequences, long before the knee, and that is the
+# flattening of the measured throughput curve earlier in this chapter. On a GPU the ridge is far away
+# and the knee decides, as for the 7B model.
+#
+# ## Which optimisation helps which phase
+#
+# The seed's advice is to ask of every technique: does it help prefill or decode? Prefill is
+# compute-bound, so what helps it makes the arithmetic more efficient or skips it; decode is
+# memory-bound, so what helps it moves fewer bytes per token or puts the idle arithmetic to work.
+#
+# | optimisation | helps | what it attacks | chapter |
+# | --- | --- | --- | --- |
+# | bigger matmuls, kernel fusion | prefill | compute: keeps the arithmetic units fed, fewer round trips through memory | 05, 09 |
+# | FlashAttention | prefill (long prompts) | the n × n scores never reach memory | 05 |
+# | prefix caching | prefill | skips the FLOPs of a prompt prefix already computed | 08 |
+# | KV cache | decode | recomputation: a step processes one new token | 03 |
+# | batching, continuous batching | decode | bandwidth: one weight read serves the whole batch | 02, 04 |
+# | cache layouts that cut memory traffic (GQA, paging) | decode | bytes of K/V read per step, memory wasted per request | 03, 07 |
+# | Flash Decoding | decode (long contexts) | idle cores: the context is split so the whole chip reads K/V at once | below |
+# | speculative decoding | decode | idle arithmetic verifies several drafted tokens per weight read | 06 |
+# | weight quantization | decode | bytes per weight | 10 |
+# | chunked prefill | decode of the other requests | a long prefill no longer stalls the steps of streaming users | 04 |
+#
+# ### Flash Decoding
+#
+# FlashAttention splits its work over batch, heads and tiles of queries. In a decode step each sequence
+# has a single query per head, so at a small batch there are only a handful of work units (batch ×
+# heads), far fewer than the streaming multiprocessors of a GPU: most of the chip waits while a few
+# units walk the whole context, and a long context is exactly when decode attention costs the most.
+# **Flash Decoding** (Dao, Haziza, Massa and Sizov, 2023) also splits the *keys and values*: each chunk
+# of the context becomes its own work unit, which scores its keys, and returns its partial output
+# together with its running maximum and sum of exponentials, the statistics of the online softmax that
+# chapter 05 builds. A short second pass rescales the partial results to a common maximum and adds them.
+# The answer is exact; only the order of the sums changes. This is split-K, the trick matmul libraries
+# use when the inner dimension is long and the outer ones are small. Here it is on this model's head
+# sizes, with one chunk's work per loop iteration:
+
+# %%
+flash_ctx, flash_chunk = 4096, 512
+gen = torch.Generator().manual_seed(0)
+q = torch.randn(cfg.num_heads, 1, cfg.head_dim, generator=gen, dtype=torch.float64)
+k = torch.randn(cfg.num_heads, flash_ctx, cfg.head_dim, generator=gen, dtype=torch.float64)
+v = torch.randn(cfg.num_heads, flash_ctx, cfg.head_dim, generator=gen, dtype=torch.float64)
+scale = cfg.head_dim ** -0.5
+exact = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1) @ v
+partials = []  # one per chunk: on a GPU, each is an independent work unit
+for start in range(0, flash_ctx, flash_chunk):
+    s = q @ k[:, start:start + flash_chunk].transpose(1, 2) * scale
+    m = s.amax(-1, keepdim=True)
+    p_ = torch.exp(s - m)
+    partials.append((m, p_.sum(-1, keepdim=True), p_ @ v[:, start:start + flash_chunk]))
+m_all = torch.stack([m for m, _, _ in partials]).amax(0)
+numerator = sum(torch.exp(m - m_all) * o for m, _, o in partials)
+denominator = sum(torch.exp(m - m_all) * l for m, l, _ in partials)
+chunks = flash_ctx // flash_chunk
+print(f"{chunks} chunks combined vs one softmax over {flash_ctx} keys: max difference "
+      f"{(numerator / denominator - exact).abs().max():.1e}")
+units = cfg.num_heads  # batch 1: one unit per query head
+sms = torch.cuda.get_device_properties(0).multi_processor_count if device.startswith("cuda") else None
+print(f"work units at batch 1: {units} without splitting, {units * chunks} with {chunks} chunks"
+      + (f" (this GPU has {sms} streaming multiprocessors)" if sms else ""))
 
 # %% [markdown]
 # ## What you measured
@@ -349,6 +512,113 @@ summary = [
     (f"decode throughput, batch 1 / {batches[best]}", f"{throughput[0]:.1f} / {throughput[best]:.1f} tok/s"),
     (f"per-token latency, batch 1 / {batches[best]}", f"{step_s[0] * 1e3:.1f} / {step_s[best] * 1e3:.1f} ms"),
     (f"{len(requests)} requests batched vs one by one", f"{e2e_gain:.1f}x faster"),
+    ("TTFT linear below / quadratic above", f"{ttft_crossover:,.0f} prompt tokens"),
 ]
-for k, v in summary:
-    print(f"{k:<36} {v}")
+for name, value in summary:
+    print(f"{name:<36} {value}")
+
+# %% [markdown]
+# ## Exercises: predict, then run
+#
+# Write your prediction down before you run each cell; the answer under it says what you should see and
+# why. Each cell takes a few seconds.
+#
+# **1. Batching at a long context.** Earlier, a batch of decode steps at a short context multiplied the
+# throughput. Now give every sequence a much longer context and time batch 1 against a larger batch
+# again. Is the throughput gain of the batch larger, the same, or smaller than at the short context?
+
+# %%
+long_context = pick(cpu=2048, gpu=4096, device=device)
+long_batch = pick(cpu=8, gpu=64, device=device)  # one of `batches`, so the short-context gain is measured above
+long_cache = ContiguousKVCache(cfg, long_batch, long_context, device, model.dtype)
+long_cache.data.normal_()
+long_s = {b: best_time(lambda: decode_step(model, long_cache, [42] * b, [long_context] * b, list(range(b))))
+          for b in (1, long_batch)}
+gain = {batch_context: throughput[batches.index(long_batch)] / throughput[0],
+        long_context: long_batch * long_s[1] / long_s[long_batch]}
+for c, g in gain.items():
+    predicted = (formulas.predicted_decode_tok_s(cfg, long_batch, c, nbytes, ceil.peak_flops, ceil.peak_bw)
+                 / formulas.predicted_decode_tok_s(cfg, 1, c, nbytes, ceil.peak_flops, ceil.peak_bw))
+    print(f"context {c:5d}: batch {long_batch} gives {g:4.1f}x the tokens/s of batch 1 (roofline {predicted:4.1f}x); "
+          f"knee at batch {formulas.decode_knee_batch(cfg, c, nbytes):.0f}")
+del long_cache
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Smaller. At a short context a decode step is almost all weight read, which the whole batch shares. At
+# a long context every sequence also reads its own keys and values, and those reads grow with the batch:
+# the shared part of the step shrinks and so does the gain. The knee the cell prints is where the K/V
+# reads of the batch equal the weight read. This is why long-context serving gains less from batching,
+# and why everything that shrinks the cache (grouped-query attention, a narrower cache dtype) pays off
+# twice: more sequences fit, and each costs fewer bytes per step.
+# </details>
+#
+# **2. A prefill in decode steps.** How many decode steps take as long as the prefill of the longest
+# prompt measured above? Think of the roofline before you look: each decode step reads the weights once,
+# and the prefill reads them once too.
+
+# %%
+n_long = prompt_lens[-1]
+measured_steps = ttft[-1] / tpot[0]
+roofline_steps = ttft_pred[-1] / tpot_pred[0]
+print(f"prefill of {n_long} tokens: {ttft[-1] * 1e3:.0f} ms = {measured_steps:.1f} decode steps of "
+      f"{tpot[0] * 1e3:.1f} ms (roofline: {roofline_steps:.1f})")
+print(f"a decode step does {formulas.decode_intensity(cfg, 1, contexts[0], nbytes):.2f} FLOP/byte, the ridge "
+      f"is {ceil.ridge_point:.1f}: a prefill computes about {ceil.ridge_point / formulas.decode_intensity(cfg, 1, contexts[0], nbytes):.0f} "
+      f"tokens in the time of one decode step")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Far fewer steps than the prompt has tokens. Both read the weights once; the prefill's extra cost is
+# only its arithmetic, and a step that reads each weight for just two FLOPs leaves the arithmetic units
+# mostly idle. Roughly, a prefill fits *ridge point ÷ decode intensity* tokens into the time of one
+# decode step: a handful on a CPU, whose ridge is low, and hundreds on a GPU. The same fact powers
+# speculative decoding (chapter 06): checking several drafted tokens in one pass costs about as much as
+# decoding one.
+# </details>
+#
+# **3. Chunked prefill.** The serving engine can cut a long prompt into chunks of
+# `chunked_prefill_tokens` so that a prefill never holds up the decode steps of other requests for long
+# (chapter 04). Each chunk is a forward pass that reads all the weights again. Predict the TTFT of a
+# long prompt in chunks of 32 tokens against the whole prompt in one pass.
+
+# %%
+chunk_prompt = torch.randint(100, 40000, (pick(cpu=256, gpu=2048, device=device),)).tolist()
+chunk = 32
+one_token = me.SamplingParams(max_tokens=1, ignore_eos=True)
+chunk_ttft = {}
+for label, tokens_per_step in (("whole prompt", None), (f"chunks of {chunk}", chunk)):
+    chunk_llm = me.LLM.from_model(model, tok, max_num_seqs=1, max_model_len=len(chunk_prompt) + 8,
+                                  chunked_prefill_tokens=tokens_per_step, enable_prefix_caching=False)
+    chunk_llm.generate([chunk_prompt[:chunk]], one_token, use_tqdm=False)  # warm-up
+    chunk_ttft[label] = chunk_llm.generate([chunk_prompt], one_token, use_tqdm=False)[0].metrics.ttft_s
+n = len(chunk_prompt)
+pred_whole = formulas.prefill_time(cfg, n, 0, nbytes, ceil.peak_flops, ceil.peak_bw)
+pred_chunks = sum(formulas.prefill_time(cfg, chunk, past, nbytes, ceil.peak_flops, ceil.peak_bw)
+                  for past in range(0, n, chunk))
+for (label, measured_ttft), predicted in zip(chunk_ttft.items(), (pred_whole, pred_chunks)):
+    print(f"{n} tokens, {label:>14}: TTFT {measured_ttft * 1e3:7.1f} ms   roofline {predicted * 1e3:7.1f} ms")
+print(f"chunked / whole: measured {chunk_ttft[f'chunks of {chunk}'] / chunk_ttft['whole prompt']:.2f}x, "
+      f"roofline {pred_chunks / pred_whole:.2f}x; a {chunk}-token chunk is "
+      f"{formulas.roofline_bound(formulas.prefill_flops(cfg, chunk), formulas.prefill_bytes(cfg, chunk, nbytes), ceil.peak_flops, ceil.peak_bw)}-bound here")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# It depends on which roof a chunk sits under, and the last line of the output says which. If a chunk
+# of 32 tokens is compute-bound (as on a CPU, whose ridge point is a few FLOP/byte), the roofline says
+# chunking is nearly free: the FLOPs are the same and the extra weight reads hide under the arithmetic.
+# Whatever the measurement adds beyond that is the cost of an engine step, paid once per chunk:
+# scheduling, launching a forward pass, attention to the chunks already cached. For a small model on a
+# CPU that cost is far from negligible. If a chunk is memory-bound (as on a GPU in bf16, whose ridge is
+# in the hundreds), every chunk also pays a full weight read, and the TTFT grows towards one decode step
+# per chunk. That is why engines use chunks of hundreds of tokens or more: large enough to stay
+# compute-bound and amortise the step, small enough that the decode steps scheduled between chunks are
+# not held up for long.
+# </details>
+#
+# **Lab.** [Lab 02](../labs/lab02_notebook.ipynb) has you count a forward pass's FLOPs and bytes, its
+# arithmetic intensity, the roofline, and the smallest batch that turns a decode step compute-bound,
+# graded by `tests/labs/test_lab02.py`.
