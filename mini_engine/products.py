@@ -110,8 +110,16 @@ def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER, packe
 
     def candidates():
         x, ws = _timing_inputs(weight, bucket)
-        return {name: functools.partial(_walk, FORMS[name], x, [prepare_weight(name, w, bucket) for w in ws])
-                for name in candidate_forms(bucket, weight.dtype, packed)}
+        forms = {}
+        for name in candidate_forms(bucket, weight.dtype, packed):
+            try:
+                prepared = [prepare_weight(name, w, bucket) for w in ws]
+                if name in PACKERS:  # a build or CPU that cannot run it says so now, not in the middle of a step
+                    FORMS[name](x, prepared[0])
+            except RuntimeError:
+                continue
+            forms[name] = functools.partial(_walk, FORMS[name], x, prepared)
+        return forms
     return tuner.choose("product", key, candidates)
 
 

@@ -63,6 +63,20 @@ def test_a_copied_layer_uses_its_own_weight():
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
+def test_a_packed_form_this_machine_cannot_run_is_left_out(monkeypatch):
+    """oneDNN may lack a kernel for a dtype on some CPU or build: the tuner must then keep to the other forms
+    rather than fail in the middle of a step."""
+    import mini_engine.products as products
+
+    def refuse(w, rows):
+        raise RuntimeError("no oneDNN kernel here")
+    monkeypatch.setitem(products.PACKERS, "onednn", refuse)
+    tuner = Autotuner(repeats=1)
+    form = choose_form(torch.randn(48, 64), 3, tuner)
+    assert form != "onednn"
+    assert "onednn" not in next(iter(tuner.choices.values())).times_ms
+
+
 def test_compiled_products_never_use_a_packed_form():
     """torch.compile traces the products: it gets the tuned choice among the forms it can trace."""
     tuner = Autotuner(forced={"product": "onednn"})
