@@ -20,6 +20,15 @@ see paging.py). The contiguous cache has no blocks to share: there each sample i
 with its own slot, and computes the prompt itself (n prefills: the "before" picture). Either way, with a
 seed, sample i draws from its own stream (`sampling.sample_seed`), so the n answers differ, reproducibly,
 and sample 0 draws exactly what a request with n=1 would.
+
+Speculative decoding (`speculative=`, chapter 06; see `engine_config.SpeculativeConfig`): before each step the
+proposer drafts up to k tokens for every decoding request (fewer near max_tokens or max_model_len: a step adds
+its drafts plus one token). The scheduler appends what fits the step's leftover budget and blocks to the
+request's decode chunk, the runner returns logits at all 1 + k positions, and the request's tokens come from
+the rejection sampler (greedy: accept while the draft is the argmax), one at a time with the stop checks after
+each. A chunk left without drafts goes through the plain sampler, drawing the random numbers it would without
+speculation; a sampling draft model draws from a stream of its own (`_draft_generator`). Parallel sampling
+(n > 1) with speculation is refused.
 """
 from __future__ import annotations
 

@@ -44,6 +44,14 @@ that one row of logits. From then on each sample is a request of its own: it dec
 preempted and recomputes alone, releasing only its own references. Its first write into the shared, partly
 filled last block copies it (`BlockManager.copy_on_write`); `block_copies` lists the step's copies, which
 the model runner makes before the step writes.
+
+Speculative decoding (chapter 06): a decoding request may carry drafts (`spec_token_ids`, set by the engine's
+proposer). After decodes, prompt chunks and admissions have been planned, each decode chunk grows by as many
+drafts as the leftover token budget and free blocks allow (`_add_drafts`): speculation only spends what the
+step would leave unused. `update` then appends the sampler's tokens one at a time (a stop, max_tokens or
+max_model_len ends the request there), counts as computed the request's last token and its accepted drafts
+only, registers full blocks for the prefix cache from those verified tokens, and gives back the blocks past
+them (`BlockManager.trim`): rejected drafts leave nothing behind. Preemption drops the drafts with the cache.
 """
 from __future__ import annotations
 
