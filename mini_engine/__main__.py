@@ -79,6 +79,13 @@ def cmd_bench(args) -> None:
             raise ValueError("--requests, --batch, --prefix-len and --question-len must be >= 1")
         bench_prefix(args.requests, args.device, args.dtype, prefix_len=args.prefix_len,
                      question_len=args.question_len, batch=args.batch)
+    elif args.workload == "speculative":
+        from .bench_speculative import bench_speculative
+        if rungs:
+            raise ValueError("--workload speculative compares n-gram speculation on and off; it takes no --rung")
+        if args.batch < 1 or args.tokens < 1 or args.k < 1:
+            raise ValueError("--batch, --tokens and --k must be >= 1")
+        bench_speculative(args.device, args.dtype, batches=(1, args.batch), max_tokens=args.tokens, k=args.k)
     elif serving or args.workload == "serving":
         if single:
             raise ValueError(f"--rung {single}: one-stream rungs; the serving workload takes {list(SERVING_RUNGS)}")
@@ -114,12 +121,15 @@ def main(argv=None) -> None:
                    choices=["naive", "cached", "compiled", "static", "dynamic", "continuous"],
                    help="repeatable; default: naive, cached and compiled (one stream), or all three policies "
                         "(serving)")
-    b.add_argument("--workload", choices=["single", "serving", "paging", "prefix"], default="single",
+    b.add_argument("--workload", choices=["single", "serving", "paging", "prefix", "speculative"], default="single",
                    help="single: one chat prompt, one stream; serving: many requests (implied by a policy rung); "
                         "paging: the serving workload on the contiguous vs the paged KV cache at equal memory, "
                         "and one decode step from each; prefix: a shared system prompt with prefix caching on "
-                        "vs off (TTFT, throughput) and the serving workload on vs off")
-    b.add_argument("--tokens", type=int, default=128, help="single: new tokens of the one request")
+                        "vs off (TTFT, throughput) and the serving workload on vs off; speculative: n-gram "
+                        "speculation on vs off at batch 1 and --batch, input-grounded and open chat")
+    b.add_argument("--tokens", type=int, default=128, help="single: new tokens of the one request; speculative: "
+                   "output tokens per request (48 is enough)")
+    b.add_argument("--k", type=int, default=4, help="speculative: drafts per round")
     b.add_argument("--requests", type=int, default=64, help="serving: number of requests (lengths 16-256)")
     b.add_argument("--batch", type=int, default=16,
                    help="serving: max_num_seqs, and HF's batch size; paging: the contiguous slots, whose memory "

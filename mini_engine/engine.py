@@ -20,11 +20,22 @@ see paging.py). The contiguous cache has no blocks to share: there each sample i
 with its own slot, and computes the prompt itself (n prefills: the "before" picture). Either way, with a
 seed, sample i draws from its own stream (`sampling.sample_seed`), so the n answers differ, reproducibly,
 and sample 0 draws exactly what a request with n=1 would.
+
+Speculative decoding (`speculative=`, chapter 06; see `engine_config.SpeculativeConfig`): before each step the
+proposer drafts up to k tokens for every decoding request (fewer near max_tokens or max_model_len: a step adds
+its drafts plus one token). The scheduler appends what fits the step's leftover budget and blocks to the
+request's decode chunk, the runner returns logits at all 1 + k positions, and the request's tokens come from
+the rejection sampler (greedy: accept while the draft is the argmax), one at a time with the stop checks after
+each. A chunk left without drafts goes through the plain sampler, drawing the random numbers it would without
+speculation; a sampling draft model draws from a stream of its own (`_draft_generator`). Parallel sampling
+(n > 1) with speculation is refused.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import os
 import numbers
 import time
 from dataclasses import dataclass
@@ -32,12 +43,13 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionMetadata
-from .engine_config import EngineConfig
+from .engine_config import EngineConfig, SpeculativeConfig
 from .formulas import human_bytes
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .paging import BlockManager
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, make_generator, sample, sample_seed
 from .scheduler import Chunk, Request, Scheduler, make_policy
+from .speculative import DraftModelProposer, NgramProposer, rejection_sample, target_probs_from_logits
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,8 @@ class RequestMetrics:
     num_output_tokens: int
     arrival_time: float   # time.perf_counter() clock
     token_times: tuple[float, ...]  # when each output token was sampled, same clock
+    num_draft_tokens: int = 0       # speculative decoding: drafts the target verified
+    num_accepted_tokens: int = 0    # of those, accepted (and emitted: drafts past a stop token are not counted)
 
 
 @dataclass(frozen=True)
@@ -117,17 +131,17 @@ class ModelRunner:
         self.model, self.kv_cache, self.backend, self.blocks = model, kv_cache, backend, blocks
 
     def execute(self, chunks: list[Chunk], block_copies: list[tuple[int, int]] = ()) -> torch.Tensor:
-        """Logits [number of sampling chunks, vocab], in chunk order. `block_copies`: the step's copy-on-write
+        """Logits [rows, vocab]: `num_logits` rows per chunk, in chunk order (one per sampling chunk, 1 + k for
+        a speculative one). `block_copies`: the step's copy-on-write
         (src, dst) blocks, copied before the step writes into them."""
         if block_copies:
             self.kv_cache.copy_blocks(block_copies)
         ids, query_lens, context_lens, rows = [], [], [], []
         for c in chunks:
-            ids += c.request.tokens[c.start:c.start + c.num_tokens]
+            ids += c.token_ids
             query_lens.append(c.num_tokens)
             context_lens.append(c.start + c.num_tokens)
-            if c.samples:
-                rows.append(len(ids) - 1)
+            rows += range(len(ids) - c.num_logits, len(ids))  # the last row, or every row of a speculative chunk
         device = self.model.device
         if self.blocks is None:
             meta = AttentionMetadata.build(query_lens, context_lens, [c.request.slot for c in chunks], device=device)
@@ -150,6 +164,8 @@ class LLMEngine:
         self.config = config.resolved(str(model.device), model.config.max_position_embeddings)
         self.model, self.tokenizer = model, tokenizer
         c = self.config
+        # Before the KV cache is allocated: a draft model with another vocabulary fails fast.
+        self.proposer = self._make_proposer(c.speculative) if c.speculative else None
         if c.kv_cache == "paged":
             blocks = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
             cache = PagedKVCache(model.config, c.num_kv_blocks, c.block_size, model.device, model.dtype)
@@ -163,6 +179,8 @@ class LLMEngine:
         self.eos_token_id = model.config.eos_token_id if eos is None else eos
         self.trace: list[StepRecord] = []
         self._generators: dict[int, torch.Generator | None] = {}
+        self._draft_generators: dict[int, torch.Generator | None] = {}  # a sampling draft model's own streams
+        self._draft_probs: dict[int, torch.Tensor] = {}  # request id -> this step's draft distributions [k, V]
         self._samples: dict[int, list[Request]] = {}  # request id -> its n samples (sample 0 has the request's id)
         self._request_of: dict[int, int] = {}          # sample's id -> its request's id
         self._ids = itertools.count()
@@ -184,8 +202,28 @@ class LLMEngine:
                      f"{'on' if c.enable_prefix_caching else 'off'}")
         else:
             cache = f"contiguous KV cache: {c.max_num_seqs} slots x {c.max_model_len} positions ({size})"
+        spec = "" if c.speculative is None else f", speculative={c.speculative.as_dict()}"
         return (f"LLMEngine(scheduling={c.scheduling}, {cache}, chunked prefill {chunking}, "
-                f"attention={c.attention_backend}, {c.device} {c.dtype})")
+                f"attention={c.attention_backend}{spec}, {c.device} {c.dtype})")
+
+    def _make_proposer(self, spec: SpeculativeConfig):
+        if spec.method == "ngram":
+            return NgramProposer(spec.ngram_min, spec.ngram_max)
+        draft = spec.model
+        if isinstance(draft, (str, os.PathLike)):
+            from .loader import load_model
+            draft, _ = load_model(str(draft), device=str(self.model.device),
+                                  dtype=spec.dtype or _dtype_name(self.model.dtype))
+        elif spec.dtype is not None and _dtype_name(draft.dtype) != spec.dtype:
+            raise ValueError(f"speculative['dtype']={spec.dtype!r} but the draft model given is in "
+                             f"{_dtype_name(draft.dtype)}")
+        if draft.device.type != self.model.device.type:
+            raise ValueError(f"speculative['model'] is on {draft.device} but the target is on {self.model.device}")
+        try:  # one draft cache slot per engine slot: the draft's cache is contiguous, max_num_seqs x max_model_len
+            return DraftModelProposer(draft, self.model.config.vocab_size, self.config.max_model_len,
+                                      self.config.max_num_seqs)
+        except ValueError as e:
+            raise ValueError(f"speculative['model']: {str(e).removeprefix('model: ')}") from None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -253,6 +291,11 @@ class LLMEngine:
                              f"{blocks.blocks_for(len(prompt) + 1)} blocks of {blocks.block_size}, more than the whole "
                              f"KV pool (num_kv_blocks={blocks.num_blocks})")
         self._check_n(len(prompt), params.n)
+        if params.n > 1 and self.proposer is not None:
+            # The n samples fork from one prefill and share blocks copy-on-write; rolling back drafts inside
+            # shared blocks is not built: refused rather than run wrong.
+            raise ValueError(f"n={params.n}: parallel sampling is not supported with speculative decoding; "
+                             "use n=1 or an engine without `speculative`")
         return prompt, params
 
     def _check_n(self, prompt_len: int, n: int) -> None:
@@ -277,6 +320,8 @@ class LLMEngine:
         samples = [Request(next(self._ids), prompt, params, frozenset(stop), now, index=i) for i in range(params.n)]
         for s in samples:
             self._generators[s.request_id] = make_generator(params, self.model.device, s.index)
+            if isinstance(self.proposer, DraftModelProposer):
+                self._draft_generators[s.request_id] = _draft_generator(params, self.model.device, s.index)
             self._request_of[s.request_id] = samples[0].request_id
         self._samples[samples[0].request_id] = samples
         if self.scheduler.blocks is not None:
@@ -293,6 +338,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one packed forward pass, sample; return the requests that finished in this step."""
         start = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
         chunks = self.scheduler.schedule(start)
         if not chunks:
             wait = self.scheduler.seconds_until_admission(start)
@@ -301,22 +348,78 @@ class LLMEngine:
             time.sleep(max(wait, 0.0))  # a dynamic batcher waiting for its bucket: nothing to compute
             return []
         logits = self.runner.execute(chunks, self.scheduler.block_copies)
-        rows, samplers = zip(*self.scheduler.samplers(chunks)) if any(c.samples for c in chunks) else ((), ())
-        if len(samplers) > logits.shape[0]:  # forks draw from the row of the prefill they fork from
-            logits = logits[list(rows)]
-        tokens = sample(logits, [r.params for r in samplers], [self._generators[r.request_id] for r in samplers])
+        tokens = self._sample(chunks, logits)
         end = time.perf_counter()  # sample() read the tokens back, so the device has finished the step
         if self.config.record_trace:
             self.trace.append(StepRecord(self._num_steps, start, end, tuple(
                 (c.request.request_id, c.request.slot, c.num_tokens, c.samples) for c in chunks),
                 len(self.scheduler.waiting), len(self.scheduler.running)))
         self._num_steps += 1
-        finished = self.scheduler.update(chunks, list(tokens), end)
+        finished = self.scheduler.update(chunks, tokens, end)
         return [out for out in map(self._finish_sample, finished) if out is not None]
+
+    def _propose(self) -> None:
+        """Draft up to k tokens for every decoding request (the scheduler then verifies what fits the step).
+        A step adds a request's drafts plus one token, so it drafts at most what max_tokens and max_model_len
+        still allow, minus one."""
+        k, limit = self.config.speculative.k, self.scheduler.max_model_len
+        self._draft_probs.clear()
+        for r in self.scheduler.running:
+            r.spec_token_ids = []
+            n = min(k, r.params.max_tokens - len(r.output_ids) - 1, limit - r.num_tokens - 1)
+            if r.is_prefill or n <= 0:
+                continue
+            if not isinstance(self.proposer, DraftModelProposer):
+                drafts = self.proposer.propose(r.tokens, n)
+            elif r.params.greedy:
+                drafts = self.proposer.propose(r.tokens, n, slot=r.slot)
+            else:  # drafts drawn from the draft's processed distribution: accepted more often than greedy ones
+                drafts, self._draft_probs[r.request_id] = self.proposer.propose_sampled(
+                    r.tokens, n, r.params, self._draft_generators[r.request_id], slot=r.slot)
+            r.spec_token_ids = list(drafts)[:n]
+
+    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list:
+        """What each request of `scheduler.samplers(chunks)` gets from this step, in that order: a token from
+        the plain sampler, or for a speculative chunk the list `rejection_sample` keeps. A request whose chunk
+        carries no drafts goes through the plain sampler, so it draws exactly the random numbers it would
+        without speculation."""
+        sampling = [c for c in chunks if c.samples]
+        offsets = list(itertools.accumulate((c.num_logits for c in sampling), initial=0))
+        out: list = []
+        plain: list[tuple[int, int, Request]] = []  # (place in out, logits row, request)
+        for row, r in self.scheduler.samplers(chunks):  # forks draw from the row of the prefill they fork from
+            c = sampling[row]
+            if c.draft_token_ids:
+                out.append(self._verify(r, list(c.draft_token_ids), logits[offsets[row]:offsets[row + 1]]))
+            else:
+                plain.append((len(out), offsets[row], r))
+                out.append(None)
+        if plain:
+            places, rows, requests = zip(*plain)
+            rows = list(rows)
+            plain_logits = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            tokens = sample(plain_logits, [r.params for r in requests],
+                            [self._generators[r.request_id] for r in requests])
+            for place, token in zip(places, tokens):
+                out[place] = token
+        return out
+
+    def _verify(self, r: Request, drafts: list[int], logits: torch.Tensor) -> list[int]:
+        """The rejection sampler over one request's 1 + len(drafts) rows of logits."""
+        if r.params.greedy:  # one-hot target rows: accept while the draft is the argmax, then the argmax
+            best = logits.argmax(dim=-1).tolist()
+            accepted = next((i for i, (d, b) in enumerate(zip(drafts, best)) if d != b), len(drafts))
+            return best[:accepted + 1]
+        probs = target_probs_from_logits(logits, r.params)[None]
+        ids = torch.tensor([drafts], dtype=torch.int64, device=logits.device)
+        q = self._draft_probs.get(r.request_id)
+        q = None if q is None else q[:len(drafts)].to(logits.device)[None]  # drafts the budget cut have no row
+        return rejection_sample(probs, ids, q, [self._generators[r.request_id]])[0]
 
     def _finish_sample(self, r: Request) -> RequestOutput | None:
         """The request's output once its last sample has finished (None before)."""
         del self._generators[r.request_id]
+        self._draft_generators.pop(r.request_id, None)
         request_id = self._request_of.pop(r.request_id)
         samples = self._samples[request_id]
         if any(s.request_id in self._request_of for s in samples):  # a sample is still running
@@ -335,11 +438,22 @@ class LLMEngine:
             tpot_s=sum(tpots) / len(tpots) if tpots else float("nan"), e2e_s=last - r.arrival_time,
             num_preemptions=sum(s.num_preemptions for s in samples), num_prompt_tokens=len(r.prompt_ids),
             num_output_tokens=sum(len(s.output_ids) for s in samples), arrival_time=r.arrival_time,
-            token_times=tuple(sorted(t for s in samples for t in s.token_times)))
+            token_times=tuple(sorted(t for s in samples for t in s.token_times)),
+            num_draft_tokens=sum(s.num_draft_tokens for s in samples),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in samples))
         outputs = [CompletionOutput(s.index, list(s.output_ids), self.tokenizer.decode(s.output_ids)
                                     if self.tokenizer is not None else None, s.finish_reason) for s in samples]
         return RequestOutput(r.request_id, r.prompt_ids, outputs[0].token_ids, outputs[0].text,
                              outputs[0].finish_reason, metrics, r.num_cached_tokens or 0, outputs)
+
+
+def _draft_generator(params: SamplingParams, device, index: int) -> torch.Generator | None:
+    """A sampling draft model's random stream, apart from the request's own: what the draft draws never
+    shifts the target's stream, and it depends on the request's seed alone."""
+    if params.greedy or params.seed is None:
+        return None
+    seed = int.from_bytes(hashlib.sha256(f"draft/{sample_seed(params.seed, index)}".encode()).digest()[:8], "little")
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _as_prompt_list(prompts) -> list:

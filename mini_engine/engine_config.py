@@ -1,11 +1,11 @@
 """EngineConfig: every knob of the serving engine, checked where it is made.
 
-Features of later chapters are named here already, so the signature stays the same as they land; until
-then asking for one is a clear error that says where it arrives.
+`speculative` (chapter 06) is a dict parsed into a `SpeculativeConfig` here, so a typo in it fails before
+any weights load.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHES = ("paged", "contiguous")
@@ -20,8 +20,62 @@ DEFAULT_LIMITS = {"cuda": (64, 2048), "cpu": (16, 1024)}  # (max_num_seqs, max_m
 PAGED_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 
 
-def _not_yet(argument: str, chapter: str, instead: str = "") -> ValueError:
-    return ValueError(f"{argument} is not in this engine yet: it arrives with chapter {chapter}{instead}")
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`LLM(speculative={...})`, checked before any weights load. method "ngram": prompt lookup with n from
+    ngram_max down to ngram_min; method "draft": `model` (any name or path `load_model` accepts, or a model
+    already in memory) drafts greedily, or from its own distribution when a request samples, with `dtype`
+    (None: the target's). k: the most tokens drafted per request and step."""
+    method: str
+    k: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    model: object = None
+    dtype: str | None = None
+
+    # Keys each method reads: any other key is a typo the user should hear about, not silently ignored.
+    KEYS = {"ngram": ("method", "k", "ngram_min", "ngram_max"), "draft": ("method", "k", "model", "dtype")}
+
+    @classmethod
+    def parse(cls, spec) -> "SpeculativeConfig":
+        if isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative must be a dict such as {{'method': 'ngram', 'k': 4}} or None, got {spec!r}")
+        method = spec.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative['method'] must be one of {SPECULATIVE_METHODS}, got {method!r}")
+        unknown = sorted(set(spec) - set(cls.KEYS[method]))
+        if unknown:
+            raise ValueError(f"speculative[{unknown[0]!r}]: unknown key for method {method!r} "
+                             f"(it takes {', '.join(cls.KEYS[method])})")
+        config = cls(**spec)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        def positive_int(name):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative[{name!r}] must be an int >= 1, got {value!r}")
+        positive_int("k")
+        if self.method == "ngram":
+            positive_int("ngram_min")
+            positive_int("ngram_max")
+            if self.ngram_max < self.ngram_min:
+                raise ValueError(f"speculative['ngram_max'] must be >= ngram_min ({self.ngram_min}), "
+                                 f"got {self.ngram_max}")
+        else:
+            if self.model is None or (isinstance(self.model, str) and not self.model):
+                raise ValueError("speculative['model'] is required for method 'draft' (a name, a path, or a model)")
+            if self.dtype is not None and self.dtype not in DTYPES:
+                raise ValueError(f"speculative['dtype'] must be one of {DTYPES} or None, got {self.dtype!r}")
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in self.KEYS[self.method]}
 
 
 @dataclass
@@ -37,7 +91,7 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None  # paged: share cached full blocks (chapter 08); None: on with paged
     chunked_prefill_tokens: int | None = 512  # tokens per step; None turns chunking off (prompts run whole)
     scheduling: str = "continuous"
-    speculative: dict | None = None
+    speculative: dict | SpeculativeConfig | None = None  # see SpeculativeConfig; a dict is parsed into one
     attention_backend: str = "auto"
     dynamic_bucket_width: int = 64      # scheduling="dynamic": prompt-length bucket, in tokens
     dynamic_timeout_s: float = 0.05     # scheduling="dynamic": longest wait for a bucket to fill
@@ -54,7 +108,7 @@ class EngineConfig:
             raise ValueError("enable_prefix_caching=True shares blocks of the paged KV cache; "
                              f"kv_cache={self.kv_cache!r} has none (leave it None or False)")
         if self.speculative is not None:
-            raise _not_yet("speculative", "06 (speculative decoding)")
+            self.speculative = SpeculativeConfig.parse(self.speculative)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.scheduling not in SCHEDULING:

@@ -177,6 +177,23 @@ class BlockManager:
                     uncached.append(block)
         self.free_blocks.extend(reversed(uncached))  # plain free blocks keep the table's order
 
+    def trim(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Speculative rollback: shrink the sequence's table to the blocks that hold its first `num_tokens`
+        positions, the ones whose keys and values were kept. The blocks past them held only rejected drafts;
+        they go back to the free list (they were never registered: `cache_blocks` hashes kept tokens only).
+        Returns how many blocks were released."""
+        table = self.block_tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        released = table[keep:]
+        del table[keep:]
+        for block in reversed(released):
+            if self.block_hash[block] is not None:
+                raise RuntimeError(f"block {block} past the kept tokens of {seq_id!r} is registered in the prefix cache")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks.append(block)
+        return len(released)
+
     # ------------------------------------------------------------ parallel sampling: fork, copy-on-write
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[int]:

@@ -44,6 +44,14 @@ that one row of logits. From then on each sample is a request of its own: it dec
 preempted and recomputes alone, releasing only its own references. Its first write into the shared, partly
 filled last block copies it (`BlockManager.copy_on_write`); `block_copies` lists the step's copies, which
 the model runner makes before the step writes.
+
+Speculative decoding (chapter 06): a decoding request may carry drafts (`spec_token_ids`, set by the engine's
+proposer). After decodes, prompt chunks and admissions have been planned, each decode chunk grows by as many
+drafts as the leftover token budget and free blocks allow (`_add_drafts`): speculation only spends what the
+step would leave unused. `update` then appends the sampler's tokens one at a time (a stop, max_tokens or
+max_model_len ends the request there), counts as computed the request's last token and its accepted drafts
+only, registers full blocks for the prefix cache from those verified tokens, and gives back the blocks past
+them (`BlockManager.trim`): rejected drafts leave nothing behind. Preemption drops the drafts with the cache.
 """
 from __future__ import annotations
 
@@ -81,6 +89,11 @@ class Request:
     forks: list[Request] = field(default_factory=list)  # samples that fork from this one once its prompt is computed
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled
+    # Speculative decoding: the proposer's guesses for the tokens after `tokens`, set before each step (the step
+    # verifies those the budget and the blocks leave room for), and the running counts for RequestMetrics.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0      # drafts verified by the target
+    num_accepted_tokens: int = 0   # of those, accepted and emitted
 
     @property
     def tokens(self) -> list[int]:
@@ -103,11 +116,25 @@ class Request:
 @dataclass(frozen=True)
 class Chunk:
     """Tokens start .. start + num_tokens − 1 of `request`, run in this step. `samples`: the chunk reaches
-    the request's last token, so the step samples its next one."""
+    the request's last token, so the step samples its next one. A speculative decode chunk is the request's
+    last token followed by `draft_token_ids` (not in `request.tokens` yet): it wants logits at all its
+    positions, and the rejection sampler turns them into 1 to len(draft_token_ids) + 1 tokens."""
     request: Request
     start: int
     num_tokens: int
     samples: bool
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids this chunk runs: its slice of the request's tokens, then its drafts."""
+        end = self.start + self.num_tokens - len(self.draft_token_ids)
+        return self.request.tokens[self.start:end] + list(self.draft_token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the step produces for this chunk."""
+        return len(self.draft_token_ids) + 1 if self.samples else 0
 
     @classmethod
     def of(cls, request: Request, num_tokens: int) -> "Chunk":
@@ -257,7 +284,25 @@ class Scheduler:
         # A request preempted after its copy-on-write in this step gave the copy back: its copy must not run.
         scheduled = {c.request.request_id for c in chunks}
         self.block_copies = [(src, dst) for rid, src, dst in self._copies if rid in scheduled]
-        return decodes + [c for c in chunks if c.request.is_prefill]
+        chunks = decodes + [c for c in chunks if c.request.is_prefill]
+        spent = sum(c.num_tokens for c in chunks)
+        return self._add_drafts(chunks, budget if self.token_budget is None else self.token_budget - spent)
+
+    def _add_drafts(self, chunks: list[Chunk], budget: float) -> list[Chunk]:
+        """Speculative decoding: grow each decode chunk by its request's drafts, with what the step leaves
+        over. Drafts come last: they only spend tokens of the budget and free blocks nobody else in this step
+        wanted, so speculation never shrinks a prefill nor causes a preemption, and the blocks the rejected
+        drafts took go back to the pool when the step ends (`update`)."""
+        out = []
+        for c in chunks:
+            r = c.request
+            extra = int(min(len(r.spec_token_ids), budget, self._room(r) - c.num_tokens)) if c.samples else 0
+            if extra > 0 and c.num_tokens == 1 and not r.is_prefill:
+                self._take_blocks(r, 1 + extra)
+                c = Chunk(r, c.start, 1 + extra, True, tuple(r.spec_token_ids[:extra]))
+                budget -= extra
+            out.append(c)
+        return out
 
     def _admit(self, budget: float, chunks: list[Chunk], now: float) -> None:
         caching = self.blocks is not None and self.blocks.enable_prefix_caching
@@ -340,30 +385,59 @@ class Scheduler:
         rows = [c.request for c in chunks if c.samples]
         return [(row, s) for row, r in enumerate(rows) for s in (r, *r.forks)]
 
-    def update(self, chunks: list[Chunk], sampled: list[int], now: float) -> list[Request]:
-        """Apply a step's results: `sampled` holds one token per request of `samplers(chunks)`, in that order
-        (one per chunk that `samples` when nothing forks). Returns the requests that finished, their slots and
-        blocks already free."""
+    def update(self, chunks: list[Chunk], sampled: list, now: float) -> list[Request]:
+        """Apply a step's results: `sampled` holds, per request of `samplers(chunks)` in that order (one per
+        chunk that `samples` when nothing forks), its new token, or with speculative decoding the list of
+        tokens the rejection sampler returned (accepted drafts, then one of the target's own). Returns the
+        requests that finished, their slots and blocks already free."""
         samplers = [r for _, r in self.samplers(chunks)]
         if len(sampled) != len(samplers):
             raise ValueError(f"sampled has {len(sampled)} tokens for {len(samplers)} sampling requests")
+        speculative = {c.request.request_id: c for c in chunks if c.draft_token_ids}
         for c in chunks:
-            c.request.num_computed += c.num_tokens
-            if self.blocks is not None:  # their keys and values are written now: full blocks join the cache
-                self.blocks.cache_blocks(c.request.request_id, c.request.tokens, c.request.num_computed)
+            if c.request.request_id not in speculative:  # a speculative chunk counts what was accepted, below
+                self._computed(c.request, c.request.num_computed + c.num_tokens)
         for c in chunks:
             if c.samples and c.request.forks:
                 self._fork(c.request)
         finished = []
-        for r, token in zip(samplers, sampled):
-            r.output_ids.append(token)
-            r.token_times.append(now)
-            reason = self._finish_reason(r, token)
+        for r, tokens in zip(samplers, sampled):
+            tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+            # One token at a time, checking stops after each: nothing past a stop, max_tokens or max_model_len.
+            reason, emitted = None, 0
+            for token in tokens:
+                r.output_ids.append(token)
+                r.token_times.append(now)
+                emitted += 1
+                reason = self._finish_reason(r, token)
+                if reason:
+                    break
+            if r.request_id in speculative:
+                self._accept(speculative[r.request_id], emitted, len(tokens) - 1)
             if reason:
                 r.finish_reason, r.status = reason, RequestStatus.FINISHED
                 self._release(r)
                 finished.append(r)
         return finished
+
+    def _computed(self, r: Request, num_computed: int) -> None:
+        """r's keys and values are now written up to `num_computed`: full blocks join the prefix cache."""
+        r.num_computed = num_computed
+        if self.blocks is not None:
+            self.blocks.cache_blocks(r.request_id, r.tokens, num_computed)
+
+    def _accept(self, c: Chunk, emitted: int, accepted: int) -> None:
+        """Roll a speculative chunk back to what the rejection sampler kept. The cache now holds valid keys and
+        values for the request's last token and its accepted drafts; those of rejected drafts stop counting
+        (the context length is num_computed) and the blocks past the kept tokens go back to the pool. Only
+        then are full blocks registered, so no hash ever covers a rejected token."""
+        r = c.request
+        r.num_draft_tokens += len(c.draft_token_ids)
+        r.num_accepted_tokens += min(accepted, emitted)  # drafts past a stop token were not emitted
+        self._computed(r, min(c.start + 1 + accepted, r.num_tokens))
+        if self.blocks is not None:
+            self.blocks.trim(r.request_id, r.num_computed)
+        r.spec_token_ids = []
 
     def _fork(self, parent: Request) -> None:
         """The parent's prompt is computed: its other samples start running, sharing all its blocks (and each
@@ -382,6 +456,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id} is {request.status.value}, not running")
         self._release(request)
         request.status, request.num_computed = RequestStatus.PREEMPTED, 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, request)
