@@ -375,9 +375,10 @@ plt.show()
 #
 # ## 7. Batch 1 against batch 16: why the gain shrinks in a busy server
 #
-# Everything above ran one sequence. Inside the serving engine, at batch 16, speculation is **not measured
-# yet**: the loop here serves one sequence, and the engine integration comes in a later step of the course.
-# What can be said now is why the gain will be smaller there, and the cost side can be measured already.
+# Everything above ran one sequence. The serving engine speculates too (`LLM(speculative={"method": "ngram",
+# "k": 4})`, measured by `python -m mini_engine bench --workload speculative`), but this chapter does not time
+# it at batch 16 yet. What can be said here is why the gain will be smaller there, and the cost side can be
+# measured already.
 #
 # The formula assumes that verifying k + 1 tokens costs about as much as producing one. That holds while a
 # step is memory-bound: the weight read dominates, and extra rows ride along. At batch B a verify step pushes
@@ -468,7 +469,7 @@ summary += [
      f"{predict(bf16_stats, plain_s)[3]:.2f} target steps, {plain_s / bf16_s:.2f}x ({predict(bf16_stats, plain_s)[1]:.2f}x)"),
     ("rejection sampler, 100k draws: largest |freq − p|", f"{(freq(emitted) - p).abs().max():.4f}"),
     ("verify (5 rows) / plain step, products only: batch 1, batch 16", f"{costs[1]:.2f}x, {costs[16]:.2f}x"),
-    ("speculation inside the engine at batch 16", "not measured yet (engine integration comes later)"),
+    ("speculation inside the engine at batch 16", "not timed here (bench --workload speculative)"),
 ]
 width = max(len(k) for k, _ in summary)
 for k, v in summary:
