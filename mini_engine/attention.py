@@ -16,9 +16,9 @@ torch.compile of a fused gather-and-reduce 0.15 / 1.80 ms, but compiled anew for
 each), which a serving engine meets at every step. The copy reads the cached keys and values a second time.
 Copying a few sequences at a time keeps each copy in the CPU's cache until SDPA reads it: 16 sequences of 1,024
 positions took 1.71 ms four at a time against 2.14 ms all at once (the autotuner picks how many, per context
-bucket; `decode_chunk`). What remains is that the copy and SDPA cannot overlap, so a paged decode step on a CPU
-costs about 1.25x a contiguous one at 1,024 positions (`bench --workload paging`); the Triton kernel reads the
-pool in place instead.
+bucket; `decode_chunk`). What remains is that the copy and SDPA cannot overlap, so at 1,024 positions a paged
+decode step on a CPU costs more than a contiguous one (1.43x measured, `bench --workload paging`,
+benchmarks/RESULTS.md); the Triton kernel reads the pool in place instead.
 """
 from __future__ import annotations
 
@@ -345,8 +345,8 @@ def paged_decode_torch(qs, k_cache, v_cache, group: DecodeGroup, backend: str = 
 def decode_chunk(qs, k_cache, v_cache, group: DecodeGroup, backend: str, tuner: Autotuner = TUNER) -> int:
     """Sequences per block copy in `paged_decode_torch`, timed per (dtype, sequences, context) bucket: all of
     them at once (the plain form), or 8, 4, 2 or 1 at a time. Which wins depends on the CPU's cache sizes and
-    the context: on a 2-core AMD EPYC (32 MiB L3) 16 sequences of 1,024 positions ran best 2 at a time, of
-    128 positions all at once."""
+    the context: on a 2-core AMD EPYC (32 MiB L3) 16 sequences of 1,024 positions ran best 2 or 4 at a time
+    (runs differed), of 128 positions all at once."""
     n = qs.shape[0]
     if n == 1 or qs.device.type != "cpu" or counting_mode_active():
         return n
