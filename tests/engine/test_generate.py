@@ -2,19 +2,11 @@ import pytest
 import torch
 
 import mini_engine as me
-from mini_engine.config import ModelConfig
-from mini_engine.model import LlamaModel
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=None)
-    model = LlamaModel(cfg)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.5)  # sharp distributions: greedy ties are practically impossible
-    return model.eval()
+def tiny(tiny_model):
+    return tiny_model(0)
 
 
 def test_naive_stops_on_eos(real, chat_prompts):
