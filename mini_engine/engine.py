@@ -332,6 +332,29 @@ class LLMEngine:
                 self.scheduler.add(s)
         return samples[0].request_id
 
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request now, between steps (the server calls it when a client goes away): all its samples
+        leave the queue or the batch and their slots and KV blocks go back to the pool at once, with
+        finish_reason "abort"; step() never returns its output. False when the request is unknown or has
+        already finished."""
+        samples = self._samples.pop(request_id, None)
+        if samples is None:
+            return False
+        for s in samples:
+            if self._request_of.pop(s.request_id, None) is None:
+                continue  # this sample had finished already
+            self.scheduler.abort(s)
+            del self._generators[s.request_id]
+            self._draft_generators.pop(s.request_id, None)
+            self._draft_probs.pop(s.request_id, None)
+        return True
+
+    def request_samples(self, request_id: int) -> list[Request]:
+        """The n samples of an unfinished request, as the scheduler's Requests (sample i at index i): their
+        `output_ids` grow step by step and `finish_reason` is set when each one ends, which is what a
+        streaming server reads between steps. Read them; do not change them."""
+        return list(self._samples[request_id])
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -81,7 +81,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0          # tokens whose keys/values are in the cache
     slot: int | None = None        # lane while running: its row of a contiguous cache
-    finish_reason: str | None = None  # "stop" (a stop token) or "length" (max_tokens or max_model_len)
+    finish_reason: str | None = None  # "stop" (a stop token), "length" (max_tokens or max_model_len) or "abort"
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     num_cached_hint: int = 0       # what a prefix-cache lookup would serve now (set while waiting, for the budget)
@@ -460,6 +460,20 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, request)
+
+    def abort(self, request: Request) -> None:
+        """Drop an unfinished request (a client went away): out of the queue or the batch, its slot and blocks
+        (and the slots reserved for the samples it has not forked yet) back at once; it and those samples end
+        with finish_reason "abort". A forked sample is a request of its own: abort each one."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self._release(request)
+        else:  # waiting, or preempted (queued again): it holds no slot and no block
+            self.waiting = [r for r in self.waiting if r is not request]
+        for r in (request, *request.forks):
+            r.status, r.finish_reason, r.spec_token_ids = RequestStatus.FINISHED, "abort", []
+        request.forks = []
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
