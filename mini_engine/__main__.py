@@ -1,8 +1,9 @@
-"""Command line: `python -m mini_engine demo | generate "prompt" | bench`."""
+"""Command line: `python -m mini_engine demo | generate "prompt" | bench | serve | loadtest`."""
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 
@@ -98,6 +99,32 @@ def cmd_bench(args) -> None:
               hf_dtype=args.hf_dtype)
 
 
+def cmd_serve(args) -> None:
+    import mini_engine as me
+    from .server import ServerConfig, serve
+    config = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                          max_waiting=args.max_waiting)  # checked before the weights load
+    llm = me.LLM(args.model, device=args.device, dtype=args.dtype, kv_cache=args.kv_cache,
+                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+                 enable_prefix_caching=args.enable_prefix_caching)
+    print(llm, flush=True)
+    serve(llm, args.host, args.port, config)
+
+
+def cmd_loadtest(args) -> None:
+    from .loadtest import format_table, plot_sweep, run_loadtest
+    rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate]
+    results = [run_loadtest(args.url, rate, args.requests, max_tokens=args.max_tokens, api_key=args.api_key,
+                            seed=args.seed) for rate in rates]
+    print(format_table(results))
+    for r in results:
+        for message in r["error_messages"]:
+            print(f"rate {r['rate']:g}: error: {message}")
+    if args.plot:
+        plot_sweep(results, args.plot)
+        print(f"saved {args.plot}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mini_engine", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -140,9 +167,33 @@ def main(argv=None) -> None:
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     b.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="single: HF's dtype when it should differ from --dtype (e.g. our bf16 vs HF fp32)")
+    s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server (/v1/completions, "
+                       "/v1/chat/completions, /v1/models, /health, /metrics)")
+    s.add_argument("--host", default="127.0.0.1", help="127.0.0.1: this machine only; 0.0.0.0 opens it to the network")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
+    s.add_argument("--max-num-seqs", type=int, default=None, help="sequences in the running batch")
+    s.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens of one request")
+    s.add_argument("--num-kv-blocks", type=int, default=None, help="paged: blocks in the pool")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="paged: share cached prompt blocks (default: on with the paged cache)")
+    s.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which new ones get 503")
+    s.add_argument("--api-key", default=os.environ.get("MINI_ENGINE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $MINI_ENGINE_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    lt = sub.add_parser("loadtest", help="Poisson load on a running server: TTFT / TPOT / end-to-end p50, p99")
+    lt.add_argument("--url", default="http://127.0.0.1:8000")
+    lt.add_argument("--rate", type=float, default=4.0, help="requests per second (inf: all at once)")
+    lt.add_argument("--requests", type=int, default=64)
+    lt.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    lt.add_argument("--sweep", default=None, help="comma-separated rates, e.g. 1,2,4,8: one row each")
+    lt.add_argument("--plot", default=None, help="save the throughput-latency curve to this PNG")
+    lt.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
+    lt.add_argument("--api-key", default=os.environ.get("MINI_ENGINE_API_KEY"))
     args = parser.parse_args(argv)
     try:
-        {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench}[args.cmd](args)
+        {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve,
+         "loadtest": cmd_loadtest}[args.cmd](args)
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"error: {e}\n")
 

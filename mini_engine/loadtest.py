@@ -1,0 +1,223 @@
+"""Load the server like real users do (chapter 09): `python -m mini_engine loadtest --url ... --rate R --requests N`.
+
+Requests arrive as a Poisson process (exponential gaps, seeded) at `rate` per second, whatever the server's pace,
+so a rate above what it sustains makes requests queue; each one streams through the official `openai` client, so
+TTFT is the time to the first text a user would see. `run_loadtest` measures one rate and returns a dict,
+`sweep` several (the throughput-latency curve), `start_server` runs `python -m mini_engine serve` in a
+subprocess for tests and notebooks.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from .metrics import percentile
+
+# Chat questions of mixed length; request i asks PROMPTS[i % len(PROMPTS)].
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give three tips for learning a new programming language.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarise the plot of Romeo and Juliet in a few lines.",
+    "Name five fruits that are red.",
+    "How does a bicycle stay upright when it moves? Answer briefly, for a curious child.",
+]
+
+
+@dataclass
+class _Result:
+    start: float
+    first: float | None = None   # first text received
+    end: float | None = None
+    num_tokens: int = 0
+    error: str | None = None
+
+
+async def _one(client, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> _Result:
+    result = _Result(time.perf_counter())
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": ignore_eos})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                result.num_tokens = chunk.usage.completion_tokens
+            if result.first is None and chunk.choices and chunk.choices[0].delta.content:
+                result.first = time.perf_counter()
+        result.end = time.perf_counter()
+    except Exception as e:  # counted, not raised: a load test reports how many requests failed and why
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def loadtest(url: str, rate: float, num_requests: int, prompts: list[str] | None = None,
+                   max_tokens: int = 64, api_key: str | None = None, model: str | None = None,
+                   ignore_eos: bool = True, seed: int = 0, progress: bool = True) -> dict:
+    """The async form of `run_loadtest` (for code already inside an event loop)."""
+    from openai import APIError, AsyncOpenAI
+    from tqdm import tqdm
+
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s (inf: all at once), got {rate!r}")
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
+    prompts = prompts or PROMPTS
+    # max_retries=0: a refused request is an error to count, not one to hide behind retries.
+    client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0, timeout=600)
+    async with client:
+        try:
+            model = model or (await client.models.list()).data[0].id
+        except APIError as e:  # nothing listening, or a wrong key: say so once, not once per request
+            raise ValueError(f"url: the server at {url} did not list its models: {e}") from None
+        rng = random.Random(seed)
+        bar = tqdm(total=num_requests, desc=f"rate {rate:g}/s", disable=not progress)
+        tasks, t0 = [], time.perf_counter()
+        for i in range(num_requests):
+            task = asyncio.ensure_future(_one(client, model, prompts[i % len(prompts)], max_tokens, ignore_eos))
+            task.add_done_callback(lambda _: bar.update(1))
+            tasks.append(task)
+            if i + 1 < num_requests and rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals: exponential gaps
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        bar.close()
+    return _summary(results, rate, duration)
+
+
+def _summary(results: list[_Result], rate: float, duration: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    ttft = [r.first - r.start for r in ok if r.first is not None]
+    tpot = [(r.end - r.first) / (r.num_tokens - 1) for r in ok if r.first is not None and r.num_tokens > 1]
+    e2e = [r.end - r.start for r in ok]
+    tokens = sum(r.num_tokens for r in ok)
+    summary = {"rate": rate, "requests": len(results), "completed": len(ok), "errors": len(results) - len(ok),
+               "duration_s": duration, "output_tokens": tokens, "output_tok_s": tokens / duration,
+               "requests_s": len(ok) / duration}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        summary[f"{name}_p50_s"], summary[f"{name}_p99_s"] = percentile(values, 50), percentile(values, 99)
+    summary["error_messages"] = sorted({r.error for r in results if r.error})
+    return summary
+
+
+def run_loadtest(url: str, rate: float, num_requests: int, prompts: list[str] | None = None, **kwargs) -> dict:
+    """Send `num_requests` streamed chat requests at Poisson arrivals of `rate` per second (float('inf'): all at
+    once) to the server at `url`; wait for all of them. Returns rate, requests, completed, errors (and
+    error_messages), duration_s, output_tokens, output_tok_s, requests_s, and ttft/tpot/e2e p50 and p99 in
+    seconds. Keyword arguments: max_tokens (64), api_key, model (the server's first), ignore_eos (True, so every
+    request generates max_tokens), seed, progress. Works from a notebook too (its event loop is left alone)."""
+    work = loadtest(url, rate, num_requests, prompts, **kwargs)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # inside a running loop (Jupyter): run beside it
+        return pool.submit(asyncio.run, work).result()
+
+
+def sweep(url: str, rates: list[float], num_requests: int, **kwargs) -> list[dict]:
+    """`run_loadtest` at each rate in turn: the points of the throughput-latency curve."""
+    return [run_loadtest(url, rate, num_requests, **kwargs) for rate in rates]
+
+
+def format_table(results: list[dict]) -> str:
+    head = (f"{'rate/s':>7} {'done':>5} {'errors':>6} {'tok/s':>7} {'req/s':>6} {'TTFT p50':>9} {'p99':>7} "
+            f"{'TPOT p50':>9} {'p99':>7} {'E2E p50':>8} {'p99':>7}")
+    rows = [head, "-" * len(head)]
+    for r in results:
+        ms = [1000 * r[f"{m}_{q}_s"] for m in ("ttft", "tpot", "e2e") for q in ("p50", "p99")]
+        rows.append(f"{r['rate']:>7g} {r['completed']:>5} {r['errors']:>6} {r['output_tok_s']:>7.1f} "
+                    f"{r['requests_s']:>6.2f} " + " ".join(f"{v:>{w}.0f}" for v, w in zip(ms, (9, 7, 9, 7, 8, 7))))
+    return "\n".join(rows) + "\n(latencies in ms)"
+
+
+def plot_sweep(results: list[dict], path: str | None = None):
+    """The throughput-latency curve: output tok/s against the offered rate, and latency against throughput.
+    Saved to `path` when given; returns the figure."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    rates, tok_s = [r["rate"] for r in results], [r["output_tok_s"] for r in results]
+    left.plot(rates, tok_s, "o-")
+    left.set(xlabel="offered load (requests/s)", ylabel="output tokens/s", title="throughput")
+    for key, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"), ("e2e_p50_s", "end-to-end p50")):
+        right.plot(tok_s, [r[key] for r in results], "o-", label=label)
+    right.set(xlabel="output tokens/s", ylabel="seconds", title="latency vs throughput")
+    right.legend()
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+# ---------------------------------------------------------------- the server in a subprocess
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m mini_engine serve ...` running in a subprocess: `.url`, `.stop()`; a context manager. Its output
+    goes to a log file (`.log_path`), shown in the error if it fails to start."""
+
+    def __init__(self, args: list[str], host: str, port: int, timeout: float):
+        import httpx
+
+        self.url = f"http://{host}:{port}"
+        log = tempfile.NamedTemporaryFile("w+", prefix="mini_engine-serve-", suffix=".log", delete=False)
+        self.log_path = log.name
+        command = [sys.executable, "-m", "mini_engine", "serve", "--host", host, "--port", str(port), *args]
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not answer /health within {timeout} s:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 15) -> None:
+        """Interrupt the server (as Ctrl-C does) and wait; kill it if it does not go."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(*args: str, model: str = "smollm2-135m", host: str = "127.0.0.1", port: int | None = None,
+                 timeout: float = 180) -> ServerProcess:
+    """Start `python -m mini_engine serve --model MODEL ARGS...` (e.g. "--max-model-len", "512") on a free port
+    and return once /health answers: `server.url`, `server.stop()`."""
+    return ServerProcess(["--model", model, *args], host, port or free_port(host), timeout)
