@@ -113,6 +113,55 @@ class DecodeGroup:
         return isinstance(self.tokens, slice)
 
 
+# Chunks of up to this many tokens over a cached context are attended together, like decodes (`VerifyGroup`): a
+# speculative chunk is a request's last token and its k drafts. Longer chunks are prefills, attended one by one.
+MAX_VERIFY_TOKENS = 16
+
+
+@dataclass
+class VerifyGroup:
+    """The step's short multi-token chunks (2 to MAX_VERIFY_TOKENS tokens): on a speculative step, each decoding
+    request's last token and its drafts. Attended one by one, as prefill chunks are, they cost one SDPA call and
+    one copy of the context per sequence and per layer, and a speculative step at batch 16 spent more time there
+    than in its decode. Padded to the longest chunk (Q tokens), they go through one call as decodes do, each
+    query row masked to the positions before it."""
+    seqs: list[int]                # the chunks' places in the step
+    tokens: torch.Tensor           # [S*Q] packed row of each padded query (padding repeats the chunk's last row)
+    valid: torch.Tensor            # [n] where the step's real query rows sit among the S*Q padded ones
+    packed: torch.Tensor           # [n] their rows in the packed step, in the same order
+    query_len: int                 # Q
+    slots: torch.Tensor | None     # contiguous cache: [S] the sequences' slots
+    block_tables: torch.Tensor | None  # paged cache: [S, blocks of the longest context] int32
+    max_context: int               # key positions read per sequence
+    mask: torch.Tensor             # [S,1,Q,1,max_context] True where query row j of sequence s may look
+
+    @classmethod
+    def build(cls, query_lens, context_lens, slots, block_tables, device) -> "VerifyGroup | None":
+        seqs = [i for i, n in enumerate(query_lens) if 1 < n <= MAX_VERIFY_TOKENS]
+        if not seqs:
+            return None
+        starts = list(itertools.accumulate(query_lens, initial=0))
+        width = max(query_lens[i] for i in seqs)
+        tokens, valid, packed, sees = [], [], [], []
+        for s, i in enumerate(seqs):
+            n, first = query_lens[i], context_lens[i] - query_lens[i]
+            tokens += [starts[i] + min(j, n - 1) for j in range(width)]
+            valid += range(s * width, s * width + n)
+            packed += range(starts[i], starts[i] + n)
+            sees.append([first + min(j, n - 1) + 1 for j in range(width)])  # query j sees positions < this
+        max_context = max(context_lens[i] for i in seqs)
+        mask = torch.arange(max_context, device=device) < torch.tensor(sees, device=device)[..., None]
+        tables = None
+        if block_tables is not None:
+            blocks = max(len(block_tables[i]) for i in seqs)
+            tables = torch.tensor([block_tables[i] + [0] * (blocks - len(block_tables[i])) for i in seqs],
+                                  dtype=torch.int32, device=device)
+        return cls(seqs, torch.tensor(tokens, device=device), torch.tensor(valid, device=device),
+                   torch.tensor(packed, device=device), width,
+                   None if slots is None else torch.tensor([slots[i] for i in seqs], device=device),
+                   tables, max_context, mask[:, None, :, None, :])
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]
@@ -124,6 +173,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor | None = None  # packed rows whose logits are wanted (None: all)
     decode: DecodeGroup | None = None  # the single-token sequences (cached steps only)
     block_tables: torch.Tensor | None = None  # paged cache: [S, longest table] int32, padded with block 0
+    verify: VerifyGroup | None = None  # the short multi-token chunks (speculative ones), cached steps only
 
     @property
     def has_cache(self) -> bool:
@@ -144,7 +194,7 @@ class AttentionMetadata:
         # Built from Python lists in one call each: this runs every step, and small tensor ops add up.
         positions = torch.tensor([p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)],
                                  device=device)
-        slot_mapping = decode = tables = None
+        slot_mapping = decode = tables = verify = None
         if slots is not None:
             slot_mapping = torch.tensor([s for s, q in zip(slots, query_lens) for _ in range(q)], device=device)
             decode = DecodeGroup.build(query_lens, context_lens, slots, device)
@@ -158,11 +208,13 @@ class AttentionMetadata:
             width = max(len(t) for t in block_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
                                   device=device)
+        if slot_mapping is not None:
+            verify = VerifyGroup.build(query_lens, context_lens, slots, block_tables, device)
         logits_indices = None
         if last_only:
             logits_indices = torch.tensor(list(itertools.accumulate(query_lens)), device=device) - 1
         return cls(list(query_lens), context_lens, positions, None if slots is None else list(slots),
-                   slot_mapping, logits_indices, decode, tables)
+                   slot_mapping, logits_indices, decode, tables, verify)
 
 
 def attention_in_fp32(kind: str, fn, q, k, v, tuner: Autotuner = TUNER) -> bool:
@@ -271,6 +323,9 @@ def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: 
         out[meta.decode.tokens] = decode_attention(q, k_cache, v_cache, meta.decode, backend)
     starts = [0, *itertools.accumulate(meta.query_lens)]
     chunks = [i for i, n in enumerate(meta.query_lens) if n > 1]
+    if meta.verify is not None and backend != "triton":  # the triton backend attends them with the prefills
+        out[meta.verify.packed] = verify_attention(q, k_cache, v_cache, meta.verify, backend)
+        chunks = [i for i in chunks if i not in meta.verify.seqs]
     if backend == "triton" and chunks:
         # All prefill chunks in one kernel launch, each attending to its whole cached context.
         q_lens = [meta.query_lens[i] for i in chunks]
@@ -307,6 +362,30 @@ def decode_attention(q, k_cache, v_cache, group: DecodeGroup, backend: str = "to
         qs = qs.new_zeros(k.shape[0], *qs.shape[1:]).index_copy_(0, group.rows, qs)
     o = _decode_sdpa(qs.unsqueeze(2), k, v, group.mask, backend)
     return o if group.rows is None else o[group.rows]
+
+
+def verify_attention(q, k_cache, v_cache, group: VerifyGroup, backend: str = "torch"):
+    """The short chunks of `group`, padded to Q query rows each, in one call: [n real rows, Hq, D], in the
+    order of `group.packed`. As in `_decode_sdpa`, the query heads sharing a KV head become that head's rows
+    (here Q x Hq/Hkv of them), so SDPA reads each KV head once."""
+    if group.block_tables is not None:
+        k = gather_blocks(k_cache, group.block_tables, group.max_context)  # [S,Hkv,L,D]
+        v = gather_blocks(v_cache, group.block_tables, group.max_context)
+    else:
+        k = k_cache[group.slots, :, :group.max_context]
+        v = v_cache[group.slots, :, :group.max_context]
+    s, n_q, (hq, d), hkv = k.shape[0], group.query_len, q.shape[1:], k.shape[1]
+    g = hq // hkv
+    qs = q[group.tokens].view(s, n_q, hkv, g, d).transpose(1, 2).reshape(s, hkv, n_q * g, d)
+    mask = group.mask.expand(s, 1, n_q, g, group.max_context).reshape(s, 1, n_q * g, group.max_context)
+
+    def fn(q, k, v):
+        if backend == "naive":
+            return _naive_attention(q, k, v, mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    o = run_attention(attention_in_fp32("verify", fn, qs, k, v), fn, qs, k, v)  # [S,Hkv,Q*g,D]
+    o = o.view(s, hkv, n_q, g, d).transpose(1, 2).reshape(s * n_q, hq, d)
+    return o[group.valid]
 
 
 def _decode_sdpa(q, k, v, mask, backend: str):

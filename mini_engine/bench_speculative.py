@@ -1,6 +1,10 @@
 """`python -m mini_engine bench --workload speculative`: the serving engine with and without n-gram speculation,
-at batch 1 and batch 16, on an input-grounded workload (rewrite a given text: the output repeats the input,
-where prompt lookup finds its drafts) and on open chat (where it finds little).
+at batch 1 and batch 16, on an input-grounded workload (repeat or proofread a given text: the output copies the
+input, where prompt lookup finds its drafts) and on open chat (where it finds little).
+
+Before anything is timed, every product's form is tuned for each row count a step can bring (`tune_products`) and
+each configuration runs once: a speculative step has 1 + k rows per request, row counts a plain engine never
+meets, and a tuning run inside the clock made speculation look twice as costly as it is.
 
 Per run: output tokens/s, the measured α (accepted / tested drafts: a draft is tested only if every draft before
 it in its round was accepted), tokens per decode round, and beside them the formula's prediction from that α and
@@ -26,13 +30,16 @@ TEXTS = [
     "A hash map stores each key in a bucket chosen by the key's hash. Looking a key up hashes it again and checks "
     "only that bucket, so the average lookup takes constant time however many keys the map holds.",
 ]
+# Tasks whose answer is the given text, as a copy or with small edits. SmolLM2-135M asked to "rewrite this text
+# word for word" paraphrases it instead (measured α 0.6); these two it follows (α about 0.9).
+GROUNDED_TASKS = ["Repeat this text exactly:\n\n{text}", "Fix the spelling in this text and return it in full:\n\n{text}"]
 QUESTIONS = ["Why do cats purr?", "Give me three ideas for a birthday party.", "What makes a good story?",
              "How do airplanes stay in the air?", "Suggest a name for a small coffee shop."]
 
 
 def prompts_for(tok, workload: str, n: int) -> list[list[int]]:
     if workload == "grounded":
-        messages = [[{"role": "user", "content": f"Rewrite this text word for word:\n\n{TEXTS[i % len(TEXTS)]}"}]
+        messages = [[{"role": "user", "content": GROUNDED_TASKS[i % 2].format(text=TEXTS[i % len(TEXTS)])}]
                     for i in range(n)]
     elif workload == "chat":
         messages = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
@@ -92,38 +99,44 @@ def run_spec(model, tok, prompts: list[list[int]], batch: int, speculative: dict
 
 
 def bench_speculative(device: str = "cpu", dtype: str = "float32", batches=(1, 16), max_tokens: int = 48,
-                      k: int = 4, requests_at_batch_1: int = 2, print_fn=print) -> list[tuple[SpecRun, SpecRun]]:
-    """For each workload and batch: (plain run, n-gram run) on the same requests; prints one table."""
-    from .hardware import describe_machine
+                      k: int = 4, requests_at_batch_1: int = 2, print_fn=print) -> list[tuple[SpecRun, ...]]:
+    """For each workload and batch: (plain run, n-gram run, n-gram run drafting k every round) on the same
+    requests; prints one table."""
+    from tqdm.auto import tqdm
+
+    from .hardware import describe_machine, tune_products
     from .loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     ngram = {"method": "ngram", "k": k, "ngram_min": 1, "ngram_max": 4}
-    warm = prompts_for(tok, "chat", 1)
-    for spec in (None, ngram):  # first steps pay for autotuning and allocation: keep them off the clock
-        run_spec(model, tok, warm, 1, spec, 4)
-    pairs = []
-    for workload in ("grounded", "chat"):
-        for batch in batches:
-            prompts = prompts_for(tok, workload, requests_at_batch_1 if batch == 1 else batch)
-            pairs.append(tuple(run_spec(model, tok, prompts, batch, spec, max_tokens, workload)
-                               for spec in (None, ngram)))
+    specs = (None, ngram, {**ngram, "adaptive": False})
+    tune_products(model, rows=[1 << i for i in range(9)])  # every row bucket, 1 to 256 (`autotune.row_bucket`)
+    configs = [(workload, batch, spec) for workload in ("grounded", "chat") for batch in batches for spec in specs]
+    runs = []
+    for workload, batch, spec in tqdm(configs, desc="speculative bench", unit="run"):
+        prompts = prompts_for(tok, workload, requests_at_batch_1 if batch == 1 else batch)
+        run_spec(model, tok, prompts, batch, spec, max_tokens, workload)  # warm-up: tuning and allocation
+        runs.append(run_spec(model, tok, prompts, batch, spec, max_tokens, workload))
+    triples = [tuple(runs[i:i + 3]) for i in range(0, len(runs), 3)]
     print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()}; n-gram speculation k={k} "
              f"(ngram 1..4), greedy, up to {max_tokens} output tokens per request")
     print_fn(f"{'workload':9} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'alpha':>6} "
-             f"{'tok/round':>9} {'predicted':>9} {'pred. speedup':>13} {'same output':>11}")
-    for plain, spec in pairs:
+             f"{'tok/round':>9} {'predicted':>9} {'pred. speedup':>13} {'fixed k':>7} {'same output':>11}")
+    for plain, spec, fixed in triples:
         alpha = spec.alpha
         predicted = spec.predicted_tokens_per_round(alpha)
         # The formula's tokens per round over what a round costs, measured: time per round (a request's sampling
         # step; a batched step serves many) with speculation relative to without.
         round_cost = (spec.seconds / len(spec.rounds)) / (plain.seconds / len(plain.rounds))
         predicted_speedup = predicted / round_cost
+        same = spec.outputs == plain.outputs == fixed.outputs
         print_fn(f"{spec.workload:9} {spec.batch:5d} {plain.tok_s:11.1f} {spec.tok_s:10.1f} "
                  f"{spec.tok_s / plain.tok_s:6.2f}x {alpha:6.2f} {spec.tokens_per_round:9.2f} {predicted:9.2f} "
-                 f"{predicted_speedup:12.2f}x {'yes' if spec.outputs == plain.outputs else 'NO':>11}")
+                 f"{predicted_speedup:12.2f}x {fixed.tok_s / plain.tok_s:6.2f}x {'yes' if same else 'NO':>11}")
     print_fn("alpha: accepted / tested drafts; tok/round: tokens a request gets per step it samples in (1 without "
              "speculation); predicted: the formula (1 - a^(d+1)) / (1 - a) over the rounds' draft counts d; pred. "
-             "speedup: that over the measured cost of a speculative round relative to a plain one")
-    return pairs
+             "speedup: that over the measured cost of a speculative round relative to a plain one; fixed k: the "
+             "speedup when every round drafts k (speculative['adaptive']=False) instead of one more than the "
+             "request's last round accepted")
+    return triples

@@ -181,6 +181,7 @@ class LLMEngine:
         self._generators: dict[int, torch.Generator | None] = {}
         self._draft_generators: dict[int, torch.Generator | None] = {}  # a sampling draft model's own streams
         self._draft_probs: dict[int, torch.Tensor] = {}  # request id -> this step's draft distributions [k, V]
+        self._num_drafts: dict[int, int] = {}  # request id -> drafts for its next round (adaptive speculation)
         self._samples: dict[int, list[Request]] = {}  # request id -> its n samples (sample 0 has the request's id)
         self._request_of: dict[int, int] = {}          # sample's id -> its request's id
         self._ids = itertools.count()
@@ -347,6 +348,7 @@ class LLMEngine:
             del self._generators[s.request_id]
             self._draft_generators.pop(s.request_id, None)
             self._draft_probs.pop(s.request_id, None)
+            self._num_drafts.pop(s.request_id, None)
         return True
 
     def request_samples(self, request_id: int) -> list[Request]:
@@ -389,7 +391,8 @@ class LLMEngine:
         self._draft_probs.clear()
         for r in self.scheduler.running:
             r.spec_token_ids = []
-            n = min(k, r.params.max_tokens - len(r.output_ids) - 1, limit - r.num_tokens - 1)
+            n = min(self._num_drafts.get(r.request_id, k), r.params.max_tokens - len(r.output_ids) - 1,
+                    limit - r.num_tokens - 1)
             if r.is_prefill or n <= 0:
                 continue
             if not isinstance(self.proposer, DraftModelProposer):
@@ -414,6 +417,8 @@ class LLMEngine:
             c = sampling[row]
             if c.draft_token_ids:
                 out.append(self._verify(r, list(c.draft_token_ids), logits[offsets[row]:offsets[row + 1]]))
+                if self.config.speculative.adaptive:  # one more than it accepted (len(out[-1]) - 1), up to k
+                    self._num_drafts[r.request_id] = min(len(out[-1]), self.config.speculative.k)
             else:
                 plain.append((len(out), offsets[row], r))
                 out.append(None)
@@ -443,6 +448,7 @@ class LLMEngine:
         """The request's output once its last sample has finished (None before)."""
         del self._generators[r.request_id]
         self._draft_generators.pop(r.request_id, None)
+        self._num_drafts.pop(r.request_id, None)
         request_id = self._request_of.pop(r.request_id)
         samples = self._samples[request_id]
         if any(s.request_id in self._request_of for s in samples):  # a sample is still running

@@ -28,16 +28,20 @@ class SpeculativeConfig:
     """`LLM(speculative={...})`, checked before any weights load. method "ngram": prompt lookup with n from
     ngram_max down to ngram_min; method "draft": `model` (any name or path `load_model` accepts, or a model
     already in memory) drafts greedily, or from its own distribution when a request samples, with `dtype`
-    (None: the target's). k: the most tokens drafted per request and step."""
+    (None: the target's). k: the most tokens drafted per request and step. adaptive: a request drafts one
+    token more than it had accepted in its last round (at most k), so a request whose drafts keep failing
+    drafts one at a time and its rows stop weighing on a batched step; False drafts k every round."""
     method: str
     k: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
     model: object = None
     dtype: str | None = None
+    adaptive: bool = True
 
     # Keys each method reads: any other key is a typo the user should hear about, not silently ignored.
-    KEYS = {"ngram": ("method", "k", "ngram_min", "ngram_max"), "draft": ("method", "k", "model", "dtype")}
+    KEYS = {"ngram": ("method", "k", "ngram_min", "ngram_max", "adaptive"),
+            "draft": ("method", "k", "model", "dtype", "adaptive")}
 
     @classmethod
     def parse(cls, spec) -> "SpeculativeConfig":
@@ -62,6 +66,8 @@ class SpeculativeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative[{name!r}] must be an int >= 1, got {value!r}")
         positive_int("k")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative['adaptive'] must be True or False, got {self.adaptive!r}")
         if self.method == "ngram":
             positive_int("ngram_min")
             positive_int("ngram_max")

@@ -50,10 +50,11 @@ def test_paging_bench_compares_the_two_caches_at_equal_memory():
 def test_speculative_bench_compares_ngram_on_and_off_on_both_workloads():
     from mini_engine.bench_speculative import bench_speculative
     lines = []
-    pairs = bench_speculative(batches=(1, 2), max_tokens=3, requests_at_batch_1=1, print_fn=lines.append)
-    assert [(p.workload, p.batch, p.speculative, s.speculative) for p, s in pairs] == \
-        [("grounded", 1, False, True), ("grounded", 2, False, True), ("chat", 1, False, True), ("chat", 2, False, True)]
-    assert all(p.outputs == s.outputs for p, s in pairs), "greedy: speculation must not change the tokens"
+    runs = bench_speculative(batches=(1, 2), max_tokens=3, requests_at_batch_1=1, print_fn=lines.append)
+    assert [(p.workload, p.batch, p.speculative, s.speculative, f.speculative) for p, s, f in runs] == \
+        [(w, b, False, True, True) for w in ("grounded", "chat") for b in (1, 2)]
+    assert all(p.outputs == s.outputs == f.outputs for p, s, f in runs), \
+        "greedy: speculation, adaptive or not, must not change the tokens"
     text = "\n".join(lines)
-    for phrase in ("alpha", "tok/round", "pred. speedup", "grounded", "chat"):
+    for phrase in ("alpha", "tok/round", "pred. speedup", "fixed k", "grounded", "chat"):
         assert phrase in text, f"bench output lacks {phrase!r}:\n{text}"

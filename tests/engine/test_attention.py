@@ -37,6 +37,8 @@ STEPS = {
     "scattered decodes": ([1, 1, 1], [12, 5, 30], [4, 0, 9]),
     "decodes and prefill chunks": ([1, 6, 1, 9], [20, 6, 4, 25], [3, 0, 1, 4]),
     "prefill chunks only": ([5, 3], [5, 11], [1, 0]),
+    "speculative chunks only": ([5, 5, 3], [12, 30, 8], [2, 0, 1]),
+    "speculative chunks, decodes and a long prefill": ([1, 5, 20, 2, 1], [9, 17, 20, 30, 4], [0, 3, 1, 4, 2]),
 }
 
 
@@ -52,6 +54,20 @@ def test_cached_attention_equals_per_sequence_reference(step, heads, kv_heads, b
     got = attention_with_cache(q, k_cache, v_cache, meta, backend)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{step}: {m}")
+
+
+def test_short_chunks_are_attended_together_and_long_ones_alone():
+    """Chunks of 2 to MAX_VERIFY_TOKENS tokens (a speculative step's last token plus drafts) form one
+    `VerifyGroup`, padded to the longest; decodes keep their own group and longer prefill chunks go alone."""
+    from mini_engine.attention import MAX_VERIFY_TOKENS
+    meta = AttentionMetadata.build([1, 5, MAX_VERIFY_TOKENS + 1, 2], [9, 17, 30, 30], [0, 3, 1, 4])
+    group = meta.verify
+    assert group.seqs == [1, 3] and group.query_len == 5 and group.max_context == 30
+    assert group.packed.tolist() == [1, 2, 3, 4, 5, 23, 24]
+    assert group.tokens.tolist() == [1, 2, 3, 4, 5, 23, 24, 24, 24, 24], "padding repeats a chunk's last row"
+    # Query j of the second chunk (context 30, 2 new tokens) sees positions < 29 + min(j, 1).
+    assert group.mask[1, 0, :, 0].sum(-1).tolist() == [29, 30, 30, 30, 30]
+    assert AttentionMetadata.build([1, 1], [4, 6], [0, 1]).verify is None
 
 
 def paged_copy(k_cache, v_cache, meta, block_size, generator):

@@ -232,6 +232,40 @@ def test_requests_without_drafts_draw_what_they_would_without_speculation(tiny):
     assert all(o.metrics.num_draft_tokens == 0 for o in outs)
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_adaptive_speculation_drafts_one_more_than_last_accepted(tiny, noisy_draft, adaptive):
+    """Adaptive: each round drafts min(k, accepted last round + 1), starting at k; fixed: k every round (within
+    max_tokens). Either way the tokens are those of the engine without speculation."""
+    prompts, params = random_workload(4, seed=5)
+    spec = LLM.from_model(tiny, max_num_seqs=4, speculative={"method": "draft", "model": noisy_draft, "k": 4,
+                                                             "adaptive": adaptive})
+    rounds: dict[int, list[tuple[int, int]]] = {}  # request id -> (drafts, accepted) per round
+    scheduler, update = spec.engine.scheduler, spec.engine.scheduler.update
+
+    def counted(chunks, sampled, now):
+        before = [(c.request, len(c.draft_token_ids), c.request.num_accepted_tokens) for c in chunks
+                  if c.draft_token_ids]
+        finished = update(chunks, sampled, now)
+        for r, d, a in before:
+            rounds.setdefault(r.request_id, []).append((d, r.num_accepted_tokens - a))
+        return finished
+    scheduler.update = counted
+    outs = run(spec, prompts, params)
+    assert ids(outs) == ids(run(LLM.from_model(tiny, max_num_seqs=4), prompts, params))
+    max_tokens = {o.request_id: p.max_tokens for o, p in zip(outs, params)}
+    shrank = False
+    for rid, rs in rounds.items():
+        emitted, wanted = 1, 4  # the prefill's token; the first round drafts k
+        for d, a in rs:
+            # The draft model always proposes what it is asked for; only max_tokens cuts a round shorter.
+            assert d == min(wanted, max_tokens[rid] - emitted - 1), \
+                f"request {rid}: drafted {d} after {emitted} tokens, wanted {wanted} (max_tokens {max_tokens[rid]})"
+            emitted += a + 1
+            shrank |= adaptive and a + 1 < 4 and emitted < max_tokens[rid] - 1
+            wanted = min(4, a + 1) if adaptive else 4
+    assert rounds and (shrank or not adaptive), "the workload must have rounds that reject drafts"
+
+
 # ---------------------------------------------------------------- configuration
 
 @pytest.mark.parametrize("speculative,match", [
@@ -244,6 +278,7 @@ def test_requests_without_drafts_draw_what_they_would_without_speculation(tiny):
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, r"speculative\['ngram_max'\]"),
     ({"method": "draft", "k": 4}, r"speculative\['model'\] is required"),
     ({"method": "draft", "model": "smollm2-135m", "dtype": "fp8"}, r"speculative\['dtype'\]"),
+    ({"method": "ngram", "adaptive": "yes"}, r"speculative\['adaptive'\] must be True or False"),
     ("ngram", "speculative must be a dict"),
 ])
 def test_bad_speculative_config_names_the_key_before_weights_load(monkeypatch, speculative, match):
