@@ -41,6 +41,7 @@ from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams
 
 log = logging.getLogger("mini_engine.server")
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # OpenAI takes up to 4 stop strings; vLLM sets no bound
 
 
 @dataclass(frozen=True)
@@ -147,9 +148,12 @@ class EngineLoop:
                 self.engine.step()
             except Exception as e:  # an engine bug, not a bad request (those were refused before): fail them all
                 log.exception("engine step failed")
-                for stream in list(self.streams.values()):
+                streams, self.streams = list(self.streams.values()), {}
+                for stream in streams:
                     stream.push(("error", f"engine step failed: {e}"))
-                    self._abort(stream)
+                for stream in streams:
+                    with contextlib.suppress(Exception):  # the engine may be in no state to abort: try all
+                        self.engine.abort_request(stream.request_id)
             self._publish()
 
     def _take_inbox(self, block: bool) -> bool:
@@ -234,6 +238,9 @@ class _Body(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
             raise APIError(400, "stop strings must not be empty", "stop")
+        # Each is searched for after every token: a bound keeps one request from slowing every other one.
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
         return stops
 
 
@@ -436,14 +443,13 @@ async def _until_disconnected(request: Request, work):
         while (await request.receive())["type"] != "http.disconnect":
             pass
     watch = asyncio.ensure_future(gone())
-    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    watch.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return JSONResponse({}, status_code=499)  # nobody reads it
-    return task.result()
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled (the server shutting down)
+        watch.cancel()
+        if not task.done():
+            task.cancel()  # its generator's cleanup aborts the request
+    return task.result() if task.done() and not task.cancelled() else JSONResponse({}, status_code=499)
 
 
 async def _sse(pieces, head: dict, stream: Stream, chat: bool, include_usage: bool):

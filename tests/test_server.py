@@ -18,13 +18,14 @@ import torch
 
 import mini_engine as me
 from mini_engine.__main__ import main
+from mini_engine.detokenizer import IncrementalDetokenizer
 from mini_engine.engine import LLM
 from mini_engine.loadtest import free_port, run_loadtest, start_server
-from mini_engine.detokenizer import IncrementalDetokenizer
-from mini_engine.server import ServerConfig, build_app
 
-openai = pytest.importorskip("openai")
+openai = pytest.importorskip("openai")  # the [serve] extra
 uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+from mini_engine.server import ServerConfig, build_app  # noqa: E402 (needs fastapi)
 
 ENGINE = dict(max_model_len=256, max_num_seqs=32, block_size=16)
 MODEL = "smollm2-135m"
@@ -240,6 +241,7 @@ BAD = [
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "stop"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
