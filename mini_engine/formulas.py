@@ -536,3 +536,59 @@ def decode_ridge_batch(model, context, dtype_bytes, peak_flops, peak_bw):
     with np.errstate(divide="ignore"):
         return _out(np.where(margin > 0, ridge * weight_bytes(s, dtype_bytes) / np.where(margin > 0, margin, 1),
                              np.inf))
+
+
+# ---------------------------------------------------------------- the whole ladder on a roofline (chapter 09)
+
+def naive_generation_time(model, prompt_len, new_tokens, dtype_bytes, peak_flops, peak_bw):
+    """Roofline lower bound (seconds) on generating T = `new_tokens` tokens for one sequence by full recompute:
+    step s is a forward pass over all n = P + s − 1 tokens so far, `prefill_time(n)` with nothing cached. Past a
+    few hundred tokens each step is compute-bound, and the steps grow with n: Llama-7B on an A100-80GB (312
+    TFLOP/s, 2.04 TB/s, fp16) reaches at most 59 tok/s for 512 tokens after a 128-token prompt and 22 tok/s for
+    1,024 after 512; the seed's "5 to 10 tokens per second" is 25-50% of that second roof, what eager code
+    attains."""
+    _check_at_least("prompt_len", prompt_len, 1)
+    _check_at_least("new_tokens", new_tokens, 1)
+    n = np.arange(prompt_len, prompt_len + new_tokens)
+    return float(np.sum(prefill_time(model, n, 0, dtype_bytes, peak_flops, peak_bw)))
+
+
+def cached_generation_time(model, prompt_len, new_tokens, dtype_bytes, peak_flops, peak_bw, batch=1):
+    """Roofline lower bound (seconds) on generating T tokens for each of `batch` sequences of P-token prompts with
+    a KV cache: one prefill of the batch's prompts (the weights read once, B · P tokens of work), then T − 1
+    decode steps at contexts P + 1 .. P + T − 1, each reading the weights once for the whole batch plus every
+    sequence's cached keys and values (`decode_bytes`). At batch 1 a step moves the whole model for one token:
+    13.5 GB for Llama-7B in fp16, so an A100-80GB tops out near 146 tok/s (512 + 512 tokens); 16 sequences share
+    that read (1.4 GB per token at 1K of context) and the same GPU's roof is about 1,500 tok/s, 64 about 2,900."""
+    _check_at_least("prompt_len", prompt_len, 1)
+    _check_at_least("new_tokens", new_tokens, 1)
+    _check_at_least("batch", batch, 1)
+    s = ModelShape.of(model)
+    # B prompts of P tokens: B times one prompt's FLOPs (attention within each prompt), and the bytes of a
+    # prefill of B·P tokens (weights once, K/V and activations per token).
+    prefill = roofline_time(batch * prefill_flops(s, prompt_len), prefill_bytes(s, batch * prompt_len, dtype_bytes),
+                            peak_flops, peak_bw)
+    contexts = np.arange(prompt_len + 1, prompt_len + new_tokens)
+    decode = np.sum(roofline_time(decode_flops(s, contexts, batch), decode_bytes(s, batch, contexts, dtype_bytes),
+                                  peak_flops, peak_bw)) if new_tokens > 1 else 0.0
+    return float(prefill + decode)
+
+
+def generation_tok_s(model, prompt_len, new_tokens, dtype_bytes, peak_flops, peak_bw, batch=1, cache=True):
+    """The roofline's ceiling on output tokens/s: batch · T / `cached_generation_time` (or, with cache=False, T /
+    `naive_generation_time` of one sequence). Real engines reach a fraction of it; the ratio of two ceilings says
+    how much of a measured gain the hardware's roofs explain."""
+    if not cache:
+        if batch != 1:
+            raise ValueError("batch: the naive loop runs one sequence (batch=1)")
+        return new_tokens / naive_generation_time(model, prompt_len, new_tokens, dtype_bytes, peak_flops, peak_bw)
+    return batch * new_tokens / cached_generation_time(model, prompt_len, new_tokens, dtype_bytes, peak_flops,
+                                                       peak_bw, batch)
+
+
+def decode_bytes_per_token(model, batch, context, dtype_bytes=2):
+    """Bytes a decode step moves per token it produces: `decode_bytes` / batch. At batch 1 it is the whole model
+    (plus one sequence's K/V), which is why a memory-bound decode's ceiling is bandwidth / model size; batching
+    divides the weight part by the batch, and the K/V part stays per sequence."""
+    _check_at_least("batch", batch, 1)
+    return decode_bytes(model, batch, context, dtype_bytes) / _arr(batch)

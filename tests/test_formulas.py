@@ -401,3 +401,38 @@ def test_decode_ridge_batch_reaches_the_ridge_or_never():
     assert np.isfinite(F.decode_ridge_batch("llama-7b", 16, 2, **A100))
     got = F.decode_ridge_batch("llama-7b", np.array([16, 2048]), 2, **A100)
     assert np.isfinite(got[0]) and got[1] == np.inf
+
+
+# ---------------------------------------------------------------- the ladder on a roofline (chapter 09)
+
+def test_naive_generation_time_sums_one_full_prefill_per_step():
+    steps = [F.prefill_time(TINY, n, 0, 2, **A100) for n in range(5, 5 + 7)]
+    assert F.naive_generation_time(TINY, 5, 7, 2, **A100) == pytest.approx(sum(steps))
+
+
+def test_cached_generation_time_is_one_prefill_then_decode_steps():
+    want = F.roofline_time(3 * F.prefill_flops(TINY, 5), F.prefill_bytes(TINY, 15, 2), **A100)
+    want += sum(F.roofline_time(F.decode_flops(TINY, c, 3), F.decode_bytes(TINY, 3, c, 2), **A100) for c in (6, 7, 8))
+    assert F.cached_generation_time(TINY, 5, 4, 2, **A100, batch=3) == pytest.approx(want)
+    assert F.cached_generation_time(TINY, 5, 1, 2, **A100) == pytest.approx(F.prefill_time(TINY, 5, 0, 2, **A100))
+
+
+def test_the_seeds_naive_and_optimised_7b_figures_on_an_a100():
+    # Naive: compute-bound steps that grow with the sequence. The seed's 5-10 tok/s is a fraction of this roof.
+    assert F.generation_tok_s("llama-7b", 128, 512, 2, **A100, cache=False) == pytest.approx(59.2, abs=0.5)
+    assert F.generation_tok_s("llama-7b", 512, 1024, 2, **A100, cache=False) == pytest.approx(21.7, abs=0.5)
+    # One cached stream reads all 13.5 GB of weights per token: at most about 146 tok/s, below the seed's 200-500,
+    one = F.generation_tok_s("llama-7b", 512, 512, 2, **A100)
+    assert one == pytest.approx(146, abs=2)
+    assert F.weight_bytes("llama-7b", 2) / 2.039e12 == pytest.approx(1 / 151, rel=0.01)
+    # which batching reaches: 16 sequences share each weight read.
+    assert F.generation_tok_s("llama-7b", 512, 512, 2, **A100, batch=16) == pytest.approx(1530, rel=0.01)
+    assert F.decode_bytes_per_token("llama-7b", 16, 1024) / 1e9 == pytest.approx(1.38, abs=0.01)
+    assert F.decode_bytes_per_token("llama-7b", 1, 1024) == F.decode_bytes("llama-7b", 1, 1024)
+
+
+def test_generation_tok_s_checks_its_arguments():
+    with pytest.raises(ValueError, match="batch"):
+        F.generation_tok_s(TINY, 5, 5, 2, **A100, batch=2, cache=False)
+    with pytest.raises(ValueError, match="new_tokens"):
+        F.cached_generation_time(TINY, 5, 0, 2, **A100)
