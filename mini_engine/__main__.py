@@ -65,6 +65,30 @@ def cmd_bench(args) -> None:
     rungs = args.rung or []
     serving = [r for r in rungs if r in SERVING_RUNGS]
     single = [r for r in rungs if r in SINGLE_STREAM_RUNGS]
+    if args.ladder or args.workload == "server":
+        for name in ("requests", "batch", "sample", "tokens"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be >= 1")
+    if args.ladder:
+        from .bench_ladder import RUNGS as LADDER_RUNGS
+        from .bench_ladder import bench_ladder
+        if rungs or args.workload != "single":
+            raise ValueError("--ladder runs its own workload up every rung; it takes no --rung or --workload")
+        bench_ladder(args.device, args.dtype, requests=args.requests, batch=args.batch, sample=args.sample, k=args.k,
+                     rungs=[r for r in LADDER_RUNGS if not (args.no_hf and r == "hf")],
+                     plot=args.plot or "build/ladder.png")
+        return
+    if args.workload == "server":
+        from .bench_server import bench_server
+        if rungs:
+            raise ValueError("--workload server measures the HTTP server against offline LLM.generate; no --rung")
+        bench_server(32 if args.requests is None else args.requests, 64 if args.tokens is None else args.tokens,
+                     args.device, args.dtype, rate=args.rate)
+        return
+    for name, default in (("requests", 64), ("batch", 16), ("tokens", 128)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.workload == "paging":
         from .bench_paging import bench_paging
         if rungs:
@@ -148,19 +172,34 @@ def main(argv=None) -> None:
                    choices=["naive", "cached", "compiled", "static", "dynamic", "continuous", "compiled-engine"],
                    help="repeatable; default: naive, cached and compiled (one stream), or the three policies "
                         "(serving); compiled-engine: continuous with compiled decode steps (serving, by name)")
-    b.add_argument("--workload", choices=["single", "serving", "paging", "prefix", "speculative"], default="single",
+    b.add_argument("--ladder", action="store_true",
+                   help="one workload (a shared system prompt, input-grounded and open requests, mixed lengths) up "
+                        "every rung: HF batched generate, naive, cached, compiled, continuous batching, paged, + prefix "
+                        "caching, + n-gram speculation, + compiled engine step; one table and a bar chart (--plot)")
+    b.add_argument("--workload", choices=["single", "serving", "paging", "prefix", "speculative", "server"],
+                   default="single",
                    help="single: one chat prompt, one stream; serving: many requests (implied by a policy rung); "
                         "paging: the serving workload on the contiguous vs the paged KV cache at equal memory, "
                         "and one decode step from each; prefix: a shared system prompt with prefix caching on "
                         "vs off (TTFT, throughput) and the serving workload on vs off; speculative: n-gram "
-                        "speculation on vs off at batch 1 and --batch, input-grounded and open chat")
-    b.add_argument("--tokens", type=int, default=128, help="single: new tokens of the one request; speculative: "
-                   "output tokens per request (48 is enough)")
+                        "speculation on vs off at batch 1 and --batch, input-grounded and open chat; server: the "
+                        "OpenAI server (a subprocess) against offline LLM.generate on the same requests, all at "
+                        "once, at the rate the engine sustains and at twice it")
+    b.add_argument("--tokens", type=int, default=None, help="single: new tokens of the one request (default 128); "
+                   "speculative: output tokens per request (default 128; 48 is enough); server: per request "
+                   "(default 64)")
     b.add_argument("--k", type=int, default=4, help="speculative: drafts per round")
-    b.add_argument("--requests", type=int, default=64, help="serving: number of requests (lengths 16-256)")
-    b.add_argument("--batch", type=int, default=16,
-                   help="serving: max_num_seqs, and HF's batch size; paging: the contiguous slots, whose memory "
-                        "the paged pool gets, and the decode step's batch")
+    b.add_argument("--requests", type=int, default=None, help="serving: number of requests (lengths 16-256; "
+                   "default 64); ladder: default 32 on a CPU, 256 on a GPU; server: default 32")
+    b.add_argument("--batch", type=int, default=None,
+                   help="serving: max_num_seqs, and HF's batch size (default 16); paging: the contiguous slots, whose "
+                        "memory the paged pool gets, and the decode step's batch; ladder: the contiguous slots and "
+                        "HF's batch (default 16 on a CPU, 64 on a GPU)")
+    b.add_argument("--sample", type=int, default=None,
+                   help="ladder: requests the one-at-a-time rungs (naive, cached, compiled) run (default 2 on a CPU)")
+    b.add_argument("--plot", default=None, help="ladder: save the bar chart here (default build/ladder.png)")
+    b.add_argument("--rate", type=float, default=None,
+                   help="server: the sustained rate R in requests/s (default: what offline LLM.generate sustains)")
     b.add_argument("--max-model-len", type=int, default=2048, help="paging: max_model_len of both engines")
     b.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared prefix")
     b.add_argument("--question-len", type=int, default=32, help="prefix: each request's own tokens")

@@ -21,6 +21,9 @@ def test_generate_streams_and_reports_its_mode(capsys, flags, kind):
     (["bench", "--workload", "serving", "--batch", "0"], "--batch"),
     (["bench", "--workload", "paging", "--rung", "continuous"], "takes no --rung"),
     (["bench", "--workload", "paging", "--max-model-len", "1"], "--max-model-len"),
+    (["bench", "--ladder", "--rung", "cached"], "takes no --rung"),
+    (["bench", "--ladder", "--requests", "0"], "--requests"),
+    (["bench", "--workload", "server", "--rate", "0"], "rate"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, argv, named):
     with pytest.raises(SystemExit) as exit_info:

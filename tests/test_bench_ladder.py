@@ -1,0 +1,82 @@
+"""The ladder (`python -m mini_engine bench --ladder`) and the server bench (`--workload server`) end to end on tiny
+workloads: every rung is in the table, outputs are compared, the chart is saved, the server answers every request.
+No timing is asserted (the numbers belong in benchmarks/RESULTS.md). The product forms are pinned to the plain
+one (MINI_ENGINE_FORMS) so that no test pays for tuning them."""
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mini_engine.autotune import TUNER
+from mini_engine.bench_ladder import LABELS, RUNGS, LadderWorkload, bench_ladder, compile_engine_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def plain_forms(monkeypatch):
+    """Products as F.linear, untimed, here and in a server subprocess; the tuner's choices are put back after."""
+    before = dict(TUNER.choices)
+    monkeypatch.setattr(TUNER, "forced", {**TUNER.forced, "product": "linear"})
+    monkeypatch.setenv("MINI_ENGINE_FORMS", "product=linear")
+    yield
+    TUNER.choices.clear()
+    TUNER.choices.update(before)
+
+
+def test_workload_shares_the_system_prompt_mixes_kinds_and_never_repeats_a_prompt():
+    import mini_engine as me
+    _, tok = me.load_model("smollm2-135m")
+    work = LadderWorkload.build(tok, 40)
+    assert work.kinds[:4] == ["grounded", "chat", "grounded", "chat"]
+    assert work.shared_prefix_len > 200, "every prompt opens with the long system prompt"
+    assert all(p[:work.shared_prefix_len] == work.prompts[0][:work.shared_prefix_len] for p in work.prompts)
+    assert len({tuple(p) for p in work.prompts}) == 40, "past the distinct tasks, readers make each prompt unique"
+    assert len(set(work.max_tokens)) > 2
+
+
+def test_ladder_runs_every_rung_and_compares_outputs(plain_forms, tmp_path):
+    lines = []
+    plot = tmp_path / "ladder.png"
+    res = bench_ladder(requests=3, batch=2, sample=1, tune=False, progress=False, paged_max_num_seqs=2,
+                       max_tokens_cap=5, system_prompt="You are a helpful assistant. Be brief.", plot=str(plot),
+                       print_fn=lines.append)
+    text = "\n".join(lines)
+    assert [r.rung for r in res.rows] == list(RUNGS), "HF first, then every rung in ladder order"
+    for rung in RUNGS:
+        assert LABELS[rung] in text, f"the table lacks the {rung} rung:\n{text}"
+    cached, continuous = res.row("cached"), res.row("continuous")
+    assert sorted(cached.outputs) == [0] and sorted(continuous.outputs) == [0, 1, 2]
+    for r in res.rows:
+        if r.available and r.rung != "hf":  # HF's fp32 may flip a near-tie; ours must agree (greedy)
+            assert r.outputs[0] == cached.outputs[0], f"{r.rung} differs from the cached rung on request 0"
+    for rung in ("paged", "prefix", "speculative"):
+        assert res.row(rung).outputs == continuous.outputs, f"{rung} differs from continuous batching"
+    if not compile_engine_available():
+        assert "not available: needs LLM(compile=True)" in text
+    for phrase in ("CPU:", "=cached", "one request at a time", "compiling (one-time, in no row)",
+                   "prefix-cache hit rate", "drafts accepted", "top rung", "target >= 25x", "target >= 4x"):
+        assert phrase in text, f"the report lacks {phrase!r}:\n{text}"
+    assert plot.stat().st_size > 10_000
+
+
+def test_server_bench_answers_every_request(plain_forms):
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from mini_engine.bench_server import bench_server
+    lines = []
+    res = bench_server(requests=3, max_tokens=4, tune=False, progress=False,
+                       engine_kwargs={"max_model_len": 128, "max_num_seqs": 4}, print_fn=lines.append)
+    for key in ("all_at_once", "rate", "double_rate"):
+        assert res[key]["completed"] == 3 and res[key]["errors"] == 0, res[key]
+        assert res[key]["output_tokens"] == 12
+    assert res["offline"]["output_tokens"] == 12 and res["R"] > 0
+    text = "\n".join(lines)
+    for phrase in ("offline LLM.generate", "server at 2R", "within 10%", "0 errors"):
+        assert phrase in text, f"the report lacks {phrase!r}:\n{text}"
+
+
+def test_gpu_check_and_the_vllm_script_parse():
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
+    ast.parse((ROOT / "benchmarks" / "bench_vllm.py").read_text())
