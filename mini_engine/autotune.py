@@ -12,12 +12,19 @@ form's by more than `margin` and it was the faster of the two in most rounds, so
 machine) keeps the plain form rather than crowning a slower one.
 Set MINI_ENGINE_FORMS="product=linear,attention=native" (or pass `forced`) to pin a choice: benchmarks use
 it to time one form against another, tests to reach every form.
+
+A process can hand its choices to another one on the same machine: `TUNER.save(path)` writes them as JSON, and a
+process started with MINI_ENGINE_TUNED=path begins with them (a server started from a notebook that has already
+tuned, say), so it does not time the same cases again. Cases the file lacks are timed as usual.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -98,6 +105,22 @@ class Autotuner:
         """Every decided case, in the order met."""
         return list(self.choices.items())
 
+    def save(self, path) -> None:
+        """Write every decided case to `path` (JSON): MINI_ENGINE_TUNED=path starts another process with them."""
+        rows = [{"case": list(case), "form": c.form, "times_ms": c.times_ms} for case, c in self.choices.items()]
+        Path(path).write_text(json.dumps(rows))
+
+    def load(self, path) -> int:
+        """Take the cases `save` wrote to `path` that this tuner has not decided and whose op is not forced;
+        returns how many. The file must come from this machine: a choice is a fact about the CPU that timed it."""
+        taken = 0
+        for row in json.loads(Path(path).read_text()):
+            case = _as_tuple(row["case"])
+            if case[0] not in self.forced and case not in self.choices:
+                self.choices[case] = Choice(row["form"], dict(row["times_ms"]))
+                taken += 1
+        return taken
+
 
 def row_bucket(rows: int, cap: int = 256) -> int:
     """Counts share a decision within powers of two (1, 2, 4, ..., cap; cap stands for every count above)."""
@@ -110,5 +133,22 @@ def counting_mode_active() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
+def _as_tuple(value):
+    """JSON lists back into the tuples a case is made of (shapes inside it included)."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+def tuner_from_env() -> Autotuner:
+    """The process's tuner: MINI_ENGINE_FORMS pins forms, MINI_ENGINE_TUNED names a file of choices to start from."""
+    tuner = Autotuner(forced_from_env())
+    path = os.environ.get("MINI_ENGINE_TUNED")
+    if path:
+        try:
+            tuner.load(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # tuning anew is slower, never wrong
+            warnings.warn(f"MINI_ENGINE_TUNED={path!r} could not be read ({e}); forms will be timed as met")
+    return tuner
+
+
 # The process's tuner: choices are facts about this machine, shared by every model loaded in the process.
-TUNER = Autotuner(forced_from_env())
+TUNER = tuner_from_env()

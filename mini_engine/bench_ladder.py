@@ -147,11 +147,13 @@ class LadderWorkload:
 
     def describe(self) -> str:
         lens = [len(p) for p in self.prompts]
+        limits = {kind: sorted({n for n, k in zip(self.max_tokens, self.kinds) if k == kind})
+                  for kind in ("grounded", "chat")}
         n_grounded = self.kinds.count("grounded")
         return (f"{len(self)} requests: prompts {min(lens)}-{max(lens)} tokens sharing their first "
                 f"{self.shared_prefix_len} (the system prompt), {n_grounded} input-grounded (repeat or proofread a "
-                f"given text, up to {GROUNDED_MAX_TOKENS} tokens), {len(self) - n_grounded} open questions (up to "
-                f"{'/'.join(map(str, CHAT_MAX_TOKENS))} tokens); greedy, EOS ends a request")
+                f"given text, max_tokens {'/'.join(map(str, limits['grounded'])) or '-'}), {len(self) - n_grounded} "
+                f"open questions (max_tokens {'/'.join(map(str, limits['chat'])) or '-'}); greedy, EOS ends a request")
 
 
 def default_size(device: str) -> dict:
@@ -173,6 +175,8 @@ class LadderRow:
     notes: str = ""
     available: bool = True
     engine: str = ""                         # the engine's repr (its configuration), for engine rungs
+    peak_running: int = 1                    # most requests decoding or prefilling together
+    stats: dict = field(default_factory=dict)  # engine rungs: prompt/cached tokens, drafts/accepted, preemptions
 
     @property
     def label(self) -> str:
@@ -385,7 +389,8 @@ def run_hf(hf, work: LadderWorkload, batch: int, eos: int, kv_bytes_per_token: i
             ttft.append(stamps[0] - t0)
             tpot.append((stamps[n - 1] - stamps[0]) / (n - 1) if n > 1 else float("nan"))
         peak = max(peak, len(idx) * out.shape[1] * kv_bytes_per_token)  # prompt + new, padded
-    return LadderRow("hf", list(range(len(work))), outputs, time.perf_counter() - t0, ttft, tpot, peak)
+    return LadderRow("hf", list(range(len(work))), outputs, time.perf_counter() - t0, ttft, tpot, peak,
+                     peak_running=min(batch, len(work)))
 
 
 def run_single_stream(model, tok, work: LadderWorkload, sample: list[int], rung: str, progress: bool) -> LadderRow:
@@ -420,15 +425,19 @@ def run_single_stream(model, tok, work: LadderWorkload, sample: list[int], rung:
     return LadderRow(rung, list(sample), outputs, seconds, ttft, tpot, kv, compile_s)
 
 
-def _track_peak_blocks(engine) -> list[int]:
-    """Wrap the scheduler so that the most blocks held by requests at any step is kept in the returned list."""
-    blocks, schedule, peak = engine.scheduler.blocks, engine.scheduler.schedule, [0]
+def _track_peaks(engine) -> list[int]:
+    """Wrap the scheduler so that [most blocks held by requests, most requests running] over all steps are kept
+    in the returned list (blocks stay 0 with the contiguous cache)."""
+    scheduler, peak = engine.scheduler, [0, 0]
+    schedule = scheduler.schedule
 
     def tracked(now):
         chunks = schedule(now)  # a chunk takes its blocks when it is scheduled
-        peak[0] = max(peak[0], blocks.num_blocks - blocks.num_free_blocks)
+        if scheduler.blocks is not None:
+            peak[0] = max(peak[0], scheduler.blocks.num_blocks - scheduler.blocks.num_free_blocks)
+        peak[1] = max(peak[1], len(scheduler.running))
         return chunks
-    engine.scheduler.schedule = tracked
+    scheduler.schedule = tracked
     return peak
 
 
@@ -450,7 +459,7 @@ def run_engine_rung(model, tok, work: LadderWorkload, rung: str, progress: bool,
         compile_s = getattr(llm.engine, "compile_seconds", compile_s)
     llm.reset_prefix_cache()
     paged = llm.engine.scheduler.blocks is not None
-    peak = _track_peak_blocks(llm.engine) if paged else None
+    peak = _track_peaks(llm.engine)
     params = [SamplingParams(max_tokens=n) for n in work.max_tokens]
     t0 = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=progress)
@@ -460,23 +469,24 @@ def run_engine_rung(model, tok, work: LadderWorkload, rung: str, progress: bool,
         per_token = kv_bytes_per_token(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim,
                                        model.dtype.itemsize)
         kv = peak[0] * c.block_size * per_token
-    else:
+    else:  # every slot is reserved whole
         kv = llm.engine.kv_cache_bytes
-    notes = []
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens for o in outs)
+    stats = {"prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+             "cached_tokens": sum(o.num_cached_tokens for o in outs),
+             "drafts": sum(o.metrics.num_draft_tokens for o in outs),
+             "accepted": sum(o.metrics.num_accepted_tokens for o in outs),
+             "preemptions": sum(o.metrics.num_preemptions for o in outs)}
+    notes = [f"peak {peak[1]} requests at once"]
     if c.enable_prefix_caching:
-        notes.append(f"prefix-cache hit rate {cached / prompt_tokens:.0%} of prompt tokens")
-    drafts = sum(o.metrics.num_draft_tokens for o in outs)
-    if drafts:
-        accepted = sum(o.metrics.num_accepted_tokens for o in outs)
-        notes.append(f"{accepted} of {drafts} drafts accepted ({accepted / drafts:.0%})")
-    preemptions = sum(o.metrics.num_preemptions for o in outs)
-    if preemptions:
-        notes.append(f"{preemptions} preemptions")
+        notes.append(f"prefix-cache hit rate {stats['cached_tokens'] / stats['prompt_tokens']:.0%} of prompt tokens")
+    if stats["drafts"]:
+        notes.append(f"{stats['accepted']} of {stats['drafts']} drafts accepted "
+                     f"({stats['accepted'] / stats['drafts']:.0%})")
+    if stats["preemptions"]:
+        notes.append(f"{stats['preemptions']} preemptions")
     row = LadderRow(rung, list(range(len(work))), {i: o.token_ids for i, o in enumerate(outs)}, seconds,
                     [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs], kv, compile_s,
-                    "; ".join(notes), engine=repr(llm))
+                    "; ".join(notes), engine=repr(llm), peak_running=peak[1], stats=stats)
     del llm, outs
     gc.collect()
     return row

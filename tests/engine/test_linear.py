@@ -151,6 +151,29 @@ def test_forms_can_be_forced_from_the_environment():
         forced_from_env("product")
 
 
+def test_choices_saved_by_one_tuner_start_another_without_timing(tmp_path, monkeypatch):
+    """MINI_ENGINE_TUNED: a process (a server started from a notebook) begins with another's choices; a case
+    the file lacks is timed as usual, and a forced op keeps its forced form."""
+    import mini_engine.autotune as autotune
+    tuner = Autotuner(repeats=2)
+    w = torch.randn(32, 16)
+    form = choose_form(w, 5, tuner)
+    tuner.choose("paged_decode", ("float32", 4, 64, torch.Size([16, 3, 64])), lambda: {"4 at a time": lambda: None})
+    path = tmp_path / "tuned.json"
+    tuner.save(path)
+    monkeypatch.setenv("MINI_ENGINE_TUNED", str(path))
+    other = autotune.tuner_from_env()
+    assert choose_form(w, 7, other) == form and other.timings_run == 0, "the saved case must not be timed again"
+    assert other.choose("paged_decode", ("float32", 4, 64, torch.Size([16, 3, 64])), None) == "4 at a time"
+    choose_form(w, 9, other)  # a bucket the file lacks
+    assert other.timings_run == 1
+    monkeypatch.setenv("MINI_ENGINE_FORMS", "product=linear")
+    assert choose_form(w, 5, autotune.tuner_from_env()) == "linear"
+    monkeypatch.setenv("MINI_ENGINE_TUNED", str(tmp_path / "missing.json"))
+    with pytest.warns(UserWarning, match="MINI_ENGINE_TUNED"):
+        autotune.tuner_from_env()
+
+
 def test_flop_counters_see_the_product_the_model_means():
     """Under FlopCounterMode a single row is one row (no two-row form, whatever is tuned), and no timing
     runs are counted as the model's work."""
