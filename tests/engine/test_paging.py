@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mini_engine.paging import BlockManager
+from tests.engine.block_checks import record_write
 
 
 def test_blocks_are_taken_as_positions_are_needed():
@@ -204,13 +205,7 @@ class ForkMachine(RuleBasedStateMachine):
         return self.next_id - 1
 
     def _write(self, seq, start, end):
-        bm, toks = self.bm, self.tokens[seq]
-        table = bm.block_table(seq)
-        for p in range(start, end):
-            block = table[p // bm.block_size]
-            assert bm.ref_counts[block] == 1, f"sequence {seq} writes into block {block}, held {bm.ref_counts[block]}x"
-            assert bm.block_hash[block] is None, f"sequence {seq} writes into registered block {block}"
-            self.content.setdefault(block, [None] * bm.block_size)[p % bm.block_size] = tuple(toks[:p + 1])
+        record_write(self.bm, self.content, self.tokens[seq], seq, start, end)
 
     def _grow(self, seq, new):
         """What a step does for seq: copy-on-write, take blocks, write, register full blocks. False: no room."""

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import mini_engine as me
 from mini_engine.engine import LLM, LLMEngine
 from mini_engine.paging import BlockManager, block_hashes, hash_block
+from tests.engine.block_checks import record_write
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,13 +133,7 @@ class CachingPoolMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def _write(self, seq, start, end):
-        bm, toks = self.bm, self.tokens[seq]
-        table = bm.block_table(seq)
-        for p in range(start, end):
-            block = table[p // bm.block_size]
-            assert bm.ref_counts[block] == 1, f"sequence {seq} writes into block {block} that others hold"
-            assert bm.block_hash[block] is None, f"sequence {seq} writes into registered block {block}"
-            self.content.setdefault(block, [None] * bm.block_size)[p % bm.block_size] = tuple(toks[:p + 1])
+        record_write(self.bm, self.content, self.tokens[seq], seq, start, end)
 
     def _take(self, seq, total):
         """Grow seq to `total` positions, checking that evictions follow the model's LRU order."""
