@@ -347,6 +347,14 @@ server.stop()
 # engine sustains (results in `benchmarks/RESULTS.md`). On a two-core CPU the load generator's streaming
 # clients share the cores with the server, which is part of what the curve measures.
 #
+# A serving bug worth knowing, found while measuring this: the first version of the server loaded the model on
+# the main thread and stepped the engine on a second one, and streamed 25% fewer tokens per second than offline
+# `generate` with the same engine (a decode step of 32 took 64 ms instead of 48). Nothing in the HTTP side was
+# busy. torch's OpenMP runtime keeps one team of worker threads for each thread that runs parallel work; with two
+# teams on a machine whose cores one team already fills, libgomp stops spinning between parallel regions, and
+# every product then waits for its workers to be woken. The server now steps the engine on the thread that
+# loaded it and runs uvicorn beside it (`server.serve`); measured again, it came within 10% of offline.
+#
 # ## 6. The same primitives in production engines
 #
 # The seed says the major serving systems are recombinations of a few primitives. Here is where each of ours

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import threading
 import time
 
@@ -378,4 +379,7 @@ def test_cli_server_with_api_key_and_the_loadtest(tmp_path, capsys):
         table = capsys.readouterr().out
         assert "TTFT p50" in table and len([line for line in table.splitlines() if " 2      0 " in line]) == 2, table
         assert plot.stat().st_size > 0
-    assert srv.process.returncode is not None, "the server process has stopped"
+        srv.process.send_signal(signal.SIGTERM)  # as `kill` or a container's stop: a clean shutdown, not a crash
+        srv.process.wait(30)
+    assert srv.process.returncode == 0, f"SIGTERM should stop the server cleanly:\n{srv.log()}"
+    assert "mini_engine server stopped" in srv.log()
