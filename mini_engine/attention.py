@@ -108,6 +108,20 @@ class DecodeGroup:
             slot_index = torch.tensor(group_slots, device=device)
         return cls(tokens, slot_index, rows, max(lens), cls._mask(lens, device))
 
+    @classmethod
+    def from_tensors(cls, context_lens: torch.Tensor, slots: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+                     block_size: int | None = None) -> "DecodeGroup":
+        """A step of decodes only, from tensors alone (a compiled graph's inputs). Every row reads the same L
+        key positions, masked past its own context: the contiguous cache's `slots` [S] with `mask` [S,1,1,L]
+        (True within the row's context), or the paged cache's `block_tables` [S, W] (L = W x block_size, the
+        mask made here from context_lens [S] int32, which the paged kernel also reads). L is a size of the
+        graph: dynamic (one graph for every length) or fixed (the CUDA-graph case)."""
+        if block_tables is not None:
+            length = block_tables.shape[1] * block_size
+            mask = (torch.arange(length, device=context_lens.device) < context_lens[:, None])[:, None, None, :]
+        return cls(slice(None), slots, None, mask.shape[-1], mask, block_tables, context_lens)
+
     @property
     def is_whole_step(self) -> bool:
         return isinstance(self.tokens, slice)
@@ -180,6 +194,15 @@ class AttentionMetadata:
         return self.slot_mapping is not None
 
     @classmethod
+    def decode_only(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, group: DecodeGroup
+                    ) -> "AttentionMetadata":
+        """Tensors only, for a compiled decode step: one new token per row at `positions` [S], its keys and
+        values written at `slot_mapping` [S] (a contiguous cache's slot, at the token's position; a paged
+        cache's pool row), attention as `group` says (`DecodeGroup.from_tensors`). The Python lists stay
+        empty: `LlamaModel.forward` checks them, and its checks run before a compiled step, outside it."""
+        return cls([], [], positions, None, slot_mapping, None, group, group.block_tables)
+
+    @classmethod
     def build(cls, query_lens, context_lens=None, slots=None, device="cpu", last_only=False,
               block_tables: list[list[int]] | None = None, block_size: int | None = None):
         """`slots` for the contiguous cache, or `block_tables` (each covering its context) and `block_size`
@@ -222,12 +245,25 @@ def attention_in_fp32(kind: str, fn, q, k, v, tuner: Autotuner = TUNER) -> bool:
     shape bucket. It depends on the CPU and the shape: on an AVX-512 BF16 EPYC a single decode over 1,024
     positions ran 6x faster in fp32, a batch of 16 decodes 3x slower. fp32 softmax is at least as exact, so
     either answer keeps the results. kind names the call ("decode", "prefill", ...) sharing a decision."""
-    if q.device.type != "cpu" or q.dtype == torch.float32 or counting_mode_active():
+    if q.device.type != "cpu" or q.dtype == torch.float32:
+        return False
+    if torch.compiler.is_compiling():  # a constant of the graph, whose key lengths vary from step to step
+        return _attention_in_fp32_traced(kind, q.dtype, tuple(q.shape), tuple(k.shape[:2]) + (k.shape[3],))
+    if counting_mode_active():
         return False
     key = (kind, str(q.dtype), row_bucket(q.shape[0]), q.shape[1], k.shape[1], row_bucket(q.shape[2], 1 << 20),
            row_bucket(k.shape[2], 1 << 20), q.shape[3])
     return tuner.choose("attention", key, lambda: {"native": lambda: fn(q, k, v),
                                                    "fp32": lambda: run_attention(True, fn, q, k, v)}) == "fp32"
+
+
+@torch._dynamo.assume_constant_result
+def _attention_in_fp32_traced(kind: str, dtype: torch.dtype, q_shape: tuple, k_shape: tuple) -> bool:
+    """`attention_in_fp32` for a graph being traced (run, not traced): the decision for its static shapes, timed
+    at a representative 512 key positions (k_shape: batch, heads, head_dim), with SDPA over every key."""
+    q = torch.zeros(q_shape, dtype=dtype)
+    k = torch.zeros(k_shape[0], k_shape[1], 512, k_shape[2], dtype=dtype)
+    return attention_in_fp32(kind, F.scaled_dot_product_attention, q, k, k)
 
 
 def run_attention(fp32: bool, fn, q, k, v):
@@ -427,8 +463,8 @@ def decode_chunk(qs, k_cache, v_cache, group: DecodeGroup, backend: str, tuner: 
     the context: on a 2-core AMD EPYC (32 MiB L3) 16 sequences of 1,024 positions ran best 2 or 4 at a time
     (runs differed), of 128 positions all at once."""
     n = qs.shape[0]
-    if n == 1 or qs.device.type != "cpu" or counting_mode_active():
-        return n
+    if n == 1 or qs.device.type != "cpu" or torch.compiler.is_compiling() or counting_mode_active():
+        return n  # a compiled graph copies every sequence's blocks at once, and Inductor fuses that copy
     sizes = [n] + [c for c in (8, 4, 2, 1) if c < n]
     key = (str(qs.dtype), row_bucket(n), row_bucket(group.max_context, 1 << 20), k_cache.shape[1:])
     form = tuner.choose("paged_decode", key, lambda: {
