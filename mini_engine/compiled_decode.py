@@ -10,15 +10,18 @@ What is traced is the model's own code: `LlamaModel.run`, its layers, `Attention
 functions of attention.py, given a step described by tensors alone (`AttentionMetadata.decode_only`). A change
 to the model is a change to the compiled step; there is no second copy of the decode step to keep in sync.
 The pieces that make the model's code traceable as one graph:
-- the step's metadata holds no Python lists or ints that change from step to step: tokens, positions, the
-  rows written, the contiguous cache's slots or the paged cache's block tables, and a mask [S,1,1,L] over the
-  L key positions every row reads (True within the row's own context). On a CPU L is the step's longest
-  context, a dynamic size of the graph (`torch._dynamo.mark_dynamic`), so one graph serves every context
-  length; on a GPU it is fixed at the longest a sequence may reach, as CUDA graphs need static shapes, and
-  the paged kernel reads only each row's own context anyway.
+- the step's metadata holds no Python lists or ints that change from step to step, only tensors of sizes
+  that do not change: tokens, positions, the rows written, each row's context length, the contiguous cache's
+  slots or the paged cache's block tables padded to the most blocks a sequence may hold, and a mask over the
+  key positions a row may read (`DecodeGroup.from_tensors`). One graph serves every context length.
 - the cache write is one indexed store into the cache's base tensor (`kv_cache._store`), not a store through
   per-layer views, which the compiler would keep consistent by copying the whole cache at every layer.
 - the product forms are the tuned ones (`products`), a packed form reached through a custom operator.
+- on a CPU the attention itself runs as the eager steps run it, through the custom operator
+  `mini_engine::decode_attention` (see `attention._decode_attention_op` for the measurements that chose this):
+  it reads each row's own context, where the traced form would read every position the shapes allow. On a
+  GPU it is traced (the paged kernel reads only each row's context anyway), and reduce-overhead mode replays
+  each graph as a CUDA graph.
 A new batch size, dtype, model or cache compiles a new graph; the first call of each compiles (a minute for
 SmolLM2 on a 2-core CPU with a cold Inductor cache, a few seconds with a warm one).
 
@@ -39,13 +42,18 @@ from .attention import AttentionMetadata, DecodeGroup
 
 
 def decode_graph(model, kv_cache, backend: str, tokens, positions, slot_mapping, context_lens, slots=None,
-                 mask=None, block_tables=None, block_size: int | None = None) -> torch.Tensor:
+                 block_tables=None, logits_order=None) -> torch.Tensor:
     """The function torch.compile traces: a decode-only step of the model's own forward (`LlamaModel.run`),
-    from tensors alone. tokens, positions, slot_mapping, context_lens: [S]; then the contiguous cache's slots
-    [S] and mask [S,1,1,L], or the paged cache's block_tables [S, W] (see `DecodeGroup.from_tensors`). Logits
-    [S, vocab]. Run uncompiled, it is an ordinary eager decode step."""
-    group = DecodeGroup.from_tensors(context_lens, slots, mask, block_tables, block_size)
-    return model.run(tokens, AttentionMetadata.decode_only(positions, slot_mapping, group), kv_cache, backend)
+    from tensors alone. tokens, positions, slot_mapping, context_lens: [S]; the contiguous cache's slots [S] or
+    the paged cache's block_tables [S, W] int32 (see `DecodeGroup.from_tensors`). Logits [S, vocab], of the rows
+    in `logits_order` [S] when given (a permutation). Run uncompiled, it is an ordinary eager decode step."""
+    if block_tables is not None:
+        length = block_tables.shape[1] * kv_cache.block_size
+    else:
+        length = kv_cache.data.shape[4]  # the cache's positions: a size of the graph (see compiled_decode_step)
+    group = DecodeGroup.from_tensors(context_lens, length, slots, block_tables)
+    meta = AttentionMetadata.decode_only(positions, slot_mapping, group, logits_order)
+    return model.run(tokens, meta, kv_cache, backend)
 
 
 # Every graph of `decode_graph` hangs off one code object, and Dynamo stops compiling a code object after 8
@@ -61,42 +69,32 @@ def _compiled(device_type: str):
     return torch.compile(decode_graph, fullgraph=True, dynamic=False, mode=mode)
 
 
-def _run_graph(model, kv_cache, backend: str, *args, dynamic_len: bool, **kwargs) -> torch.Tensor:
-    """decode_graph(model, kv_cache, backend, *args, **kwargs), compiled. dynamic_len: the key length (the
-    mask's, or the block tables' width) is a size of the graph, so that one graph serves every length."""
-    if dynamic_len:
-        for name, dim in (("mask", 3), ("block_tables", 1)):
-            if kwargs.get(name) is not None:
-                torch._dynamo.mark_dynamic(kwargs[name], dim)
+def _run_graph(model, kv_cache, backend: str, *args, **kwargs) -> torch.Tensor:
+    """decode_graph(model, kv_cache, backend, *args, **kwargs), compiled."""
     limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit):
         return _compiled(model.device.type)(model, kv_cache, backend, *args, **kwargs)
-
-
-def _key_len(longest: int, limit: int) -> int:
-    """Key positions read on a CPU: the longest context, but at least 2 (Dynamo specialises sizes 0 and 1,
-    which would compile a graph of their own) unless the cache is shorter."""
-    return min(max(longest, 2), limit)
 
 
 @torch.inference_mode()
 def compiled_decode_step(model, kv_cache, tokens: list[int], context_lens: list[int], slots: list[int]
                          ) -> torch.Tensor:
     """`generate.decode_step` through a compiled graph (the model's own decode step, traced): same arguments
-    (a contiguous cache), same logits [B, vocab] (to rounding: fused kernels sum in another order)."""
+    (a contiguous cache), same logits [B, vocab] (to rounding: fused kernels sum in another order). One graph
+    per batch size, dtype and model: the cache's length is a dynamic size of the graph, so that caches of any
+    length share it."""
     if not len(tokens) == len(context_lens) == len(slots):
         raise ValueError("tokens, context_lens and slots need one entry per sequence")
     model.check_last_position(max(context_lens) - 1, kv_cache)
     if min(context_lens) < 1:
         raise ValueError(f"context_lens must be >= 1 (they count the new token), got {min(context_lens)}")
+    if kv_cache.max_len > 1 and model.device.type != "cuda":  # size 1 is always specialised; CUDA graphs: static
+        torch._dynamo.mark_dynamic(kv_cache.data, 4)
     device = model.device
     lens = torch.tensor(context_lens, device=device)
     slot_ids = torch.tensor(slots, device=device)
-    cuda = device.type == "cuda"
-    length = kv_cache.max_len if cuda else _key_len(max(context_lens), kv_cache.max_len)
-    mask = (torch.arange(length, device=device) < lens[:, None])[:, None, None, :]
     return _run_graph(model, kv_cache, model.attention_backend, torch.tensor(tokens, device=device), lens - 1,
-                      slot_ids, lens, dynamic_len=not cuda, slots=slot_ids, mask=mask)
+                      slot_ids, lens, slots=slot_ids)
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -107,8 +105,12 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 class CompiledDecode:
     """The serving engine's decode-only steps, one compiled graph per batch-size bucket (`decode_buckets`).
 
-    `scratch` is a cache row no sequence owns, for the padded rows: a slot of the contiguous cache, or a block
-    of the paged pool that the block manager never hands out (the engine allocates one more than it manages).
+    Every size in a graph is fixed: the batch (its bucket) and the key positions every row may read (the
+    contiguous cache's length, or `max_blocks` blocks of the paged cache's tables); each row's own context is
+    a tensor. `scratch` is a cache row no sequence owns, for the padded rows: a slot of the contiguous cache, or
+    a block of the paged pool that the block manager never hands out (the engine allocates one more than it
+    manages). The paged cache's rows go in longest context first, so that the attention, copying a few
+    sequences' blocks at a time, reads about each one's own context (`DecodeGroup.lens`).
     `compile_seconds` adds up the first call of each bucket, which compiles (and runs one step, a few tens of
     milliseconds): the one-time cost, reported apart from any rate."""
 
@@ -119,10 +121,7 @@ class CompiledDecode:
         self.scratch, self.block_size = scratch, block_size
         self.paged = block_size is not None
         self.device = model.device
-        self.static_len = self.device.type == "cuda"  # CUDA graphs: every size fixed
-        longest = max_model_len or kv_cache.max_len
-        self.max_blocks = -(-longest // block_size) if self.paged else None
-        self.max_len = self.max_blocks * block_size if self.paged else longest
+        self.max_blocks = -(-(max_model_len or kv_cache.max_len) // block_size) if self.paged else None
         self.compile_seconds = 0.0
         self.compiled_buckets: set[int] = set()
         self.num_steps = 0  # steps run through a graph (warm-up included)
@@ -138,27 +137,31 @@ class CompiledDecode:
         n = len(tokens)
         size = size or self.bucket(n)
         pad, device = size - n, self.device
-        lens = [p + 1 for p in positions] + [1] * pad  # a padded row reads position 0 of the scratch row
-        lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+        order = list(range(size))
+        if self.paged:  # longest context first; the graph hands the logits back in the callers' order
+            order[:n] = sorted(range(n), key=positions.__getitem__, reverse=True)
+            tokens, positions, rows = ([x[i] for i in order[:n]] for x in (tokens, positions, rows))
+            back = [0] * size
+            for place, i in enumerate(order):
+                back[i] = place
+            kwargs = {"logits_order": torch.tensor(back, device=device)}
+        else:
+            kwargs = {}
         ids = torch.tensor(list(tokens) + [0] * pad, device=device)
         pos = torch.tensor(list(positions) + [0] * pad, device=device)
-        if self.paged:
-            bs = self.block_size
-            width = self.max_blocks if self.static_len else max(2, -(-max(lens) // bs))
-            tables = [t[:width] + [self.scratch] * (width - len(t[:width])) for t in rows]
-            tables += [[self.scratch] * width] * pad
+        lens = torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32, device=device)
+        if self.paged:  # a padded row reads and writes position 0 of the scratch block
+            bs, width = self.block_size, self.max_blocks
+            tables = [t + [self.scratch] * (width - len(t)) for t in rows] + [[self.scratch] * width] * pad
             slot_mapping = [t[p // bs] * bs + p % bs for t, p in zip(rows, positions)] + [self.scratch * bs] * pad
             where = torch.tensor(slot_mapping, dtype=torch.int32, device=device)
-            kwargs = {"block_tables": torch.tensor(tables, dtype=torch.int32, device=device), "block_size": bs}
-        else:
-            length = self.max_len if self.static_len else _key_len(max(lens), self.max_len)
+            kwargs["block_tables"] = torch.tensor(tables, dtype=torch.int32, device=device)
+        else:  # a padded row reads and writes position 0 of the scratch slot
             where = torch.tensor(list(rows) + [self.scratch] * pad, device=device)
-            mask = (torch.arange(length, device=device) < lens_t[:, None])[:, None, None, :]
-            kwargs = {"slots": where, "mask": mask}
+            kwargs["slots"] = where
         first = size not in self.compiled_buckets
         t0 = time.perf_counter()
-        logits = _run_graph(self.model, self.kv_cache, self.backend, ids, pos, where, lens_t,
-                            dynamic_len=not self.static_len, **kwargs)
+        logits = _run_graph(self.model, self.kv_cache, self.backend, ids, pos, where, lens, **kwargs)
         if first:
             self.compiled_buckets.add(size)
             self.compile_seconds += time.perf_counter() - t0
