@@ -117,7 +117,7 @@ def cmd_bench(args) -> None:
         if args.requests < 1 or args.batch < 1:
             raise ValueError("--requests and --batch must be >= 1")
         bench_serving(serving or list(DEFAULT_SERVING_RUNGS), args.requests, args.batch, args.device, args.dtype,
-                      with_hf=not args.no_hf)
+                      with_hf=not args.no_hf, kv_cache=args.kv_cache)
     else:
         bench(single or list(SINGLE_STREAM_RUNGS), args.tokens, args.device, args.dtype, with_hf=not args.no_hf,
               hf_dtype=args.hf_dtype)
@@ -203,6 +203,8 @@ def main(argv=None) -> None:
     b.add_argument("--max-model-len", type=int, default=2048, help="paging: max_model_len of both engines")
     b.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared prefix")
     b.add_argument("--question-len", type=int, default=32, help="prefix: each request's own tokens")
+    b.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged",
+                   help="serving: our engine's KV cache (chapter 04 measured the contiguous one)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     b.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="single: HF's dtype when it should differ from --dtype (e.g. our bf16 vs HF fp32)")

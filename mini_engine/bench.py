@@ -274,7 +274,10 @@ def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int
 
 
 def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtype: str, with_hf: bool = True,
-                  low: int = 16, high: int = 256, print_fn=print, progress: bool = True) -> list[Row]:
+                  low: int = 16, high: int = 256, print_fn=print, progress: bool = True,
+                  kv_cache: str = "paged") -> list[Row]:
+    """The serving workload on every rung (our engine on `kv_cache`: chapter 04 ran it on "contiguous"), and
+    HF transformers' static batches first unless with_hf=False."""
     from .formulas import kv_bytes_per_token
     from .loader import load_model
 
@@ -284,7 +287,7 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     # Allocator growth, lazy init and tuning stay out of the numbers: every product form a step of up to
     # 256 rows can meet is decided now.
     tune_products(model, [1 << i for i in range(9)])
-    run_engine(model, tok, "continuous", warm, batch)
+    run_engine(model, tok, "continuous", warm, batch, kv_cache=kv_cache)
     rows = []
     if with_hf:
         try:
@@ -297,11 +300,11 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
             run_hf_static(hf, warm, batch, per_token)
             rows.append(run_hf_static(hf, work, batch, per_token, progress))
             del hf
-    rows += [run_serving_rung(model, tok, rung, work, batch, progress, print_fn) for rung in rungs]
+    rows += [run_serving_rung(model, tok, rung, work, batch, progress, print_fn, kv_cache=kv_cache) for rung in rungs]
     print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} workload: {requests} requests, "
-             f"prompt and output lengths uniform in {low}-{high} (seed 0), ignore_eos, batch {batch}; "
-             f"ratio vs first row")
+             f"prompt and output lengths uniform in {low}-{high} (seed 0), ignore_eos, batch {batch}, "
+             f"{kv_cache} KV cache; ratio vs first row")
     print_fn(format_table(rows, rows[0] if rows else None))
     by_name = {r.system: r for r in rows}
     eager, compiled = by_name.get("mini_engine continuous"), by_name.get("mini_engine compiled-engine")
