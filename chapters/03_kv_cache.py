@@ -442,10 +442,12 @@ plt.show()
 # fuses the small operations into a handful of C++ loops per layer, leaving the products as they are.
 # (gpt-fast does this on GPUs; vLLM's CUDA graphs attack the same launch cost.)
 #
-# The traced function is `compiled_decode.decode_one_token`: the same step, written with tensors only.
-# Its one design choice is static shapes: attention reads the cache's whole length and masks what lies
-# past the context, so the graph compiled at the first step serves every later step. The first call
-# compiles (about a minute on a 2-core CPU); the tokens must not change.
+# What is traced is the model's own code (`LlamaModel.run`, its layers and attention), handed a step
+# described by tensors only (`compiled_decode.decode_graph`): there is no second copy of the decode step.
+# Its one design choice is shapes that do not change from step to step: every sequence reads the same
+# number of key positions (the longest context, a dynamic size of the graph) and masks what lies past its
+# own context, so the graph compiled at the first step serves every later step. The first call compiles
+# (about a minute on a 2-core CPU); the tokens must not change.
 
 # %%
 t0 = time.perf_counter()

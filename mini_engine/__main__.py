@@ -61,7 +61,7 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import SERVING_RUNGS, SINGLE_STREAM_RUNGS, bench, bench_serving
+    from .bench import DEFAULT_SERVING_RUNGS, SERVING_RUNGS, SINGLE_STREAM_RUNGS, bench, bench_serving
     rungs = args.rung or []
     serving = [r for r in rungs if r in SERVING_RUNGS]
     single = [r for r in rungs if r in SINGLE_STREAM_RUNGS]
@@ -116,8 +116,8 @@ def cmd_bench(args) -> None:
             raise ValueError(f"--rung {single}: one-stream rungs; the serving workload takes {list(SERVING_RUNGS)}")
         if args.requests < 1 or args.batch < 1:
             raise ValueError("--requests and --batch must be >= 1")
-        bench_serving(serving or list(SERVING_RUNGS), args.requests, args.batch, args.device, args.dtype,
-                      with_hf=not args.no_hf)
+        bench_serving(serving or list(DEFAULT_SERVING_RUNGS), args.requests, args.batch, args.device, args.dtype,
+                      with_hf=not args.no_hf, kv_cache=args.kv_cache)
     else:
         bench(single or list(SINGLE_STREAM_RUNGS), args.tokens, args.device, args.dtype, with_hf=not args.no_hf,
               hf_dtype=args.hf_dtype)
@@ -169,9 +169,9 @@ def main(argv=None) -> None:
                    help="run each decode step as one compiled graph (compiles first: about a minute on a CPU)")
     b = sub.add_parser("bench", parents=[common], help="benchmark table: mini_engine rungs vs HF transformers")
     b.add_argument("--rung", action="append",
-                   choices=["naive", "cached", "compiled", "static", "dynamic", "continuous"],
-                   help="repeatable; default: naive, cached and compiled (one stream), or all three policies "
-                        "(serving)")
+                   choices=["naive", "cached", "compiled", "static", "dynamic", "continuous", "compiled-engine"],
+                   help="repeatable; default: naive, cached and compiled (one stream), or the three policies "
+                        "(serving); compiled-engine: continuous with compiled decode steps (serving, by name)")
     b.add_argument("--ladder", action="store_true",
                    help="one workload (a shared system prompt, input-grounded and open requests, mixed lengths) up "
                         "every rung: HF batched generate, naive, cached, compiled, continuous batching, paged, + prefix "
@@ -203,6 +203,8 @@ def main(argv=None) -> None:
     b.add_argument("--max-model-len", type=int, default=2048, help="paging: max_model_len of both engines")
     b.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared prefix")
     b.add_argument("--question-len", type=int, default=32, help="prefix: each request's own tokens")
+    b.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged",
+                   help="serving: our engine's KV cache (chapter 04 measured the contiguous one)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     b.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="single: HF's dtype when it should differ from --dtype (e.g. our bf16 vs HF fp32)")

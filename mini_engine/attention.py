@@ -55,6 +55,10 @@ class DecodeGroup:
     mask: torch.Tensor | None      # [slots read,1,1,max_context] True within a slot's context; None: all full
     block_tables: torch.Tensor | None = None  # paged cache: [decodes, blocks of the longest context] int32
     context_lens: torch.Tensor | None = None  # paged cache: [decodes] int32, for the paged kernel
+    # Paged cache: each row's context, so that the few sequences copied at a time read only their own longest
+    # context (`paged_decode_torch`); a compiled step sorts its rows by length for that. None: every copy
+    # reads max_context.
+    lens: list[int] | None = None
 
     @staticmethod
     def _seqs_and_tokens(query_lens, device):
@@ -107,6 +111,16 @@ class DecodeGroup:
         else:
             slot_index = torch.tensor(group_slots, device=device)
         return cls(tokens, slot_index, rows, max(lens), cls._mask(lens, device))
+
+    @classmethod
+    def from_tensors(cls, context_lens: torch.Tensor, length: int, slots: torch.Tensor | None = None,
+                     block_tables: torch.Tensor | None = None) -> "DecodeGroup":
+        """A step of decodes only, from tensors alone (a compiled graph's inputs): context_lens [S], and the
+        contiguous cache's `slots` [S] or the paged cache's `block_tables` [S, W] (int32). Every row reads the
+        same `length` key positions (the cache's length, or W blocks), masked past its own context; on a CPU the
+        operator that runs the attention reads only what the rows need (`_decode_attention_op`)."""
+        mask = (torch.arange(length, device=context_lens.device) < context_lens[:, None])[:, None, None, :]
+        return cls(slice(None), slots, None, length, mask, block_tables, context_lens)
 
     @property
     def is_whole_step(self) -> bool:
@@ -180,6 +194,16 @@ class AttentionMetadata:
         return self.slot_mapping is not None
 
     @classmethod
+    def decode_only(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, group: DecodeGroup,
+                    logits_indices: torch.Tensor | None = None) -> "AttentionMetadata":
+        """Tensors only, for a compiled decode step: one new token per row at `positions` [S], its keys and
+        values written at `slot_mapping` [S] (a contiguous cache's slot, at the token's position; a paged
+        cache's pool row), attention as `group` says (`DecodeGroup.from_tensors`), logits of the rows
+        `logits_indices` (None: every row, in order). The Python lists stay empty: `LlamaModel.forward` checks
+        them, and its checks run before a compiled step, outside it."""
+        return cls([], [], positions, None, slot_mapping, logits_indices, group, group.block_tables)
+
+    @classmethod
     def build(cls, query_lens, context_lens=None, slots=None, device="cpu", last_only=False,
               block_tables: list[list[int]] | None = None, block_size: int | None = None):
         """`slots` for the contiguous cache, or `block_tables` (each covering its context) and `block_size`
@@ -222,8 +246,10 @@ def attention_in_fp32(kind: str, fn, q, k, v, tuner: Autotuner = TUNER) -> bool:
     shape bucket. It depends on the CPU and the shape: on an AVX-512 BF16 EPYC a single decode over 1,024
     positions ran 6x faster in fp32, a batch of 16 decodes 3x slower. fp32 softmax is at least as exact, so
     either answer keeps the results. kind names the call ("decode", "prefill", ...) sharing a decision."""
-    if q.device.type != "cpu" or q.dtype == torch.float32 or counting_mode_active():
+    if q.device.type != "cpu" or q.dtype == torch.float32:
         return False
+    if torch.compiler.is_compiling() or counting_mode_active():
+        return False  # a graph traced through here (not a decode step: see decode_attention) keeps the dtype
     key = (kind, str(q.dtype), row_bucket(q.shape[0]), q.shape[1], k.shape[1], row_bucket(q.shape[2], 1 << 20),
            row_bucket(k.shape[2], 1 << 20), q.shape[3])
     return tuner.choose("attention", key, lambda: {"native": lambda: fn(q, k, v),
@@ -349,7 +375,13 @@ def decode_attention(q, k_cache, v_cache, group: DecodeGroup, backend: str = "to
     the naive backend the two explicit products (whose FLOPs chapter 02 counts). Positions past a sequence's
     own context are masked out. On the triton backend a paged cache is read in place by the paged decode
     kernel, which follows the block tables itself; a contiguous cache goes through SDPA (a decode's scores
-    are one row per head, not the N x N matrix FlashAttention avoids)."""
+    are one row per head, not the N x N matrix FlashAttention avoids).
+
+    In a graph being compiled for a CPU this code runs as it is, eagerly, through the operator
+    `mini_engine::decode_attention` (see `_decode_attention_op`)."""
+    if q.device.type == "cpu" and torch.compiler.is_compiling():
+        return torch.ops.mini_engine.decode_attention(q, k_cache, v_cache, group.mask, group.context_lens,
+                                                      group.slots, group.block_tables, backend)
     if backend == "triton" and group.block_tables is not None:
         from .kernels import paged_decode_attention  # imported here: only this backend needs triton
         return paged_decode_attention(q[group.tokens], k_cache, v_cache, group.block_tables, group.context_lens)
@@ -408,16 +440,22 @@ def paged_decode_torch(qs, k_cache, v_cache, group: DecodeGroup, backend: str = 
     (`gather_blocks`) and run SDPA on the copy. The copy is written once and read once more, so a long context
     costs a second pass over its keys and values. Done for a few sequences at a time, the copy is still in
     the CPU's cache when SDPA reads it, and that second pass comes almost free; how many at a time pays best
-    is measured on this machine (`decode_chunk`). `chunk` forces a number of sequences per copy."""
+    is measured on this machine (`decode_chunk`). `chunk` forces a number of sequences per copy.
+    With `group.lens`, each copy reads only its own longest context: with rows sorted by length, on a batch of
+    mixed lengths, far fewer positions than the batch's longest for every row."""
     n = qs.shape[0]
     chunk = chunk or decode_chunk(qs, k_cache, v_cache, group, backend)
     outs = []
     for a in range(0, n, chunk):
-        tables = group.block_tables[a:a + chunk]
-        k = gather_blocks(k_cache, tables, group.max_context)  # [chunk,Hkv,L,D]
-        v = gather_blocks(v_cache, tables, group.max_context)
-        mask = None if group.mask is None else group.mask[a:a + chunk]
-        outs.append(_decode_sdpa(qs[a:a + chunk].unsqueeze(2), k, v, mask, backend))
+        rows = slice(a, a + chunk)
+        length, mask = group.max_context, None if group.mask is None else group.mask[rows]
+        if group.lens is not None:
+            part = group.lens[rows]
+            length = max(part)
+            mask = None if min(part) == length else mask[..., :length]
+        k = gather_blocks(k_cache, group.block_tables[rows], length)  # [chunk,Hkv,L,D]
+        v = gather_blocks(v_cache, group.block_tables[rows], length)
+        outs.append(_decode_sdpa(qs[rows].unsqueeze(2), k, v, mask, backend))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -431,6 +469,55 @@ def decode_chunk(qs, k_cache, v_cache, group: DecodeGroup, backend: str, tuner: 
         return n
     sizes = [n] + [c for c in (8, 4, 2, 1) if c < n]
     key = (str(qs.dtype), row_bucket(n), row_bucket(group.max_context, 1 << 20), k_cache.shape[1:])
+    key += () if group.lens is None else ("own lengths",)
     form = tuner.choose("paged_decode", key, lambda: {
         f"{c} at a time": (lambda c=c: paged_decode_torch(qs, k_cache, v_cache, group, backend, c)) for c in sizes})
     return int(form.split()[0])
+
+
+# ---------------------------------------------------------------- decode attention inside a compiled graph
+
+def _decode_attention_op(q, k_cache, v_cache, mask, context_lens, slots, block_tables, backend: str):
+    """What `mini_engine::decode_attention` runs: `decode_attention` itself, eagerly, on a DecodeGroup rebuilt
+    from the graph's tensors. A compiled decode step on a CPU attends this way because, measured on a 2-core
+    EPYC for 16 sequences of 30-487 positions (one layer, one thread), the eager forms beat what Inductor makes
+    of the same code: its gather loop plus one SDPA over every row took 1.35 ms, the eager block copy with SDPA
+    a few sequences at a time 0.99 ms, and that copy over rows sorted by length, each group reading only its own
+    longest context (`DecodeGroup.lens`, what a compiled step's rows are), 0.60 ms.
+    mask [S,1,1,L] (True within each row's context), context_lens [S]; the contiguous cache's slots [S] or the
+    paged cache's block_tables [S, W]."""
+    lens = context_lens.tolist()
+    if block_tables is None:
+        group = _contiguous_group(slots, context_lens, lens, q.device)
+    else:
+        group = DecodeGroup(slice(None), None, None, max(lens), mask, block_tables, context_lens, lens)
+    return decode_attention(q, k_cache, v_cache, group, backend)
+
+
+_LAST_GROUP: list = [None, None, None]  # (slots, context_lens, DecodeGroup) of the last call: its 29 other layers
+
+
+def _contiguous_group(slots, context_lens, lens, device) -> DecodeGroup:
+    """The eager steps' DecodeGroup for these slots (a view of the cache when the slots are adjacent), built once
+    per step: every layer of a graph passes the same two input tensors, held here so that identity means the same
+    values."""
+    if _LAST_GROUP[0] is not slots or _LAST_GROUP[1] is not context_lens:
+        _LAST_GROUP[:] = slots, context_lens, DecodeGroup.build([1] * len(lens), lens, slots.tolist(), device)
+    return _LAST_GROUP[2]
+
+
+def _register_decode_op():
+    """`torch.ops.mini_engine.decode_attention`: opaque to the compiler, which only needs the output's shape."""
+    try:
+        lib = torch.library.Library("mini_engine", "FRAGMENT")
+        lib.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor mask, Tensor context_lens, "
+                   "Tensor? slots, Tensor? block_tables, str backend) -> Tensor")
+        lib.impl("decode_attention", _decode_attention_op, "CPU")
+        torch.library.register_fake("mini_engine::decode_attention", lib=lib)(
+            lambda q, k_cache, v_cache, mask, context_lens, slots, block_tables, backend: torch.empty_like(q))
+    except (RuntimeError, AttributeError):  # defined twice (a reloaded module)
+        return None
+    return lib
+
+
+_DECODE_OP = _register_decode_op()

@@ -2,8 +2,10 @@
 
 Every row is measured in the same process on the same prompts, so the ratio column compares like with like.
 Two workloads: one chat prompt streamed by one request (rungs `naive`, `cached`, `compiled`), and the serving workload
-(rungs `static`, `dynamic`, `continuous`): N requests with prompt and output lengths uniform in a range,
-ignore_eos, served by our engine under each policy and by HF transformers' static batched `generate`.
+(rungs `static`, `dynamic`, `continuous`, and `compiled-engine`: continuous with LLM(compile=True)): N requests
+with prompt and output lengths uniform in a range, ignore_eos, served by our engine under each policy and by HF
+transformers' static batched `generate`. Compiling is a one-time cost, like vLLM's CUDA-graph capture: it is
+done before a compiled row's clock starts, and printed apart.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from .metrics import TokenTimer, percentile
 from .sampling import SamplingParams
 
 SINGLE_STREAM_RUNGS = ("naive", "cached", "compiled")
-SERVING_RUNGS = ("continuous", "static", "dynamic")
+SERVING_RUNGS = ("continuous", "static", "dynamic", "compiled-engine")
+DEFAULT_SERVING_RUNGS = SERVING_RUNGS[:3]  # compiled-engine compiles for minutes: asked for by name
 
 BENCH_PROMPT = [{"role": "user", "content": "Explain, step by step, how a bicycle stays upright while moving."}]
 
@@ -35,6 +38,7 @@ class Row:
     kv_bytes: int | None = None
     peak_running: int | None = None   # serving: most requests admitted at once
     num_preemptions: int = 0          # serving, paged cache: requests sent back to recompute
+    compile_s: float | None = None    # compiled rows: the one-time compile, before `seconds` started
 
     @property
     def tok_s(self) -> float:
@@ -204,19 +208,36 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
                name: str | None = None, progress: bool = False, **engine_kwargs) -> Row:
     """Our engine, every request queued at once; TTFT therefore includes the time spent waiting for a slot.
     `engine_kwargs` go to the engine (kv_cache, num_kv_blocks, max_model_len: the workload's longest request
-    by default); `progress` shows vLLM's progress bar over requests."""
+    by default; compile=True compiles every batch-size bucket before the clock starts, the row's `compile_s`);
+    `progress` shows vLLM's progress bar over requests."""
     from .engine import LLM
 
     engine_kwargs = {"max_model_len": work.longest, **engine_kwargs}
     llm = LLM.from_model(model, tok, scheduling=policy, max_num_seqs=batch, chunked_prefill_tokens=chunk,
                          record_trace=True, **engine_kwargs)
+    compile_s = llm.warmup() if llm.config.compile else None
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
     t0 = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - t0
+    if compile_s is not None and llm.engine.compile_seconds > compile_s:
+        raise RuntimeError("a decode graph compiled inside the timed run: the compiled row would include it")
     return Row(name or f"mini_engine {policy}", work.name, sum(len(o.token_ids) for o in outs), seconds,
                [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs], llm.engine.kv_cache_bytes,
-               max(r.num_running for r in llm.engine.trace), sum(o.metrics.num_preemptions for o in outs))
+               max(r.num_running for r in llm.engine.trace), sum(o.metrics.num_preemptions for o in outs),
+               compile_s)
+
+
+def run_serving_rung(model, tok, rung: str, work: ServingWorkload, batch: int, progress: bool = False,
+                     print_fn=print, **engine_kwargs) -> Row:
+    """A serving rung: a scheduling policy, or `compiled-engine` (continuous, compile=True)."""
+    if rung != "compiled-engine":
+        return run_engine(model, tok, rung, work, batch, progress=progress, **engine_kwargs)
+    row = run_engine(model, tok, "continuous", work, batch, name="mini_engine compiled-engine", progress=progress,
+                     compile=True, **engine_kwargs)
+    print_fn(f"mini_engine compiled-engine: compiling the decode graphs (one per batch-size bucket up to {batch}) "
+             f"took {row.compile_s:.1f} s before its run (not in its row)")
+    return row
 
 
 def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int, progress: bool = False) -> Row:
@@ -253,7 +274,10 @@ def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int
 
 
 def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtype: str, with_hf: bool = True,
-                  low: int = 16, high: int = 256, print_fn=print, progress: bool = True) -> list[Row]:
+                  low: int = 16, high: int = 256, print_fn=print, progress: bool = True,
+                  kv_cache: str = "paged") -> list[Row]:
+    """The serving workload on every rung (our engine on `kv_cache`: chapter 04 ran it on "contiguous"), and
+    HF transformers' static batches first unless with_hf=False."""
     from .formulas import kv_bytes_per_token
     from .loader import load_model
 
@@ -263,7 +287,7 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     # Allocator growth, lazy init and tuning stay out of the numbers: every product form a step of up to
     # 256 rows can meet is decided now.
     tune_products(model, [1 << i for i in range(9)])
-    run_engine(model, tok, "continuous", warm, batch)
+    run_engine(model, tok, "continuous", warm, batch, kv_cache=kv_cache)
     rows = []
     if with_hf:
         try:
@@ -276,11 +300,16 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
             run_hf_static(hf, warm, batch, per_token)
             rows.append(run_hf_static(hf, work, batch, per_token, progress))
             del hf
-    rows += [run_engine(model, tok, rung, work, batch, progress=progress) for rung in rungs]
+    rows += [run_serving_rung(model, tok, rung, work, batch, progress, print_fn, kv_cache=kv_cache) for rung in rungs]
     print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} workload: {requests} requests, "
-             f"prompt and output lengths uniform in {low}-{high} (seed 0), ignore_eos, batch {batch}; "
-             f"ratio vs first row")
+             f"prompt and output lengths uniform in {low}-{high} (seed 0), ignore_eos, batch {batch}, "
+             f"{kv_cache} KV cache; ratio vs first row")
     print_fn(format_table(rows, rows[0] if rows else None))
+    by_name = {r.system: r for r in rows}
+    eager, compiled = by_name.get("mini_engine continuous"), by_name.get("mini_engine compiled-engine")
+    if eager and compiled:
+        print_fn(f"mini_engine compiled-engine / continuous: {compiled.tok_s / eager.tok_s:.2f}x "
+                 f"(compile {compiled.compile_s:.1f} s, once, not in the rate)")
     print_floors(model, batch, rows, print_fn)
     return rows

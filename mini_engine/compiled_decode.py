@@ -6,76 +6,173 @@ up), each paying dispatch and Python costs larger than its arithmetic. `torch.co
 traces the step once; Inductor fuses those small ops into a few C++ loops per layer and calls the products
 as before. This is gpt-fast's `decode_one_token`, and the CPU counterpart of vLLM's CUDA graphs.
 
-One graph serves every step only if the step's shapes do not change as the context grows, so:
-- attention reads each slot's whole `max_len` and masks the positions past its context (as gpt-fast
-  does): a little more attention arithmetic, no new shapes. The cache's length dimension is marked
-  dynamic, so caches of any `max_len` share one graph.
-- the new keys and values are written with one indexed store into the cache's base tensor. Written
-  through per-layer views (`ContiguousKVCache.write`), the compiler copies the whole cache at each layer
-  to keep the views consistent (measured: 0.27 ms a layer for a 116-position cache).
-The first call compiles (about a minute for SmolLM2 on a 2-core CPU); later calls, even with other cache
-lengths, reuse the graph. A new batch size, dtype or model compiles a new graph.
+What is traced is the model's own code: `LlamaModel.run`, its layers, `Attention.forward` and the attention
+functions of attention.py, given a step described by tensors alone (`AttentionMetadata.decode_only`). A change
+to the model is a change to the compiled step; there is no second copy of the decode step to keep in sync.
+The pieces that make the model's code traceable as one graph:
+- the step's metadata holds no Python lists or ints that change from step to step, only tensors of sizes
+  that do not change: tokens, positions, the rows written, each row's context length, the contiguous cache's
+  slots or the paged cache's block tables padded to the most blocks a sequence may hold, and a mask over the
+  key positions a row may read (`DecodeGroup.from_tensors`). One graph serves every context length.
+- the cache write is one indexed store into the cache's base tensor (`kv_cache._store`), not a store through
+  per-layer views, which the compiler would keep consistent by copying the whole cache at every layer.
+- the product forms are the tuned ones (`products`), a packed form reached through a custom operator.
+- on a CPU the attention itself runs as the eager steps run it, through the custom operator
+  `mini_engine::decode_attention` (see `attention._decode_attention_op` for the measurements that chose this):
+  it reads each row's own context, where the traced form would read every position the shapes allow. On a
+  GPU it is traced (the paged kernel reads only each row's context anyway), and reduce-overhead mode replays
+  each graph as a CUDA graph.
+A new batch size, dtype, model or cache compiles a new graph; the first call of each compiles (a minute for
+SmolLM2 on a 2-core CPU with a cold Inductor cache, a few seconds with a warm one).
+
+Two users. `compiled_decode_step` is `generate.decode_step` compiled, for the plain loops (`generate_cached(...,
+compile=True)`): one graph per batch size met. `CompiledDecode` is the serving engine's (`LLM(compile=True)`):
+a step's decodes are padded up to the next batch-size bucket (1, 2, 4, ... up to max_num_seqs), so a handful of
+graphs serve every step; the padded rows write into a scratch slot or block that no sequence reads, and their
+logits are dropped.
 """
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
-import torch.nn.functional as F
 
-from .attention import attention_in_fp32, run_attention
-
-
-def _attend(q, k, v, see):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=see, enable_gqa=q.shape[1] != k.shape[1])
+from .attention import AttentionMetadata, DecodeGroup
 
 
-def decode_one_token(model, tokens, positions, slots, kv_data, attn_fp32: bool = False):
-    """One new token per sequence, tensors only. tokens, positions, slots: [B] (slot = the sequence's row
-    in the cache); kv_data: the cache's [layers, 2, slots, kv_heads, max_len, head_dim] tensor, updated in
-    place; attn_fp32: run bf16/fp16 attention in fp32 (`attention.attention_in_fp32` decides, outside the
-    graph). Returns logits [B, vocab]. Same arithmetic as `LlamaModel.forward` on a decode step."""
-    b, max_len = tokens.shape[0], kv_data.shape[4]
-    cos = model.rope_cos[positions, None].to(model.dtype)
-    sin = model.rope_sin[positions, None].to(model.dtype)
-    see = (torch.arange(max_len, device=tokens.device) <= positions[:, None])[:, None, None, :]  # [B,1,1,L]
-    kv = torch.arange(2, device=tokens.device)[:, None].expand(2, b)  # index K then V, for each sequence
-    x = model.embed_tokens(tokens)
-    for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-        kv_data[torch.full_like(kv, i), kv, slots.expand(2, b), :, positions.expand(2, b)] = torch.stack([k, v])
-        o = run_attention(attn_fp32, functools.partial(_attend, see=see), q.unsqueeze(2), kv_data[i, 0, slots],
-                          kv_data[i, 1, slots])
-        x = x + attn.o_proj(o.reshape(b, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(model.norm(x))
+def decode_graph(model, kv_cache, backend: str, tokens, positions, slot_mapping, context_lens, slots=None,
+                 block_tables=None, logits_order=None) -> torch.Tensor:
+    """The function torch.compile traces: a decode-only step of the model's own forward (`LlamaModel.run`),
+    from tensors alone. tokens, positions, slot_mapping, context_lens: [S]; the contiguous cache's slots [S] or
+    the paged cache's block_tables [S, W] int32 (see `DecodeGroup.from_tensors`). Logits [S, vocab], of the rows
+    in `logits_order` [S] when given (a permutation). Run uncompiled, it is an ordinary eager decode step."""
+    if block_tables is not None:
+        length = block_tables.shape[1] * kv_cache.block_size
+    else:
+        length = kv_cache.data.shape[4]  # the cache's positions: a size of the graph (see compiled_decode_step)
+    group = DecodeGroup.from_tensors(context_lens, length, slots, block_tables)
+    meta = AttentionMetadata.decode_only(positions, slot_mapping, group, logits_order)
+    return model.run(tokens, meta, kv_cache, backend)
+
+
+# Every graph of `decode_graph` hangs off one code object, and Dynamo stops compiling a code object after 8
+# graphs by default: buckets x caches x models x dtypes reach that in one process (the test suite does).
+_RECOMPILE_LIMIT = 64
 
 
 @functools.cache
-def _compiled():
+def _compiled(device_type: str):
     # Built on first use: importing and configuring torch.compile costs seconds that eager runs need not pay.
-    return torch.compile(decode_one_token, fullgraph=True, dynamic=False)
+    # On a GPU, reduce-overhead mode replays each graph as a CUDA graph (one launch for the whole step).
+    mode = "reduce-overhead" if device_type == "cuda" else None
+    return torch.compile(decode_graph, fullgraph=True, dynamic=False, mode=mode)
+
+
+def _run_graph(model, kv_cache, backend: str, *args, **kwargs) -> torch.Tensor:
+    """decode_graph(model, kv_cache, backend, *args, **kwargs), compiled."""
+    limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit):
+        return _compiled(model.device.type)(model, kv_cache, backend, *args, **kwargs)
 
 
 @torch.inference_mode()
 def compiled_decode_step(model, kv_cache, tokens: list[int], context_lens: list[int], slots: list[int]
                          ) -> torch.Tensor:
-    """`generate.decode_step` through the compiled graph: same arguments, same logits [B, vocab] (to
-    rounding: fused kernels sum in another order)."""
+    """`generate.decode_step` through a compiled graph (the model's own decode step, traced): same arguments
+    (a contiguous cache), same logits [B, vocab] (to rounding: fused kernels sum in another order). One graph
+    per batch size, dtype and model: the cache's length is a dynamic size of the graph, so that caches of any
+    length share it."""
     if not len(tokens) == len(context_lens) == len(slots):
         raise ValueError("tokens, context_lens and slots need one entry per sequence")
     model.check_last_position(max(context_lens) - 1, kv_cache)
     if min(context_lens) < 1:
         raise ValueError(f"context_lens must be >= 1 (they count the new token), got {min(context_lens)}")
-    if kv_cache.max_len > 1:  # size-1 dimensions are always specialised; mark_dynamic would refuse them
+    if kv_cache.max_len > 1 and model.device.type != "cuda":  # size 1 is always specialised; CUDA graphs: static
         torch._dynamo.mark_dynamic(kv_cache.data, 4)
     device = model.device
-    slots = torch.tensor(slots, device=device)
-    # Timed eagerly at the graph's own attention shape (the whole max_len, masked): a Python bool in the graph.
-    k = kv_cache.data[0, 0, slots]
-    q = torch.zeros(len(tokens), model.config.num_heads, 1, k.shape[-1], dtype=k.dtype, device=device)
-    see = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device=device)
-    attn_fp32 = attention_in_fp32("decode", functools.partial(_attend, see=see), q, k, k)
-    return _compiled()(model, torch.tensor(tokens, device=device), torch.tensor(context_lens, device=device) - 1,
-                       slots, kv_cache.data, attn_fp32)
+    lens = torch.tensor(context_lens, device=device)
+    slot_ids = torch.tensor(slots, device=device)
+    return _run_graph(model, kv_cache, model.attention_backend, torch.tensor(tokens, device=device), lens - 1,
+                      slot_ids, lens, slots=slot_ids)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes that get a graph: powers of two below max_num_seqs, and max_num_seqs itself."""
+    return [b for b in (1 << i for i in range(max_num_seqs.bit_length())) if b < max_num_seqs] + [max_num_seqs]
+
+
+class CompiledDecode:
+    """The serving engine's decode-only steps, one compiled graph per batch-size bucket (`decode_buckets`).
+
+    Every size in a graph is fixed: the batch (its bucket) and the key positions every row may read (the
+    contiguous cache's length, or `max_blocks` blocks of the paged cache's tables); each row's own context is
+    a tensor. `scratch` is a cache row no sequence owns, for the padded rows: a slot of the contiguous cache, or
+    a block of the paged pool that the block manager never hands out (the engine allocates one more than it
+    manages). The paged cache's rows go in longest context first, so that the attention, copying a few
+    sequences' blocks at a time, reads about each one's own context (`DecodeGroup.lens`).
+    `compile_seconds` adds up the first call of each bucket, which compiles (and runs one step, a few tens of
+    milliseconds): the one-time cost, reported apart from any rate."""
+
+    def __init__(self, model, kv_cache, backend: str, max_num_seqs: int, scratch: int,
+                 block_size: int | None = None, max_model_len: int | None = None):
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.buckets = decode_buckets(max_num_seqs)
+        self.scratch, self.block_size = scratch, block_size
+        self.paged = block_size is not None
+        self.device = model.device
+        self.max_blocks = -(-(max_model_len or kv_cache.max_len) // block_size) if self.paged else None
+        self.compile_seconds = 0.0
+        self.compiled_buckets: set[int] = set()
+        self.num_steps = 0  # steps run through a graph (warm-up included)
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def __call__(self, tokens: list[int], positions: list[int], rows: list, size: int | None = None
+                 ) -> torch.Tensor:
+        """Logits [len(tokens), vocab] of a decode-only step: token i at position positions[i] of sequence i,
+        whose cache rows are rows[i] (contiguous: its slot; paged: its block table), run as the graph of
+        batch size `size` (default: the smallest bucket that holds them)."""
+        n = len(tokens)
+        size = size or self.bucket(n)
+        pad, device = size - n, self.device
+        order = list(range(size))
+        if self.paged:  # longest context first; the graph hands the logits back in the callers' order
+            order[:n] = sorted(range(n), key=positions.__getitem__, reverse=True)
+            tokens, positions, rows = ([x[i] for i in order[:n]] for x in (tokens, positions, rows))
+            back = [0] * size
+            for place, i in enumerate(order):
+                back[i] = place
+            kwargs = {"logits_order": torch.tensor(back, device=device)}
+        else:
+            kwargs = {}
+        ids = torch.tensor(list(tokens) + [0] * pad, device=device)
+        pos = torch.tensor(list(positions) + [0] * pad, device=device)
+        lens = torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32, device=device)
+        if self.paged:  # a padded row reads and writes position 0 of the scratch block
+            bs, width = self.block_size, self.max_blocks
+            tables = [t + [self.scratch] * (width - len(t)) for t in rows] + [[self.scratch] * width] * pad
+            slot_mapping = [t[p // bs] * bs + p % bs for t, p in zip(rows, positions)] + [self.scratch * bs] * pad
+            where = torch.tensor(slot_mapping, dtype=torch.int32, device=device)
+            kwargs["block_tables"] = torch.tensor(tables, dtype=torch.int32, device=device)
+        else:  # a padded row reads and writes position 0 of the scratch slot
+            where = torch.tensor(list(rows) + [self.scratch] * pad, device=device)
+            kwargs["slots"] = where
+        first = size not in self.compiled_buckets
+        t0 = time.perf_counter()
+        logits = _run_graph(self.model, self.kv_cache, self.backend, ids, pos, where, lens, **kwargs)
+        if first:
+            self.compiled_buckets.add(size)
+            self.compile_seconds += time.perf_counter() - t0
+        self.num_steps += 1
+        return logits[:n] if pad else logits
+
+    def warmup(self) -> float:
+        """Compile every bucket not compiled yet, each with a step of one row on the scratch row plus padding
+        (nothing outside the scratch row is written); returns the seconds it took."""
+        t0 = time.perf_counter()
+        for size in self.buckets:
+            if size not in self.compiled_buckets:
+                self([0], [0], [[self.scratch]] if self.paged else [self.scratch], size=size)
+        return time.perf_counter() - t0

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionMetadata
+from .compiled_decode import CompiledDecode
 from .engine_config import EngineConfig, SpeculativeConfig
 from .formulas import human_bytes
 from .kv_cache import ContiguousKVCache, PagedKVCache
@@ -124,11 +125,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 class ModelRunner:
     """Owns the tensors: turns a step's chunks into packed ids and attention metadata, runs the model. With a
-    paged cache it reads the block tables from the scheduler's block manager (`blocks`)."""
+    paged cache it reads the block tables from the scheduler's block manager (`blocks`). With `compiled` (a
+    `CompiledDecode`), a step whose chunks all bring one token runs through its compiled graphs."""
 
     def __init__(self, model, kv_cache: ContiguousKVCache | PagedKVCache, backend: str,
-                 blocks: BlockManager | None = None):
+                 blocks: BlockManager | None = None, compiled: CompiledDecode | None = None):
         self.model, self.kv_cache, self.backend, self.blocks = model, kv_cache, backend, blocks
+        self.compiled = compiled
 
     def execute(self, chunks: list[Chunk], block_copies: list[tuple[int, int]] = ()) -> torch.Tensor:
         """Logits [rows, vocab]: `num_logits` rows per chunk, in chunk order (one per sampling chunk, 1 + k for
@@ -136,6 +139,8 @@ class ModelRunner:
         (src, dst) blocks, copied before the step writes into them."""
         if block_copies:
             self.kv_cache.copy_blocks(block_copies)
+        if self.compiled is not None and all(c.num_tokens == 1 for c in chunks):
+            return self._execute_compiled(chunks)
         ids, query_lens, context_lens, rows = [], [], [], []
         for c in chunks:
             ids += c.token_ids
@@ -150,6 +155,21 @@ class ModelRunner:
                                            block_tables=[self.blocks.block_table(c.request.request_id) for c in chunks])
         meta.logits_indices = torch.tensor(rows, dtype=torch.long, device=device)
         return self.model(torch.tensor(ids, device=device), meta, self.kv_cache, backend=self.backend)
+
+    def _execute_compiled(self, chunks: list[Chunk]) -> torch.Tensor:
+        """A decode-only step (one token per chunk) through the compiled graph of its batch-size bucket."""
+        positions = [c.start for c in chunks]
+        self.model.check_last_position(max(positions), self.kv_cache)
+        if self.blocks is None:
+            rows = [c.request.slot for c in chunks]
+        else:
+            rows = [self.blocks.block_table(c.request.request_id) for c in chunks]
+        logits = self.compiled([c.token_ids[0] for c in chunks], positions, rows)
+        if all(c.num_logits == 1 for c in chunks):
+            return logits
+        # A one-token chunk inside a prompt (a chunked prefill's budget can leave one token) samples nothing:
+        # its row is dropped, as the eager step drops it.
+        return logits[[i for i, c in enumerate(chunks) if c.num_logits == 1]]
 
 
 class LLMEngine:
@@ -166,13 +186,21 @@ class LLMEngine:
         c = self.config
         # Before the KV cache is allocated: a draft model with another vocabulary fails fast.
         self.proposer = self._make_proposer(c.speculative) if c.speculative else None
+        # compile=True: one more block (or slot) than the scheduler manages, for the compiled step's padded rows.
+        scratch = int(c.compile)
         if c.kv_cache == "paged":
             blocks = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
-            cache = PagedKVCache(model.config, c.num_kv_blocks, c.block_size, model.device, model.dtype)
+            cache = PagedKVCache(model.config, c.num_kv_blocks + scratch, c.block_size, model.device, model.dtype)
         else:
             blocks = None
-            cache = ContiguousKVCache(model.config, c.max_num_seqs, c.max_model_len, model.device, model.dtype)
-        self.runner = ModelRunner(model, cache, c.attention_backend, blocks)
+            cache = ContiguousKVCache(model.config, c.max_num_seqs + scratch, c.max_model_len, model.device,
+                                      model.dtype)
+        compiled = None
+        if c.compile:
+            compiled = CompiledDecode(model, cache, c.attention_backend, c.max_num_seqs,
+                                      scratch=c.num_kv_blocks if blocks else c.max_num_seqs,
+                                      block_size=c.block_size if blocks else None, max_model_len=c.max_model_len)
+        self.runner = ModelRunner(model, cache, c.attention_backend, blocks, compiled)
         policy = make_policy(c.scheduling, c.max_num_seqs, c.dynamic_bucket_width, c.dynamic_timeout_s)
         self.scheduler = Scheduler(policy, c.max_num_seqs, c.max_model_len, c.chunked_prefill_tokens, blocks)
         eos = tokenizer.eos_token_id if tokenizer is not None else None
@@ -204,8 +232,24 @@ class LLMEngine:
         else:
             cache = f"contiguous KV cache: {c.max_num_seqs} slots x {c.max_model_len} positions ({size})"
         spec = "" if c.speculative is None else f", speculative={c.speculative.as_dict()}"
+        compiled = ""
+        if self.runner.compiled is not None:
+            buckets = ", ".join(map(str, self.runner.compiled.buckets))
+            compiled = f", compiled decode steps (batch buckets {buckets})"
         return (f"LLMEngine(scheduling={c.scheduling}, {cache}, chunked prefill {chunking}, "
-                f"attention={c.attention_backend}{spec}, {c.device} {c.dtype})")
+                f"attention={c.attention_backend}{spec}{compiled}, {c.device} {c.dtype})")
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling decode graphs so far (compile=True; 0.0 otherwise): the first step of each
+        batch-size bucket, or `warmup()`. A one-time cost, to report apart from any rate."""
+        return self.runner.compiled.compile_seconds if self.runner.compiled is not None else 0.0
+
+    def warmup(self) -> float:
+        """With compile=True, compile the graph of every batch-size bucket now rather than at the first step
+        that needs it; returns the seconds it took (0.0 without compile). The cache is left as it was, but for
+        the scratch row only padded rows use."""
+        return self.runner.compiled.warmup() if self.runner.compiled is not None else 0.0
 
     def _make_proposer(self, spec: SpeculativeConfig):
         if spec.method == "ngram":
@@ -505,14 +549,15 @@ class LLM:
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool | None = None, chunked_prefill_tokens: int | None = 512,
                  scheduling: str = "continuous", speculative: dict | None = None, attention_backend: str = "auto",
-                 **engine_kwargs):
+                 compile: bool = False, **engine_kwargs):
         from .loader import load_model
 
         config = EngineConfig(  # checked before the weights load
             model=model, device=device, dtype=dtype, kv_cache=kv_cache, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, chunked_prefill_tokens=chunked_prefill_tokens,
-            scheduling=scheduling, speculative=speculative, attention_backend=attention_backend, **engine_kwargs)
+            scheduling=scheduling, speculative=speculative, attention_backend=attention_backend, compile=compile,
+            **engine_kwargs)
         weights, tokenizer = load_model(model, device=device, dtype=dtype)
         self.engine = LLMEngine(weights, tokenizer, config)
 
@@ -532,6 +577,10 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds (see `LLMEngine.reset_prefix_cache`); returns how many."""
         return self.engine.reset_prefix_cache()
+
+    def warmup(self) -> float:
+        """compile=True: compile every batch-size bucket's decode graph now (see `LLMEngine.warmup`)."""
+        return self.engine.warmup()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -33,12 +33,17 @@ class ContiguousKVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of layer i: [slots, kv_heads, max_len, head_dim] each."""
+        if torch.compiler.is_compiling():
+            return self.data[i, 0], self.data[i, 1]  # views taken in the graph (see _store)
         return self._layers[i]
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions, backend: str = "torch") -> None:
         """Store the new tokens' keys/values (k/v [T,Hkv,D]) at (slot, position) of layer i, an indexed copy
         whatever the attention backend. The caller checks positions < max_len once per step (see
         LlamaModel.forward)."""
+        if torch.compiler.is_compiling():
+            _store(self.data, i, k, v, slot_mapping, slice(None), positions)
+            return
         k_cache, v_cache = self._layers[i]
         k_cache[slot_mapping, :, positions] = k
         v_cache[slot_mapping, :, positions] = v
@@ -73,6 +78,8 @@ class PagedKVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of layer i: [num_blocks, block_size, kv_heads, head_dim] each."""
+        if torch.compiler.is_compiling():
+            return self.data[i, 0], self.data[i, 1]  # views taken in the graph (see _store)
         return self._layers[i]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -86,6 +93,10 @@ class PagedKVCache:
         """Store the new tokens' keys/values (k/v [T,Hkv,D]) in their slots (`slot_mapping` [T], from the
         block tables) of layer i: the KV-store kernel on the triton backend, an indexed copy otherwise.
         `positions` is unused: a slot already says where a token goes."""
+        if torch.compiler.is_compiling():
+            rows = slot_mapping.long()
+            _store(self.data, i, k, v, rows // self.block_size, rows % self.block_size)
+            return
         if backend == "triton":
             from .kernels import store_kv_cache  # imported here: only this backend needs triton
             store_kv_cache(k, v, *self._layers[i], slot_mapping)
@@ -93,3 +104,16 @@ class PagedKVCache:
         k_rows, v_rows = self._rows[i]
         k_rows[slot_mapping] = k
         v_rows[slot_mapping] = v
+
+
+def _store(data: torch.Tensor, i: int, k: torch.Tensor, v: torch.Tensor, *where) -> None:
+    """Inside a compiled graph: write layer i's new keys and values (k/v [T,Hkv,D]) with ONE indexed store into
+    the cache's base tensor, at data[i, K or V, *where] (where: each token's row, as index tensors [T] and
+    slices).
+    Written through per-layer views, as the eager steps do, the compiler would copy the whole cache at every
+    layer to keep the views consistent (measured: 0.27 ms a layer for a 116-position cache); a store into the
+    graph's input itself is done in place."""
+    t = k.shape[0]
+    kv = torch.arange(2, device=k.device)[:, None].expand(2, t)  # K then V, for each token
+    data[(torch.full_like(kv, i), kv, *(w if isinstance(w, slice) else w.expand(2, t) for w in where))] = \
+        torch.stack([k, v])

@@ -155,6 +155,13 @@ class LlamaModel(nn.Module):
         if kv_cache is not None and not meta.has_cache:
             raise ValueError("meta must name each sequence's cache slot or block table when kv_cache is given")
         self.check_last_position(max(meta.context_lens) - 1, kv_cache)
+        logits = self.run(input_ids, meta, kv_cache, backend)
+        return logits.view(b, 1 if last_only else n, -1) if batched else logits
+
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache, backend: str) -> torch.Tensor:
+        """The layers over packed tokens, with no checks: what `forward` runs once it has checked its
+        arguments. It reads only tensors of `meta` (and the decode group's), so torch.compile traces it into
+        one graph: the compiled decode step (`compiled_decode`) is this code, not a copy of it."""
         # Angles are computed in fp32, then cast once per step to the weights' dtype (as the reference does).
         cos = self.rope_cos[meta.positions, None].to(self.dtype)
         sin = self.rope_sin[meta.positions, None].to(self.dtype)
@@ -163,8 +170,7 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, meta, i, kv_cache, backend)
         if meta.logits_indices is not None:
             x = x[meta.logits_indices]
-        logits = self.lm_head(self.norm(x))
-        return logits.view(b, 1 if last_only else n, -1) if batched else logits
+        return self.lm_head(self.norm(x))
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load a flat dict keyed like `layers.3.q_proj` / `embed_tokens` (separate q/k/v, gate/up) into the

@@ -11,10 +11,16 @@ The candidates, all computing the same sums in another order (results agree with
   it wins. On a 2-core AMD EPYC (Zen 5) fp32 products ran 2.2-4x faster this way at every row count from 1 to
   1,056: PyTorch's fp32 F.linear goes to MKL there, and the packed oneDNN kernel used the CPU's AVX-512 better.
 Which wins depends on the CPU, the BLAS, the shape and the number of rows: measured, never assumed.
+
+Under torch.compile the forms are traced into the graph, and tuned apart (the key "traced"): the compiler
+cannot trace an opaque packed tensor, so a graph reaches a packed form through the custom operator
+`mini_engine::packed_product`, which takes the plain weight and runs the packed copy its `Linear` keeps (the
+same copy the eager steps use: no third copy of the weights).
 """
 from __future__ import annotations
 
 import functools
+import weakref
 from pathlib import Path
 
 import torch
@@ -66,12 +72,12 @@ def onednn_available() -> bool:
 
 
 def candidate_forms(rows: int, dtype: torch.dtype, packed: bool = True) -> list[str]:
-    """The forms that apply to `rows` rows of `dtype`, the plain one first; `packed=False` leaves out the forms
-    that need a packed copy of the weight (torch.compile traces the products, and cannot trace those)."""
+    """The forms that apply to `rows` rows of `dtype`, the plain one first; `packed=False`: the forms a
+    torch.compile graph can call, which leaves out the packed forms unless `packed_product` reaches them."""
     names = ["linear", "two_row" if rows == 1 else "transposed"]
     if dtype != torch.float32:
         names += [n + "_fp32" for n in names]
-    if packed and dtype in (torch.float32, torch.bfloat16) and onednn_available():
+    if (packed or _PACKED_OP is not None) and dtype in (torch.float32, torch.bfloat16) and onednn_available():
         names += list(PACKERS)
     return names
 
@@ -106,7 +112,10 @@ def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER, packe
     """The tuned form for `rows` rows against `weight` (timed on first use of its shape, row bucket, dtype
     and device; `packed=False`: among the forms torch.compile can trace)."""
     bucket = row_bucket(rows)
-    key = (tuple(weight.shape), bucket, str(weight.dtype), weight.device.type) + (() if packed else ("traced",))
+    # With the packed forms reachable from a graph (`packed_product`), a graph chooses among the same forms as
+    # the eager steps, and shares their decision; without it, among fewer, decided apart ("traced").
+    apart = not packed and _PACKED_OP is None
+    key = (tuple(weight.shape), bucket, str(weight.dtype), weight.device.type) + (("traced",) if apart else ())
 
     def candidates():
         x, ws = _timing_inputs(weight, bucket)
@@ -152,7 +161,10 @@ class Linear(nn.Linear):
         if x.device.type != "cpu" or x.dim() != 2:
             return F.linear(x, w)
         if torch.compiler.is_compiling():  # the choice is a fact about the machine: a constant in the graph
-            return FORMS[_traced_form(self, x.shape[0])](x, w)
+            name = _traced_form(self, x.shape[0])
+            if name in PACKERS:
+                return torch.ops.mini_engine.packed_product(x, w, name)
+            return FORMS[name](x, w)
         if counting_mode_active():
             return F.linear(x, w)
         return self.form_for(x.shape[0])(x, w)
@@ -166,6 +178,14 @@ class Linear(nn.Linear):
         self._forms.clear()  # moved to another device or dtype: the forms are decided anew
         self._packed = None
         return super()._apply(fn, *args, **kwargs)
+
+    def packed_product(self, x, name: str):
+        """x times this layer's weight in the packed form `name`, on the layer's packed copy (what the custom
+        operator `packed_product` runs inside a compiled graph)."""
+        form = self._forms.get(("packed", name))
+        if form is None:
+            form = self._forms[("packed", name)] = self._packed_form(name, x.shape[0])
+        return form(x, self.weight)
 
     def form_for(self, rows: int):
         """The product function (x, weight) tuned for `rows` rows of this weight (timed on first use)."""
@@ -191,5 +211,40 @@ class Linear(nn.Linear):
 @torch._dynamo.assume_constant_result
 def _traced_form(layer: Linear, rows: int) -> str:
     """Run (not traced) when torch.compile meets a Linear: the form is tuned, or looked up, eagerly, among
-    the forms the compiler can trace."""
-    return choose_form(layer.weight, rows, layer.tuner, packed=False)
+    the forms the compiler can trace. A packed form registers the layer, for `packed_product` to find."""
+    name = choose_form(layer.weight, rows, layer.tuner, packed=False)
+    if name in PACKERS:
+        _OWNERS[layer.weight.data_ptr()] = weakref.ref(layer)
+    return name
+
+
+# weight's data_ptr -> its Linear: how the operator finds the layer, and so the packed copy, of a weight.
+_OWNERS: dict[int, weakref.ref] = {}
+
+
+def _packed_product(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
+    """x W^T in the packed form `name`, on the packed copy kept by the Linear that owns `weight`. A weight no
+    Linear has registered (or moved since) gets the plain product: the same sums, never a wrong weight."""
+    ref = _OWNERS.get(weight.data_ptr())
+    layer = ref() if ref is not None else None
+    if layer is None or layer.weight.data_ptr() != weight.data_ptr() or layer.weight.shape != weight.shape:
+        return F.linear(x, weight)
+    return layer.packed_product(x, name)
+
+
+def _register_packed_op():
+    """`torch.ops.mini_engine.packed_product(x, weight, name)`: opaque to the compiler, which only needs its
+    output's shape. Declared through torch.library.Library, whose calls cost no more than the kernel's own
+    (a `torch.library.custom_op` added about 9 us to each product)."""
+    try:
+        lib = torch.library.Library("mini_engine", "DEF")
+        lib.define("packed_product(Tensor x, Tensor weight, str name) -> Tensor")
+        lib.impl("packed_product", _packed_product, "CPU")
+        torch.library.register_fake("mini_engine::packed_product", lib=lib)(
+            lambda x, weight, name: x.new_empty(x.shape[0], weight.shape[0]))
+    except (RuntimeError, AttributeError):  # an older torch, or defined twice (a reloaded module)
+        return None
+    return lib
+
+
+_PACKED_OP = _register_packed_op()

@@ -6,7 +6,7 @@ with prefill chunks, and check the sign-folded RoPE against the textbook rotate-
 import pytest
 import torch
 
-from mini_engine.attention import AttentionMetadata, attention_with_cache, paged_decode_torch
+from mini_engine.attention import AttentionMetadata, DecodeGroup, attention_with_cache, paged_decode_torch
 from mini_engine.config import ModelConfig
 from mini_engine.paging import BlockManager
 from mini_engine.model import apply_rope, rope_tables
@@ -118,6 +118,32 @@ def test_paged_decode_gives_the_same_result_however_many_sequences_are_copied_at
     paged = AttentionMetadata.build(query_lens, context_lens, block_tables=tables, block_size=4)
     got = paged_decode_torch(q, k_pool, v_pool, paged.decode, chunk=chunk)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4])
+def test_paged_decode_reading_each_groups_own_longest_context_gives_the_same_result(chunk):
+    """A compiled step's group (`DecodeGroup.from_tensors`, every row's table padded to the same width, and
+    `lens`): each copy of `chunk` sequences reads only its own longest context. Sorted or not, through the
+    operator a compiled graph calls or directly, the reference's result."""
+    query_lens, context_lens, slots = STEPS["consecutive decodes, unequal contexts"]
+    g = torch.Generator().manual_seed(10 + chunk)
+    k_cache, v_cache = torch.randn(2, 10, 2, MAX_LEN, D, generator=g).unbind(0)
+    q = torch.randn(sum(query_lens), 6, D, generator=g)
+    meta = AttentionMetadata.build(query_lens, context_lens, slots)
+    (k_pool, v_pool), tables = paged_copy(k_cache, v_cache, meta, 4, g)
+    width = -(-MAX_LEN // 4)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    group = DecodeGroup.from_tensors(lens, width * 4, block_tables=block_tables)
+    want = reference(q, k_cache, v_cache, meta)
+    for order in (list(range(len(lens))), sorted(range(len(lens)), key=lambda i: -context_lens[i])):
+        rows = torch.tensor(order)
+        sub = DecodeGroup(slice(None), None, None, max(context_lens), group.mask[rows], block_tables[rows],
+                          lens[rows], [context_lens[i] for i in order])
+        got = paged_decode_torch(q[rows], k_pool, v_pool, sub, chunk=chunk)
+        torch.testing.assert_close(got, want[rows], rtol=1e-5, atol=1e-5)
+    got = torch.ops.mini_engine.decode_attention(q, k_pool, v_pool, group.mask, lens, None, block_tables, "torch")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_metadata_maps_each_new_token_to_its_slot():

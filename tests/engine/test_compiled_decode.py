@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mini_engine as me
-from mini_engine.compiled_decode import compiled_decode_step, decode_one_token
+from mini_engine.compiled_decode import compiled_decode_step, decode_graph
 from mini_engine.generate import decode_step, generate_cached, prefill
 from mini_engine.kv_cache import ContiguousKVCache
 from mini_engine.sampling import SamplingParams
@@ -43,13 +43,15 @@ def test_compiled_step_matches_eager_step_on_a_tiny_model(kv_heads, device):
 
 
 def test_uncompiled_function_is_the_same_step():
-    """decode_one_token run eagerly: the fused graph's source is itself the same arithmetic."""
+    """decode_graph run eagerly, from the tensor-only metadata: the graph's source is the model's own step."""
     model = tiny_model(4, 2)
-    eager_cache, pure_cache = _two_caches(model, [[1, 2, 3]], [1], max_len=6)
-    want = decode_step(model, eager_cache, [4], [4], [1])
-    with torch.inference_mode():
-        got = decode_one_token(model, torch.tensor([4]), torch.tensor([3]), torch.tensor([1]), pure_cache.data)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    eager_cache, pure_cache = _two_caches(model, [[1, 2, 3], [5, 6]], [1, 2], max_len=6)
+    want = decode_step(model, eager_cache, [4, 7], [4, 3], [1, 2])
+    slots, lens = torch.tensor([1, 2]), torch.tensor([4, 3])
+    with torch.inference_mode():  # every row reads the cache's 6 positions, masked past its own context
+        got = decode_graph(model, pure_cache, "torch", torch.tensor([4, 7]), lens - 1, slots, lens, slots=slots,
+                           logits_order=torch.tensor([1, 0]))
+    torch.testing.assert_close(got, want[[1, 0]], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pure_cache.data, eager_cache.data)
 
 

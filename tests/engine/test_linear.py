@@ -77,11 +77,39 @@ def test_a_packed_form_this_machine_cannot_run_is_left_out(monkeypatch):
     assert "onednn" not in next(iter(tuner.choices.values())).times_ms
 
 
-def test_compiled_products_never_use_a_packed_form():
-    """torch.compile traces the products: it gets the tuned choice among the forms it can trace."""
+def test_compiled_products_reach_a_packed_form_only_through_the_custom_operator(monkeypatch):
+    """torch.compile traces the products and cannot trace a packed (opaque) weight: a graph gets the tuned choice
+    among the forms it can trace, where a packed form counts only through the `packed_product` operator."""
+    import mini_engine.products as products
+
     tuner = Autotuner(forced={"product": "onednn"})
+    if products.onednn_available() and products._PACKED_OP is not None:
+        assert choose_form(torch.randn(48, 64), 3, tuner, packed=False) == "onednn"
+    monkeypatch.setattr(products, "_PACKED_OP", None)
     with pytest.raises(ValueError, match="onednn"):
-        choose_form(torch.randn(48, 64), 3, tuner, packed=False)
+        choose_form(torch.randn(48, 64), 3, Autotuner(forced={"product": "onednn"}), packed=False)
+
+
+def test_a_compiled_packed_product_runs_the_layers_own_packed_copy():
+    """Inside a graph the packed form is the operator `packed_product`: F.linear's result, computed on the packed
+    copy the layer keeps for its eager calls (no second copy), and re-packed after an in-place change."""
+    import mini_engine.products as products
+
+    if not (products.onednn_available() and products._PACKED_OP is not None):
+        pytest.skip("no oneDNN packing in this build")
+    layer = Linear(64, 48, tuner=Autotuner(forced={"product": "onednn"}))
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        eager = layer(x)
+        packed = layer._packed[2]
+        compiled = torch.compile(lambda x: layer(x) * 2, fullgraph=True)
+        torch.testing.assert_close(compiled(x), 2 * F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert layer._packed[2] is packed, "the graph must run the layer's packed copy, not pack another"
+    torch.testing.assert_close(eager, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.weight.mul_(3.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), 2 * F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
 def test_a_forced_form_that_does_not_apply_is_refused():

@@ -1,0 +1,123 @@
+"""LLM(compile=True): the engine's decode-only steps run through compiled graphs, one per batch-size bucket, and
+give the eager engine's tokens while requests arrive and finish, so that the step's bucket changes.
+
+Compiling is the slow part: a graph of the real model (30 layers) takes about a minute on a 2-core CPU with a
+cold Inductor cache, one of the 2-layer tiny model a few seconds. So the paged cache's bucket logic (padded rows
+on a scratch block, rows sorted by length and logits put back in order) is exercised on the tiny model, and the
+real model gets one module-scoped engine on the contiguous cache (chapter 04's) with two buckets, 1 and 2, shared
+by its tests: two graphs, compiled once. (The ladder's smoke test, tests/test_bench_ladder.py, runs the real model
+on the paged cache with compile=True, one bucket, against the other rungs.)"""
+import pytest
+import torch
+
+from mini_engine.compiled_decode import decode_buckets
+from mini_engine.engine import LLM, EngineConfig
+from mini_engine.sampling import SamplingParams
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _run(llm, prompts, params, late_prompt, late_params, late_step):
+    """Every prompt queued at once, one more added after `late_step` steps; outputs by request, and the number
+    of running requests at every step."""
+    engine = llm.engine
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outs, sizes, step = {}, [], 0
+    while engine.has_unfinished():
+        if step == late_step:
+            ids.append(engine.add_request(late_prompt, late_params))
+        sizes.append(len(engine.scheduler.running))
+        for out in engine.step():
+            outs[out.request_id] = out.token_ids
+        step += 1
+    return [outs[i] for i in ids], sizes
+
+
+def _bucket_changes(sizes):
+    """The batch sizes the decode steps passed through, repeats and idle steps left out: [2, 1, 2, 1], ..."""
+    return [n for i, n in enumerate(sizes) if n and (i == 0 or sizes[i - 1] != n)]
+
+
+def _params(max_tokens, seed=None):
+    """Greedy, or seeded sampling (one seed per request)."""
+    return [SamplingParams(temperature=0.0 if seed is None else 0.8, top_p=0.95, max_tokens=n, ignore_eos=True,
+                           seed=None if seed is None else seed + i) for i, n in enumerate(max_tokens)]
+
+
+def _compare(eager, compiled, prompts, params, late_step):
+    """Run the workload (its last prompt and params arrive late) on both engines: the compiled one's tokens and
+    step sizes, the eager one's, and no graph compiled after warm-up."""
+    want, want_sizes = _run(eager, prompts[:-1], params[:-1], prompts[-1], params[-1], late_step)
+    graphs, seconds = _graphs_compiled(), compiled.engine.compile_seconds
+    got, sizes = _run(compiled, prompts[:-1], params[:-1], prompts[-1], params[-1], late_step)
+    assert _graphs_compiled() == graphs, "a graph was compiled after warm-up (a recompile: TORCH_LOGS=recompiles)"
+    assert compiled.engine.compile_seconds == seconds > 0
+    assert sizes == want_sizes
+    return got, want, sizes
+
+
+def test_compile_is_a_validated_config_field_shown_in_repr(tiny_model):
+    with pytest.raises(ValueError, match="compile"):
+        EngineConfig(compile="yes")
+    llm = LLM.from_model(tiny_model(1), kv_cache="contiguous", max_num_seqs=5, max_model_len=64, compile=True)
+    assert "compiled decode steps (batch buckets 1, 2, 4, 5)" in repr(llm)
+    assert llm.engine.compile_seconds == 0.0  # nothing compiled before the first decode step
+    assert "compiled" not in repr(LLM.from_model(tiny_model(1), kv_cache="contiguous", max_num_seqs=5,
+                                                 max_model_len=64))
+    assert decode_buckets(1) == [1] and decode_buckets(16) == [1, 2, 4, 8, 16] and decode_buckets(6) == [1, 2, 4, 6]
+
+
+# ---------------------------------------------------------------- the tiny model, paged: padding and sorting
+
+TINY_TOKENS = (6, 11, 3, 8, 5)  # finishing at different steps: 4 -> 3 (padded to 4) -> 2 -> 1; the fifth arrives late
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_model):
+    kwargs = dict(kv_cache="paged", max_num_seqs=4, max_model_len=64, block_size=4)
+    compiled = LLM.from_model(tiny_model(2), compile=True, **kwargs)
+    assert compiled.warmup() > 0 and compiled.engine.runner.compiled.compiled_buckets == {1, 2, 4}
+    return LLM.from_model(tiny_model(2), **kwargs), compiled
+
+
+@pytest.mark.usefixtures("one_thread")  # the tiny model's ops are too small to split between threads
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_tiny_model_tokens_equal_the_eager_engine_through_every_bucket(tiny_engines, seed):
+    eager, compiled = tiny_engines
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [23, 24, 25], [1, 2]]
+    got, want, sizes = _compare(eager, compiled, prompts, _params(TINY_TOKENS, seed), late_step=5)
+    assert {4, 3, 2, 1} <= set(sizes), f"the batch should pass through every bucket (and a padded 3): {sizes}"
+    assert got == want  # the tiny model's sharp logits leave no near-ties
+    runner = compiled.engine.runner
+    assert runner.compiled.num_steps > len(runner.compiled.buckets)  # steps ran through the graphs, not only warm-up
+    assert compiled.engine.num_free_blocks == compiled.engine.num_kv_blocks  # the scratch block is apart
+
+
+# ---------------------------------------------------------------- the real model, contiguous: two buckets
+
+REAL_TOKENS = (8, 4, 6)  # two requests at once: 2 -> 1 when the second finishes, 1 -> 2 when the third arrives
+
+
+@pytest.fixture(scope="module")
+def real_engines(real):
+    model, tok = real
+    kwargs = dict(kv_cache="contiguous", max_num_seqs=2, max_model_len=96)
+    compiled = LLM.from_model(model, tok, compile=True, **kwargs)
+    assert compiled.warmup() > 0 and compiled.engine.runner.compiled.compiled_buckets == {1, 2}
+    return LLM.from_model(model, tok, **kwargs), compiled
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_real_model_tokens_equal_the_eager_engine_across_bucket_changes(real_engines, chat_prompts, seed,
+                                                                       assert_greedy_match):
+    eager, compiled = real_engines
+    prompts = [chat_prompts[0], chat_prompts[1][:9], chat_prompts[2][:14]]  # contexts of different lengths
+    got, want, sizes = _compare(eager, compiled, prompts, _params(REAL_TOKENS, seed), late_step=6)
+    assert _bucket_changes(sizes) == [2, 1, 2, 1], f"the batch should go 2 -> 1 -> 2 -> 1: {sizes}"
+    if seed is not None:
+        assert got == want
+    for prompt, ours, ref in zip(prompts, got, want):  # greedy: equal, or parted only at a near-tie
+        assert len(ours) == len(ref)
+        assert_greedy_match(compiled.engine.model, prompt, ours, ref)
