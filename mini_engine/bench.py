@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,7 @@ class Row:
     peak_running: int | None = None   # serving: most requests admitted at once
     num_preemptions: int = 0          # serving, paged cache: requests sent back to recompute
     compile_s: float | None = None    # compiled rows: the one-time compile, before `seconds` started
+    token_ids: list[list[int]] | None = field(default=None, repr=False)  # serving: each request's output
 
     @property
     def tok_s(self) -> float:
@@ -225,7 +226,7 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
     return Row(name or f"mini_engine {policy}", work.name, sum(len(o.token_ids) for o in outs), seconds,
                [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs], llm.engine.kv_cache_bytes,
                max(r.num_running for r in llm.engine.trace), sum(o.metrics.num_preemptions for o in outs),
-               compile_s)
+               compile_s, [list(o.token_ids) for o in outs])
 
 
 def run_serving_rung(model, tok, rung: str, work: ServingWorkload, batch: int, progress: bool = False,
@@ -311,5 +312,10 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     if eager and compiled:
         print_fn(f"mini_engine compiled-engine / continuous: {compiled.tok_s / eager.tok_s:.2f}x "
                  f"(compile {compiled.compile_s:.1f} s, once, not in the rate)")
+    if eager:  # a faster rung counts only if it said the same thing: greedy tokens, request by request
+        for r in rows:
+            if r is not eager and r.token_ids is not None:
+                same = sum(a == b for a, b in zip(r.token_ids, eager.token_ids))
+                print_fn(f"{r.system}: {same}/{len(r.token_ids)} requests with the same greedy tokens as continuous")
     print_floors(model, batch, rows, print_fn)
     return rows
