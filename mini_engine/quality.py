@@ -90,18 +90,20 @@ class Agreement:
 
 @torch.inference_mode()
 def greedy_agreement(model, reference, prompts: list[list[int]], max_new_tokens: int = 32,
-                     free_running: bool = False) -> Agreement:
+                     free_running: bool = False, reference_tokens: list[list[int]] | None = None) -> Agreement:
     """Teacher-forced greedy agreement of `model` with `reference` over `prompts` (token ids): see the module
-    docstring. free_running=True also decodes with `model` and records where each prompt's tokens first differ."""
+    docstring. free_running=True also decodes with `model` and records where each prompt's tokens first differ.
+    reference_tokens: the reference's greedy continuations when already known (`reference_greedy`)."""
     from .generate import generate_cached
     from .sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    if reference_tokens is None:
+        reference_tokens = reference_greedy(reference, prompts, max_new_tokens)
     matches = positions = 0
     worst = 0.0
     firsts = []
-    for prompt in prompts:
-        ref_tokens = generate_cached(reference, prompt, max_new_tokens, params)
+    for prompt, ref_tokens in zip(prompts, reference_tokens):
         seq = torch.tensor([prompt + ref_tokens], device=model.device)
         start = len(prompt) - 1  # logits at position i predict token i + 1
         ours = model(seq)[0, start:start + len(ref_tokens)].float()
@@ -113,3 +115,12 @@ def greedy_agreement(model, reference, prompts: list[list[int]], max_new_tokens:
             mine = generate_cached(model, prompt, max_new_tokens, params)
             firsts.append(next((i for i, (a, b) in enumerate(zip(mine, ref_tokens)) if a != b), None))
     return Agreement(matches, positions, worst, firsts)
+
+
+def reference_greedy(reference, prompts: list[list[int]], max_new_tokens: int = 32) -> list[list[int]]:
+    """The reference's greedy continuation of each prompt (EOS ignored, so every one has max_new_tokens)."""
+    from .generate import generate_cached
+    from .sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    return [generate_cached(reference, prompt, max_new_tokens, params) for prompt in prompts]

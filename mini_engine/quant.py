@@ -24,7 +24,8 @@ reads, so their pack and unpack are the identity.
 
 Products, chosen by measurement. Each quantized layer has several equal forms of its product (the same sums
 to rounding), timed on this machine per weight shape, row bucket and dtype by the autotuner (`autotune.TUNER`,
-op "quant_product"), as `products.Linear` does for float weights:
+ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack" pins one), as
+`products.Linear` does for float weights:
 - `dequant`: dequantize the weight in the activations' dtype, then F.linear (the plain form, and the only
   one on a GPU for int8);
 - `int4pack`: torch's packed int4 kernel, `_weight_int4pack_mm_for_cpu`, on bf16 activations (an fp32 model's
@@ -39,18 +40,31 @@ On a GPU an int4 layer runs the Triton W4A16 kernel (`kernels.quant_matmul`) on 
 Measured on the 2-core AMD EPYC (AVX-512, AVX-512 BF16) of this project's CI, torch 2.13, one thread (the
 machine was shared, so these are best-of-5; ratios are what matters), the model's 120 weight products of
 the layers chained (no LM head):
-    rows   fp32 F.linear   bf16 F.linear   int4pack (bf16 act.)   int8pack (bf16 act.)   int8pack (fp32 act.)
-      1       25.4 ms         15.2 ms           4.0 ms                  7.0 ms                 69.8 ms
-      4       34.6 ms         15.2 ms           6.1 ms                 11.3 ms                437 ms
-     16       88.3 ms         29.0 ms          21.6 ms                 24.7 ms               1155 ms
-     64      150 ms           40.4 ms          79.8 ms                 88.7 ms               4603 ms
-so at one row int4 reads its weights 6x faster than fp32, and past a few dozen rows a bf16 GEMM on weights
-dequantized on the fly can win: the tuner decides per row bucket.
+    rows   fp32 F.linear   bf16 F.linear   int4pack (fp32 x cast to bf16)   int8pack_bf16   int8pack (fp32 x)
+      1       25.4 ms         15.2 ms                4.3 ms                      7.0 ms           69.8 ms
+      4       34.6 ms         15.2 ms                6.5 ms                     11.3 ms          437 ms
+     16       88.3 ms         29.0 ms               21.6 ms                     24.7 ms         1155 ms
+     64      150 ms           40.4 ms               81.9 ms                     88.7 ms         4603 ms
+so at one row int4 runs the products 6x faster than fp32 (at about the memory bandwidth of one core: 66 MB
+of codes and scales in 4 ms), and past a few dozen rows a bf16 GEMM on weights dequantized on the fly can
+win: the tuner decides per row bucket.
 
 The tied embedding / LM head (SmolLM2 ties them; the GGUF stores the table as Q8_0: blocks of 32 int8 with an
-fp16 scale). It is a fifth of the model's weights and its product a fifth of a decode step's bytes. Measured
-(see `HEAD_CHOICES` and tests/engine/test_quant.py) against the fp32 model, body int4 in every row:
-HEAD_MEASUREMENTS_PLACEHOLDER
+fp16 scale, verified with gguf.GGUFReader: every decoder product is Q4_1, the embedding Q8_0, the norms F32).
+It is a fifth of the model's weights, read whole at every step by the LM head. Measured against the fp32
+(dequantized GGUF) model, the decoder int4 (Q4_1 repacked) in every row, perplexity on quality.PERPLEXITY_TEXT
+(342 tokens; fp32 53.84) and teacher-forced greedy agreement over quality.QUALITY_PROMPTS x 32 tokens:
+    head (and embedding)           perplexity        agreement   head bytes   model's weights (bf16 model: 269 MB)
+    float (the fp32 table)         53.73 (-0.2%)     98.0%       113 MB       180 MB
+    int8 per row (Q8_0 requant.)   54.19 (+0.6%)     97.7%       28.5 MB      94.9 MB (35.3%)
+    int4 groups of 32 (RTN)        58.97 (+9.5%)     83.2%       17.7 MB      84.2 MB (31.3%)
+int4 costs too much quality (the embedding's rows spread wider than the decoder's), fp32 too many bytes (the
+head alone would read more than the whole int4 decoder), so the head is int8 per row (`default_head`), one
+copy serving the LM head (`_weight_int8pack_mm`, bf16 activations) and the embedding lookup
+(`QuantEmbedding`). Memory: Q4_1's group of 32 costs 5 bits a weight (4-bit codes plus a 16-bit scale and
+zero per 32), so the decoder's products take 5/16 = 31.25% of their bf16 bytes with nothing else counted;
+with the int8 head the int4 model's weights are 35.3% of the bf16 model's (the GGUF file itself: 36.5%).
+Under 30% would take larger groups (re-quantizing the checkpoint) or a 4-bit head (the row above).
 """
 from __future__ import annotations
 
@@ -385,7 +399,7 @@ def _timing_states(layer: "QuantLinear", rows: int, dtype: torch.dtype):
 def choose_form(layer: "QuantLinear", rows: int, dtype: torch.dtype, tuner: Autotuner | None = None) -> str:
     """The tuned form for `rows` rows of `dtype` against this layer's shape and storage (timed on first use)."""
     bucket, meta = row_bucket(rows), layer.meta
-    key = (meta.kind, meta.out_features, meta.in_features, meta.group_size, bucket, str(dtype), "cpu")
+    key = (meta.out_features, meta.in_features, meta.group_size, bucket, str(dtype), "cpu")
 
     def candidates():
         x, states = _timing_states(layer, bucket, dtype)
@@ -397,7 +411,7 @@ def choose_form(layer: "QuantLinear", rows: int, dtype: torch.dtype, tuner: Auto
                 continue
             forms[name] = functools.partial(_walk, FORMS[name], x, states, meta)
         return forms
-    return (tuner or layer.tuner).choose("quant_product", key, candidates)
+    return (tuner or layer.tuner).choose(f"{meta.kind}_product", key, candidates)
 
 
 def _walk(form, x, states, meta):
