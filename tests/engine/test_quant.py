@@ -289,3 +289,19 @@ def test_tiny_model_quantized_at_load_runs_cached_compiled_and_in_the_engine(tin
     assert_greedy_match(model, prompt, compiled, eager, tol=0.26)
     out = me.LLM.from_model(model, None, max_model_len=64).generate([prompt], params, use_tqdm=False)[0]
     assert_greedy_match(model, prompt, out.token_ids, eager, tol=0.26)
+
+
+def test_bf16_activations(tiny_model):
+    """load_model(dtype="bfloat16", quantization="int4"): the activations (and the KV cache) in bf16, the same
+    quantized weights; the logits stay close to the fp32-activation model's."""
+    model = quant.quantize_model(copy.deepcopy(tiny_model(1)), "int4", head="int8")
+    ids = torch.tensor([[3, 17, 5, 99, 42, 7]])
+    fp32_logits = model(ids)
+    scales = model.lm_head.scales.clone()
+    model.to(torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and torch.equal(model.lm_head.scales, scales), "scales are not re-rounded"
+    logits = model(ids)
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), fp32_logits, rtol=0, atol=0.05 * fp32_logits.abs().max().item())
+    out = me.generate_cached(model, [3, 17, 5], 6, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert len(out) == 6
