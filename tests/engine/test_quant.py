@@ -305,3 +305,24 @@ def test_bf16_activations(tiny_model):
     torch.testing.assert_close(logits.float(), fp32_logits, rtol=0, atol=0.05 * fp32_logits.abs().max().item())
     out = me.generate_cached(model, [3, 17, 5], 6, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert len(out) == 6
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_folder_is_quantized_at_load(tmp_path, tied):
+    """An HF checkpoint (no Q4_1 blocks) is quantized when it loads, round to nearest; the quantized model then
+    computes exactly the float model whose weights are its dequantized ones (embedding included, tied or not)."""
+    pytest.importorskip("transformers")
+    from test_hf_equivalence import write_tiny_checkpoint  # tests/engine is on sys.path
+    write_tiny_checkpoint(tmp_path, 4, 2, tied, 10000.0, False)
+    qmodel, _ = me.load_model(str(tmp_path), quantization="int4")
+    model, _ = me.load_model(str(tmp_path))
+    pin_forms(qmodel, Autotuner(forced={"int4_product": "dequant", "int8_product": "dequant"}))
+    with torch.no_grad():
+        for name, module in qmodel.named_modules():
+            if isinstance(module, quant.QuantLinear) and name != "embed_tokens.table":
+                model.get_submodule(name).weight.copy_(module.dequantize())
+        if not tied:
+            model.embed_tokens.weight.copy_(qmodel.embed_tokens.table.dequantize())
+    assert isinstance(qmodel.layers[1].mlp.down_proj, quant.Int4Linear) and qmodel.embed_tokens.tied == tied
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(qmodel(ids), model(ids), rtol=1e-5, atol=1e-5)
