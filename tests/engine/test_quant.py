@@ -326,3 +326,22 @@ def test_hf_folder_is_quantized_at_load(tmp_path, tied):
     assert isinstance(qmodel.layers[1].mlp.down_proj, quant.Int4Linear) and qmodel.embed_tokens.tied == tied
     ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(qmodel(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_mode_is_checked(tiny_model):
+    with pytest.raises(ValueError, match="compile must be False, True or 'cpp'"):
+        me.generate_cached(tiny_model(0), [1, 2], 2, compile="fast")
+
+
+@pytest.mark.slow
+def test_compiled_with_the_cpp_wrapper_per_model(tiny_model, assert_greedy_match):
+    """compile="cpp" (C++ wrapper, no guards on the model's modules): each model gets a graph of its own, so two
+    models with the same shapes, one quantized, never share one. The first C++-wrapper compile on a machine
+    builds Inductor's headers: a minute or two."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [3, 17, 5, 99]
+    plain = tiny_model(0)
+    quantized = pin_forms(quant.quantize_model(copy.deepcopy(plain), "int4", head="int8"))
+    for model in (plain, quantized, plain):
+        eager = me.generate_cached(model, prompt, 8, params)
+        assert_greedy_match(model, prompt, me.generate_cached(model, prompt, 8, params, compile="cpp"), eager, tol=0.26)
