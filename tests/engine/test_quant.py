@@ -345,3 +345,13 @@ def test_compiled_with_the_cpp_wrapper_per_model(tiny_model, assert_greedy_match
     for model in (plain, quantized, plain):
         eager = me.generate_cached(model, prompt, 8, params)
         assert_greedy_match(model, prompt, me.generate_cached(model, prompt, 8, params, compile="cpp"), eager, tol=0.26)
+
+
+def test_a_quantized_draft_is_named_in_the_speculative_config():
+    from mini_engine.engine_config import SpeculativeConfig
+    spec = SpeculativeConfig.parse({"method": "draft", "model": "smollm2-135m", "quantization": "int4", "k": 3})
+    assert spec.quantization == "int4" and spec.as_dict()["quantization"] == "int4"
+    with pytest.raises(ValueError, match=r"speculative\['quantization'\] must be one of"):
+        SpeculativeConfig.parse({"method": "draft", "model": "smollm2-135m", "quantization": "int2"})
+    with pytest.raises(ValueError, match="applies when speculative\\['model'\\] is a name or path"):
+        SpeculativeConfig.parse({"method": "draft", "model": object(), "quantization": "int4"})
