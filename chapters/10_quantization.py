@@ -66,11 +66,11 @@ import mini_engine as me
 from mini_engine import formulas, quality
 from mini_engine.devices import default_device, pick
 from mini_engine.engine import LLM
-from mini_engine.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings
+from mini_engine.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings, tune_products
 from mini_engine.quant import from_scales_and_zeros, quantize_int4, weight_bytes
 
 device = default_device()
-act_dtype = "float32" if device == "cpu" else "bfloat16"  # the activations' dtype of the quantized models
+act_dtype = "bfloat16"  # the quantized models' activations: W8A16 and W4A16, the "16" is the activations' bits
 VARIANTS = {  # name -> load_model arguments (bf16 is the fp32 model's copy, cast)
     "fp32": dict(dtype="float32"),
     "int8": dict(dtype=act_dtype, quantization="int8"),
@@ -84,7 +84,7 @@ models = {"fp32": models["fp32"], "bf16": copy.deepcopy(models["fp32"]).to(torch
 NEW = pick(32, 128, device)    # tokens per single-stream run
 BATCH, BATCH_NEW = 16, pick(16, 64, device)
 print(describe_machine(device))
-print(f"device: {device}; the quantized models compute with {act_dtype} activations")
+print(f"device: {device}; the quantized models compute with {act_dtype} activations, like the bf16 model")
 print(models["int4"].layers[0].self_attn.qkv_proj)
 
 # %% [markdown]
@@ -130,8 +130,7 @@ print(f"measured: {ceil.peak_bw / 1e9:.1f} GB/s, {roof['peak_flops'] / 1e9:.0f} 
       f"{ceil.peak_flops / 1e9:.0f}); ridge point {roof['peak_flops'] / ceil.peak_bw:.1f} FLOP/byte")
 bits_of = {"fp32": 32, "bf16": 16, "int8": formulas.bits_per_weight(8, 576, 16),
            "int4": formulas.bits_per_weight(4, 32, 16, 16)}
-act_bytes = {"fp32": 4, "bf16": 2, "int8": 4 if act_dtype == "float32" else 2}
-act_bytes["int4"] = act_bytes["int8"]
+act_bytes = {"fp32": 4, "bf16": 2, "int8": 2, "int4": 2}  # the K/V cache and activations
 ceilings = {}
 print(f"{'weights':<8}{'bits':>6}{'MB/token, b=1':>15}{'tok/s ceiling, b=1':>20}{'bound':>9}{'b=16':>8}{'bound':>9}")
 for name, bits in bits_of.items():
@@ -248,8 +247,11 @@ for name, w in grids.items():
 # Four copies of the model: fp32 and bf16 (all weights in that dtype), int8 (every product's weights as int8
 # with one scale per row, quantized at load from the fp32 weights) and int4 (the GGUF's Q4_1 codes repacked;
 # the tied embedding / LM head is int8 per row in both quantized models, see `mini_engine/quant.py`). The
-# quantized models keep their activations in fp32 on a CPU; their products run torch's packed int4 / int8
-# kernels, chosen per row count by the autotuner as the float products are.
+# quantized models compute in bf16 like the bf16 model, so the bf16 row and theirs differ only in how the
+# weights are stored (with fp32 activations they cast them to bf16 for the packed kernels anyway: `load_model(...,
+# dtype="float32", quantization="int4")` is what `python -m mini_engine bench --quantization int4` runs). Their
+# products run torch's packed int4 / int8 kernels, chosen per row count by the autotuner as the float products
+# are.
 #
 # Speed: decode tok/s of one stream (tokens after the first, greedy) and the serving engine's tok/s for 16
 # requests at once (prefill included). Quality: perplexity on the course's fixed text (`quality.PERPLEXITY_TEXT`)
@@ -351,15 +353,19 @@ else:
 #   norms, sampling and Python's bookkeeping per step are not quantized, and they are a larger share of a
 #   faster step (Amdahl's law). bf16 sits in between; on CPUs without bf16 arithmetic it can even be slower
 #   than fp32.
-# - **Batch 16** gains much less, or nothing: as the ceilings of section 1 predicted, 16 rows make a CPU step
-#   compute-bound, and torch's int4 CPU kernel dequantizes every weight tile again for every few rows of
-#   activations, so it does *more* arithmetic than an fp32 GEMM. The Triton kernel of
-#   `mini_engine/kernels/quant_matmul.py` dequantizes a tile once for 16 to 64 rows, and a GPU's ridge point is
-#   far higher, so on a GPU int4 keeps paying at batch 16.
-# - **Quality**: int8 per row is almost lossless. int4's perplexity and agreement are against the dequantized
-#   fp32 model, which holds *the same 4-bit values*; the small differences come from the bf16 scales and the
-#   bf16 activations the packed kernels take, and from the int8 head. What 4 bits cost against the original
-#   bf16 checkpoint cannot be measured here: that checkpoint is not in the GGUF.
+# - **Batch 16**: int4 gains much less, or nothing. As the ceilings of section 1 predicted, 16 rows make a CPU
+#   step compute-bound, and torch's int4 CPU kernel dequantizes every weight tile again for every few rows of
+#   activations, so at 16 rows it does *more* work than a float GEMM. int8's packed kernel may hold up better
+#   (compare its row): once the arithmetic, not the bytes, sets the speed, which format wins is a fact about
+#   the kernels and this CPU, not about the bits. The Triton kernel of `mini_engine/kernels/quant_matmul.py`
+#   dequantizes a tile once for 16 to 64 rows, and a GPU's ridge point is far higher, so on a GPU int4 keeps
+#   paying at batch 16.
+# - **Quality**: int4 keeps the checkpoint's own 4-bit codes, so against the dequantized fp32 model (which holds
+#   the same values) it differs only by the bf16 scales, the bf16 activations (compare the bf16 row) and the
+#   int8 head. int8 per row can come out *worse* than int4 here: it re-quantizes weights that sat on 4-bit
+#   grids of 32 with one scale for a whole row, and its 255 levels do not include the old ones. More bits do
+#   not guarantee less error; the grid has to fit the weights. What 4 bits cost against the original bf16
+#   checkpoint cannot be measured here: that checkpoint is not in the GGUF.
 #
 # ## 4. NF4, AWQ and GPTQ: what each one changes
 #
@@ -436,8 +442,8 @@ for k, v in seed_vs_here:
 # %% [markdown]
 # The seed's range falls out of the roofline: close to 4× against fp16 while the weights dominate the bytes
 # (batch 1, short contexts), about 2× once the batch's KV reads are as large as the weights. Measured here,
-# against fp32 (8 bytes → 5/8 of a byte per weight after the scales), batch 1 gains a multiple in that range or
-# above it, and batch 16 does not: a CPU step of 16 rows is compute-bound, where the roofline promises
+# against fp32 (4 bytes → 5/8 of a byte per weight with the scales) and bf16, batch 1 gains a multiple in or near
+# that range, and batch 16 does not: a CPU step of 16 rows is compute-bound, where the roofline promises
 # quantization nothing. On a GPU, whose ridge point is some 50 times higher, batch 16 is still memory-bound and
 # the gain holds. That is the honest reading of "on top": quantization multiplies with the serving stack while
 # steps stay memory-bound, and as batching makes them compute-bound, the weights' bytes stop being the cost.
@@ -488,6 +494,8 @@ from mini_engine.speculative import DraftModelProposer
 
 target, draft = models["fp32"], models["int4"]
 spec_prompt = prompts[2]
+for m in (target, draft):  # a verify pass runs k + 1 = 5 rows, a draft's catch-up 1-2: tune them off the clock
+    tune_products(m, [1, 2, 4, 8])
 plain_s = 1 / decode_tok_s(target, spec_prompt, NEW)
 stamps = []
 spec_out, spec_stats = me.generate_speculative(
@@ -504,13 +512,13 @@ print(f"same tokens as plain greedy: {spec_out == me.generate_cached(target, spe
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# α is high (0.9 or more): the int4 model agrees with the fp32 one on almost every greedy choice, as the
-# agreement column said. The gain is modest: a draft step still costs a third or more of a target step (the
-# parts of a step that quantization does not shrink), four of them per round add up to more than one target
-# pass, and the verify pass over five tokens costs a little more than one step. The formula with the measured
-# draft cost says how much is left; a draft 10 to 50 times cheaper than its target, the usual advice, is what
-# makes speculation pay. A quantized draft pays off when the target is large and memory-bound (a 70B target
-# with its own int4 copy, or a small model's int4 copy, as the draft).
+# α is near 1: the int4 model agrees with the fp32 one on almost every greedy choice, as the agreement column
+# said. The speedup is then set by the cost of a round: k draft steps at c = (int4 step / fp32 step) each plus
+# one verify pass, so at most (k + 1) / (1 + k·c), the formula printed above. The measured figure falls short
+# of it by the verify pass's extra cost (five rows through a CPU's products cost more than one, chapter 06) and
+# the draft's own bookkeeping. Against chapter 06's bf16 draft, the int4 draft is the better one on both
+# counts: it agrees as often and costs a fraction of a step. A quantized copy of the target is a natural draft:
+# the same tokenizer, α near 1, and a cost set by its bits.
 # </details>
 #
 # **2. Group size.** Load the model with int4 groups of 64 instead of 32, quantized at load (round to nearest)
@@ -529,12 +537,13 @@ del g64
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# The decoder shrinks from 5 to 4.5 bits a weight (a bf16 scale and zero per 64), a tenth of its bytes. Quality
-# drops more than that: each new group of 64 must cover two Q4_1 groups with a single grid, and neighbouring
-# groups' ranges differ (the scale map of section 2), so weights move off the levels they were stored on; the
-# relative error of section 2 went from 0 to about 9% of the weights' size. This is the trade GPTQ and AWQ
-# exist for: at groups of 64 or 128 they recover much of what round to nearest loses, with calibration data
-# this course does not use.
+# The decoder shrinks from 5 to 4.5 bits a weight (a bf16 scale and zero per 64), a tenth of its bytes, and the
+# quality falls sharply (perplexity up by about a third and agreement under 80% in our run): each new group of
+# 64 must cover two Q4_1 groups with one grid, and neighbouring groups' ranges differ (the scale map of
+# section 2), so weights move off the levels they were stored on; section 2's relative error went from 0 to 9%
+# of the weights' size. Re-quantizing an already quantized checkpoint is the worst case for round to nearest.
+# This is the trade GPTQ and AWQ exist for: at groups of 64 or 128 they recover much of what round to nearest
+# loses, with calibration data this course does not use.
 # </details>
 #
 # **3. The LM head.** The tied embedding / LM head is 28.3M of the 134.5M weights and is read whole at every
