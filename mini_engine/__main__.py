@@ -25,7 +25,7 @@ def _stream_printer(tok):
 
 def cmd_generate(args) -> None:
     import mini_engine as me
-    model, tok = me.load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tok = me.load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
     params = me.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                max_tokens=args.max_tokens, seed=args.seed)
@@ -46,7 +46,7 @@ def cmd_generate(args) -> None:
 def cmd_demo(args) -> None:
     import mini_engine as me
     t0 = time.perf_counter()
-    model, tok = me.load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tok = me.load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
     print(f"loaded {args.model}: {model.config.num_params / 1e6:.1f}M parameters, "
           f"{model.config.num_layers} layers, on {args.device} ({args.dtype}) in {time.perf_counter() - t0:.1f} s")
     question = "What is the capital of France? Answer in one sentence."
@@ -65,6 +65,9 @@ def cmd_bench(args) -> None:
     rungs = args.rung or []
     serving = [r for r in rungs if r in SERVING_RUNGS]
     single = [r for r in rungs if r in SINGLE_STREAM_RUNGS]
+    if args.quantization and (args.ladder or args.workload in ("paging", "prefix", "speculative", "server")):
+        raise ValueError(f"--quantization adds rows to the single and serving workloads, not "
+                         f"{'--ladder' if args.ladder else '--workload ' + args.workload}")
     if args.ladder or args.workload == "server":
         for name in ("requests", "batch", "sample", "tokens"):
             value = getattr(args, name)
@@ -117,10 +120,10 @@ def cmd_bench(args) -> None:
         if args.requests < 1 or args.batch < 1:
             raise ValueError("--requests and --batch must be >= 1")
         bench_serving(serving or list(DEFAULT_SERVING_RUNGS), args.requests, args.batch, args.device, args.dtype,
-                      with_hf=not args.no_hf, kv_cache=args.kv_cache)
+                      with_hf=not args.no_hf, kv_cache=args.kv_cache, quantization=args.quantization)
     else:
         bench(single or list(SINGLE_STREAM_RUNGS), args.tokens, args.device, args.dtype, with_hf=not args.no_hf,
-              hf_dtype=args.hf_dtype)
+              hf_dtype=args.hf_dtype, quantization=args.quantization)
 
 
 def cmd_serve(args) -> None:
@@ -128,7 +131,8 @@ def cmd_serve(args) -> None:
     from .server import ServerConfig, serve
     config = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                           max_waiting=args.max_waiting)  # checked before the weights load
-    llm = me.LLM(args.model, device=args.device, dtype=args.dtype, kv_cache=args.kv_cache,
+    llm = me.LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                 kv_cache=args.kv_cache,
                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                  enable_prefix_caching=args.enable_prefix_caching)
     print(llm, flush=True)
@@ -156,6 +160,9 @@ def main(argv=None) -> None:
     common.add_argument("--model", default="smollm2-135m", help="embedded name, .gguf file or HF folder")
     common.add_argument("--device", default=default_device())
     common.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    common.add_argument("--quantization", default=None, choices=["int4", "int8"],
+                        help="weight-only quantized products (int4: the GGUF's Q4_1 blocks repacked; chapter 10); "
+                             "bench: the quantized rows beside the float ones")
     sub.add_parser("demo", parents=[common], help="load the embedded model and chat, naive vs cached")
     g = sub.add_parser("generate", parents=[common], help="stream a chat answer")
     g.add_argument("prompt")

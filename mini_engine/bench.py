@@ -6,6 +6,11 @@ Two workloads: one chat prompt streamed by one request (rungs `naive`, `cached`,
 with prompt and output lengths uniform in a range, ignore_eos, served by our engine under each policy and by HF
 transformers' static batched `generate`. Compiling is a one-time cost, like vLLM's CUDA-graph capture: it is
 done before a compiled row's clock starts, and printed apart.
+
+`quantization="int4"` (or "int8", chapter 10) adds the quantized model's rows beside the float ones in the same
+run: one stream cached, compiled and compiled with the C++ wrapper, and llama.cpp (llama-cpp-python, when it is
+installed) decoding the same GGUF file with the same prompt tokens and thread count; on the serving workload,
+each rung with the quantized model.
 """
 from __future__ import annotations
 
@@ -52,16 +57,20 @@ def _single_stream(name, workload, fn, device) -> Row:
     return Row(name, workload, len(out), timer.e2e_s, [timer.ttft_s], [timer.tpot_s])
 
 
-def run_mini(model, rung: str, prompt: list[int], new_tokens: int, print_fn=print) -> Row:
+def run_mini(model, rung: str, prompt: list[int], new_tokens: int, print_fn=print, label: str = "") -> Row:
+    """One stream of `rung` ("naive", "cached", "compiled" or "compiled-cpp": the C++-wrapper graph); `label`
+    names the weights in the row (e.g. "int4")."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     loop = {"naive": generate_naive, "cached": generate_cached,
-            "compiled": functools.partial(generate_cached, compile=True)}[rung]
-    if rung == "compiled":  # compiling is a one-time cost, like vLLM's CUDA-graph capture: timed apart
+            "compiled": functools.partial(generate_cached, compile=True),
+            "compiled-cpp": functools.partial(generate_cached, compile="cpp")}[rung]
+    name = f"mini_engine {label + ' ' if label else ''}{rung}"
+    if rung.startswith("compiled"):  # compiling is a one-time cost, like vLLM's CUDA-graph capture: timed apart
         t0 = time.perf_counter()
         loop(model, prompt, 2, SamplingParams(max_tokens=2, ignore_eos=True))
-        print_fn(f"mini_engine compiled: the first call compiled the decode step in {time.perf_counter() - t0:.1f} s "
+        print_fn(f"{name}: the first call compiled the decode step in {time.perf_counter() - t0:.1f} s "
                  "(not in its row)")
-    row = _single_stream(f"mini_engine {rung}", f"1 x {len(prompt)}+{new_tokens}",
+    row = _single_stream(name, f"1 x {len(prompt)}+{new_tokens}",
                          lambda cb: loop(model, prompt, new_tokens, params, on_token=cb), str(model.device))
     if rung != "naive":
         from .formulas import kv_cache_bytes
@@ -105,6 +114,45 @@ def run_hf(hf, prompt: list[int], new_tokens: int, use_cache: bool) -> Row:
                timer.e2e_s, [timer.ttft_s], [timer.tpot_s])
 
 
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_llama_cpp(prompt: list[int], new_tokens: int, threads: int | None = None, repeats: int = 2) -> Row:
+    """llama.cpp (llama-cpp-python) on the embedded GGUF file itself, greedy (top_k=1), the same prompt token
+    ids (the GGUF's vocabulary is ours), `threads` threads for prefill and decode (default: torch's). The best
+    of `repeats` runs after a warm-up, as our rows are measured after theirs."""
+    import llama_cpp
+
+    from .loader import embedded_gguf_path
+    threads = threads or torch.get_num_threads()
+    llm = llama_cpp.Llama(model_path=str(embedded_gguf_path()), n_threads=threads, n_threads_batch=threads,
+                          n_ctx=max(512, len(prompt) + new_tokens + 8), verbose=False)
+
+    def once(n):
+        timer = TokenTimer("cpu").begin()
+        out = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # never stops by itself (no EOS check)
+            timer.on_token()
+            out.append(token)
+            if len(out) == n:
+                break
+        return out, timer
+    once(4)
+    best = None
+    for _ in range(repeats):
+        out, timer = once(new_tokens)
+        if best is None or timer.e2e_s < best[1].e2e_s:
+            best = (out, timer)
+    out, timer = best
+    return Row(f"llama.cpp Q4_1 GGUF ({threads} thr)", f"1 x {len(prompt)}+{new_tokens}", len(out), timer.e2e_s,
+               [timer.ttft_s], [timer.tpot_s])
+
+
 def format_table(rows: list[Row], baseline: Row | None) -> str:
     head = (f"{'system':<30} {'workload':<18} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
             f"{'TPOT p50':>9} {'TPOT p99':>9} {'peak KV':>9} {'ratio':>7}")
@@ -120,8 +168,11 @@ def format_table(rows: list[Row], baseline: Row | None) -> str:
 
 
 def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: bool = True, warmup: bool = True,
-          hf_dtype: str | None = None, print_fn=print) -> list[Row]:
-    """Single stream: HF transformers (in `hf_dtype`, default the same dtype) then our rungs, one prompt."""
+          hf_dtype: str | None = None, print_fn=print, quantization: str | None = None,
+          with_llama_cpp: bool = True) -> list[Row]:
+    """Single stream: HF transformers (in `hf_dtype`, default the same dtype) then our rungs, one prompt. With
+    `quantization`, the quantized model's cached and compiled rows follow (its compiled rung also with the C++
+    wrapper), then llama.cpp on the same GGUF when llama-cpp-python is installed (`with_llama_cpp`)."""
     from .loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
@@ -145,6 +196,24 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
             del hf
     for rung in rungs:
         rows.append(run_mini(model, rung, prompt, new_tokens, print_fn))
+    float_rows = rows[len(rows) - len(rungs):]
+    quant_rows = []
+    if quantization is not None:
+        qmodel, _ = load_model("smollm2-135m", device=device, dtype=dtype, quantization=quantization)
+        if warmup:
+            tune_products(qmodel, (1, len(prompt)))
+            generate_cached(qmodel, prompt, 4, SamplingParams(max_tokens=4, ignore_eos=True))
+        qrungs = [r for r in rungs if r != "naive"]
+        if "compiled" in qrungs and device == "cpu":
+            qrungs.append("compiled-cpp")
+        quant_rows = [run_mini(qmodel, rung, prompt, new_tokens, print_fn, label=quantization) for rung in qrungs]
+        rows += quant_rows
+        if with_llama_cpp and device == "cpu":
+            if llama_cpp_available():
+                rows.append(run_llama_cpp(prompt, new_tokens))
+            else:
+                print_fn("llama-cpp-python is not installed: no llama.cpp row (pip install llama-cpp-python builds "
+                         "it from source in about five minutes)")
     baseline = rows[0] if rows else None
     print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} "
@@ -162,16 +231,43 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     cached, compiled = by_name.get("mini_engine cached"), by_name.get("mini_engine compiled")
     if cached and compiled:
         print_fn(f"mini_engine compiled / mini_engine cached: {compiled.tok_s / cached.tok_s:.2f}x")
-    print_floors(model, 1, rows[len(rows) - len(rungs):], print_fn)
+    if quant_rows:
+        print_quantized(model, qmodel, quant_rows, float_rows, by_name, dtype, print_fn)
+    print_floors(model, 1, float_rows, print_fn)
+    if quant_rows:
+        print_floors(qmodel, 1, quant_rows, print_fn)
     print_fn("forms measured fastest on this machine (autotune; MINI_ENGINE_FORMS pins them):\n"
              + format_tuned_forms())
     return rows
 
 
+def print_quantized(model, qmodel, quant_rows: list[Row], float_rows: list[Row], by_name: dict, dtype: str,
+                    print_fn=print) -> None:
+    """The quantized rows against HF cached, our float rows and llama.cpp; the weights' bytes against bf16's."""
+    from .quant import weight_bytes
+    hf = by_name.get("HF transformers (cached)")
+    llama = next((r for r in by_name.values() if r.system.startswith("llama.cpp")), None)
+    floats = {r.system.removeprefix("mini_engine "): r for r in float_rows}
+    for r in quant_rows:
+        rung = r.system.split()[-1]
+        parts = [f"{r.system}: {r.tok_s:.1f} tok/s"]
+        if hf:
+            parts.append(f"{r.tok_s / hf.tok_s:.2f}x HF cached ({hf.tok_s:.1f})")
+        if llama:
+            parts.append(f"{r.tok_s / llama.tok_s:.2f}x llama.cpp ({llama.tok_s:.1f})")
+        same = floats.get(rung) or floats.get(rung.removesuffix("-cpp"))
+        if same:
+            parts.append(f"{r.tok_s / same.tok_s:.2f}x mini_engine {dtype} {same.system.split()[-1]}")
+        print_fn(", ".join(parts))
+    ours, bf16 = weight_bytes(qmodel), weight_bytes(model) * 2 // model.dtype.itemsize
+    print_fn(f"weights: {qmodel.quantization} model {ours / 2**20:.1f} MiB = {100 * ours / bf16:.1f}% of the bf16 "
+             f"model's {bf16 / 2**20:.1f} MiB (the {model.dtype} model here: {weight_bytes(model) / 2**20:.1f} MiB)")
+
+
 def print_floors(model, batch: int, rows: list[Row], print_fn=print) -> None:
     """Each row as a fraction of the matmul floor: the engine's own products, and F.linear's (HF's form)."""
     ours, plain = matmul_floor_tok_s(model, batch), matmul_floor_tok_s(model, batch, plain=True)
-    dtype = str(model.dtype).removeprefix("torch.")
+    dtype = str(model.dtype).removeprefix("torch.") + (f", {model.quantization} weights" if model.quantization else "")
     print_fn(f"{dtype} matmul floor at batch {batch} (the weight products alone, chained): {ours:.1f} tok/s with "
              f"the engine's products, {plain:.1f} tok/s with F.linear")
     for r in rows:
@@ -230,13 +326,14 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
 
 
 def run_serving_rung(model, tok, rung: str, work: ServingWorkload, batch: int, progress: bool = False,
-                     print_fn=print, **engine_kwargs) -> Row:
+                     print_fn=print, name: str | None = None, **engine_kwargs) -> Row:
     """A serving rung: a scheduling policy, or `compiled-engine` (continuous, compile=True)."""
+    name = name or f"mini_engine {rung}"
     if rung != "compiled-engine":
-        return run_engine(model, tok, rung, work, batch, progress=progress, **engine_kwargs)
-    row = run_engine(model, tok, "continuous", work, batch, name="mini_engine compiled-engine", progress=progress,
-                     compile=True, **engine_kwargs)
-    print_fn(f"mini_engine compiled-engine: compiling the decode graphs (one per batch-size bucket up to {batch}) "
+        return run_engine(model, tok, rung, work, batch, name=name, progress=progress, **engine_kwargs)
+    row = run_engine(model, tok, "continuous", work, batch, name=name, progress=progress, compile=True,
+                     **engine_kwargs)
+    print_fn(f"{name}: compiling the decode graphs (one per batch-size bucket up to {batch}) "
              f"took {row.compile_s:.1f} s before its run (not in its row)")
     return row
 
@@ -276,9 +373,10 @@ def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int
 
 def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtype: str, with_hf: bool = True,
                   low: int = 16, high: int = 256, print_fn=print, progress: bool = True,
-                  kv_cache: str = "paged") -> list[Row]:
+                  kv_cache: str = "paged", quantization: str | None = None) -> list[Row]:
     """The serving workload on every rung (our engine on `kv_cache`: chapter 04 ran it on "contiguous"), and
-    HF transformers' static batches first unless with_hf=False."""
+    HF transformers' static batches first unless with_hf=False; with `quantization`, each rung again with the
+    quantized model, in the same run."""
     from .formulas import kv_bytes_per_token
     from .loader import load_model
 
@@ -301,7 +399,17 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
             run_hf_static(hf, warm, batch, per_token)
             rows.append(run_hf_static(hf, work, batch, per_token, progress))
             del hf
-    rows += [run_serving_rung(model, tok, rung, work, batch, progress, print_fn, kv_cache=kv_cache) for rung in rungs]
+    float_rows = [run_serving_rung(model, tok, rung, work, batch, progress, print_fn, kv_cache=kv_cache)
+                  for rung in rungs]
+    rows += float_rows
+    quant_rows = []
+    if quantization is not None:
+        qmodel, _ = load_model("smollm2-135m", device=device, dtype=dtype, quantization=quantization)
+        tune_products(qmodel, [1 << i for i in range(9)])
+        run_engine(qmodel, tok, "continuous", warm, batch, kv_cache=kv_cache)
+        quant_rows = [run_serving_rung(qmodel, tok, rung, work, batch, progress, print_fn, kv_cache=kv_cache,
+                                       name=f"mini_engine {quantization} {rung}") for rung in rungs]
+        rows += quant_rows
     print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} workload: {requests} requests, "
              f"prompt and output lengths uniform in {low}-{high} (seed 0), ignore_eos, batch {batch}, "
@@ -313,9 +421,13 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
         print_fn(f"mini_engine compiled-engine / continuous: {compiled.tok_s / eager.tok_s:.2f}x "
                  f"(compile {compiled.compile_s:.1f} s, once, not in the rate)")
     if eager:  # a faster rung counts only if it said the same thing: greedy tokens, request by request
-        for r in rows:
-            if r is not eager and r.token_ids is not None:
+        for r in float_rows:
+            if r is not eager:
                 same = sum(a == b for a, b in zip(r.token_ids, eager.token_ids))
                 print_fn(f"{r.system}: {same}/{len(r.token_ids)} requests with the same greedy tokens as continuous")
-    print_floors(model, batch, rows, print_fn)
+    for f, q in zip(float_rows, quant_rows):
+        print_fn(f"{q.system} / {f.system} ({dtype}): {q.tok_s / f.tok_s:.2f}x")
+    print_floors(model, batch, float_rows, print_fn)
+    if quant_rows:
+        print_floors(qmodel, batch, quant_rows, print_fn)
     return rows

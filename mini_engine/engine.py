@@ -176,11 +176,16 @@ class LLMEngine:
     """Step-level engine: `add_request` at any time, `step()` until `has_unfinished()` is False."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+        quantized = getattr(model, "quantization", None)
         config = config or EngineConfig(model="(in-memory model)", device=str(model.device),
-                                        dtype=_dtype_name(model.dtype))
+                                        dtype=_dtype_name(model.dtype), quantization=quantized)
         if torch.device(config.device).type != model.device.type or config.dtype != _dtype_name(model.dtype):
             raise ValueError(f"config asks for device={config.device!r} dtype={config.dtype!r} but the model is on "
                              f"{model.device} in {_dtype_name(model.dtype)}")
+        if config.quantization != quantized:
+            raise ValueError(f"config asks for quantization={config.quantization!r} but the model's weights are "
+                             f"{quantized or 'float'}: load it with load_model(..., quantization="
+                             f"{config.quantization!r}) first")
         self.config = config.resolved(str(model.device), model.config.max_position_embeddings)
         self.model, self.tokenizer = model, tokenizer
         c = self.config
@@ -218,7 +223,7 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model, tokenizer=None, **engine_kwargs) -> "LLMEngine":
         kwargs = {"model": "(in-memory model)", "device": str(model.device), "dtype": _dtype_name(model.dtype),
-                  **engine_kwargs}
+                  "quantization": getattr(model, "quantization", None), **engine_kwargs}
         return cls(model, tokenizer, EngineConfig(**kwargs))
 
     def __repr__(self) -> str:
@@ -236,8 +241,9 @@ class LLMEngine:
         if self.runner.compiled is not None:
             buckets = ", ".join(map(str, self.runner.compiled.buckets))
             compiled = f", compiled decode steps (batch buckets {buckets})"
+        weights = f", {c.quantization} weights" if c.quantization else ""
         return (f"LLMEngine(scheduling={c.scheduling}, {cache}, chunked prefill {chunking}, "
-                f"attention={c.attention_backend}{spec}{compiled}, {c.device} {c.dtype})")
+                f"attention={c.attention_backend}{spec}{compiled}, {c.device} {c.dtype}{weights})")
 
     @property
     def compile_seconds(self) -> float:
@@ -258,7 +264,7 @@ class LLMEngine:
         if isinstance(draft, (str, os.PathLike)):
             from .loader import load_model
             draft, _ = load_model(str(draft), device=str(self.model.device),
-                                  dtype=spec.dtype or _dtype_name(self.model.dtype))
+                                  dtype=spec.dtype or _dtype_name(self.model.dtype), quantization=spec.quantization)
         elif spec.dtype is not None and _dtype_name(draft.dtype) != spec.dtype:
             raise ValueError(f"speculative['dtype']={spec.dtype!r} but the draft model given is in "
                              f"{_dtype_name(draft.dtype)}")
@@ -542,14 +548,16 @@ class LLM:
         llm = LLM("smollm2-135m", max_num_seqs=16)
         outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
 
-    `LLM.from_model(model, tokenizer, **engine_kwargs)` serves weights already in memory."""
+    `LLM.from_model(model, tokenizer, **engine_kwargs)` serves weights already in memory.
+    `quantization="int4"` or `"int8"` loads the model with weight-only quantized products (quant.py); a model
+    already quantized (`load_model(..., quantization=...)`) is served as it is by `from_model`."""
 
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
                  kv_cache: str = "paged", block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool | None = None, chunked_prefill_tokens: int | None = 512,
                  scheduling: str = "continuous", speculative: dict | None = None, attention_backend: str = "auto",
-                 compile: bool = False, **engine_kwargs):
+                 compile: bool = False, quantization: str | None = None, **engine_kwargs):
         from .loader import load_model
 
         config = EngineConfig(  # checked before the weights load
@@ -557,8 +565,8 @@ class LLM:
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, chunked_prefill_tokens=chunked_prefill_tokens,
             scheduling=scheduling, speculative=speculative, attention_backend=attention_backend, compile=compile,
-            **engine_kwargs)
-        weights, tokenizer = load_model(model, device=device, dtype=dtype)
+            quantization=quantization, **engine_kwargs)
+        weights, tokenizer = load_model(model, device=device, dtype=dtype, quantization=quantization)
         self.engine = LLMEngine(weights, tokenizer, config)
 
     @classmethod

@@ -21,6 +21,7 @@ PAGED_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+QUANTIZATIONS = ("int4", "int8")  # weight-only (quant.py); None: float weights
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,11 @@ class SpeculativeConfig:
     model: object = None
     dtype: str | None = None
     adaptive: bool = True
+    quantization: str | None = None  # draft: load a named model quantized ("int4", "int8"; chapter 10)
 
     # Keys each method reads: any other key is a typo the user should hear about, not silently ignored.
     KEYS = {"ngram": ("method", "k", "ngram_min", "ngram_max", "adaptive"),
-            "draft": ("method", "k", "model", "dtype", "adaptive")}
+            "draft": ("method", "k", "model", "dtype", "adaptive", "quantization")}
 
     @classmethod
     def parse(cls, spec) -> "SpeculativeConfig":
@@ -79,6 +81,12 @@ class SpeculativeConfig:
                 raise ValueError("speculative['model'] is required for method 'draft' (a name, a path, or a model)")
             if self.dtype is not None and self.dtype not in DTYPES:
                 raise ValueError(f"speculative['dtype'] must be one of {DTYPES} or None, got {self.dtype!r}")
+            if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"speculative['quantization'] must be one of {QUANTIZATIONS} or None, "
+                                 f"got {self.quantization!r}")
+            if self.quantization is not None and not isinstance(self.model, str):
+                raise ValueError("speculative['quantization'] applies when speculative['model'] is a name or path "
+                                 "to load; quantize a model in memory with load_model(..., quantization=...)")
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in self.KEYS[self.method]}
@@ -99,6 +107,7 @@ class EngineConfig:
     scheduling: str = "continuous"
     speculative: dict | SpeculativeConfig | None = None  # see SpeculativeConfig; a dict is parsed into one
     attention_backend: str = "auto"
+    quantization: str | None = None     # "int4" | "int8": weight-only quantized model (chapter 10); dtype: activations
     dynamic_bucket_width: int = 64      # scheduling="dynamic": prompt-length bucket, in tokens
     dynamic_timeout_s: float = 0.05     # scheduling="dynamic": longest wait for a bucket to fill
     record_trace: bool = False          # keep a StepRecord per step (which request ran in which slot)
@@ -121,6 +130,8 @@ class EngineConfig:
             self.speculative = SpeculativeConfig.parse(self.speculative)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -169,14 +169,16 @@ def prefill_bytes(model, n, dtype_bytes=2, past=0):
             + _activation_bytes(s, n, dtype_bytes))
 
 
-def decode_bytes(model, batch, context, dtype_bytes=2):
+def decode_bytes(model, batch, context, dtype_bytes=2, weight_bits=None):
     """Bytes one decode step moves: weights once (shared by the whole batch) + every sequence's K/V
     (context − 1 cached entries read, the new one written) + activations. Equals `prefill_bytes` of one
-    token with context − 1 past at batch 1. The weight term is why batching helps decode."""
+    token with context − 1 past at batch 1. The weight term is why batching helps decode.
+    `weight_bits`: bits per weight of quantized weights (`bits_per_weight`; chapter 10); the K/V and the
+    activations stay in `dtype_bytes`. None: the weights are in `dtype_bytes` too."""
     s = ModelShape.of(model)
     kv = kv_bytes_per_token_for(s, dtype_bytes)
-    return (weight_bytes(s, dtype_bytes) + _arr(batch) * kv * _arr(context)
-            + _activation_bytes(s, batch, dtype_bytes))
+    weights = weight_bytes(s, dtype_bytes) if weight_bits is None else weight_bytes(s, _arr(weight_bits) / 8)
+    return weights + _arr(batch) * kv * _arr(context) + _activation_bytes(s, batch, dtype_bytes)
 
 
 def arithmetic_intensity(flops, bytes_moved):
@@ -226,10 +228,11 @@ def prefill_time(model, n, past, dtype_bytes, peak_flops, peak_bw):
                          peak_flops, peak_bw)
 
 
-def predicted_decode_tok_s(model, batch, context, dtype_bytes, peak_flops, peak_bw):
-    """Roofline ceiling on decode throughput: batch tokens per step / roofline time of the step."""
-    step = roofline_time(decode_flops(model, context, batch), decode_bytes(model, batch, context, dtype_bytes),
-                         peak_flops, peak_bw)
+def predicted_decode_tok_s(model, batch, context, dtype_bytes, peak_flops, peak_bw, weight_bits=None):
+    """Roofline ceiling on decode throughput: batch tokens per step / roofline time of the step (`weight_bits`:
+    quantized weights, as in `decode_bytes`; the FLOPs do not change, only the bytes)."""
+    step = roofline_time(decode_flops(model, context, batch),
+                         decode_bytes(model, batch, context, dtype_bytes, weight_bits), peak_flops, peak_bw)
     return _out(_arr(batch) / step)
 
 
@@ -586,9 +589,27 @@ def generation_tok_s(model, prompt_len, new_tokens, dtype_bytes, peak_flops, pea
                                                        peak_bw, batch)
 
 
-def decode_bytes_per_token(model, batch, context, dtype_bytes=2):
+def decode_bytes_per_token(model, batch, context, dtype_bytes=2, weight_bits=None):
     """Bytes a decode step moves per token it produces: `decode_bytes` / batch. At batch 1 it is the whole model
     (plus one sequence's K/V), which is why a memory-bound decode's ceiling is bandwidth / model size; batching
     divides the weight part by the batch, and the K/V part stays per sequence."""
     _check_at_least("batch", batch, 1)
-    return decode_bytes(model, batch, context, dtype_bytes) / _arr(batch)
+    return decode_bytes(model, batch, context, dtype_bytes, weight_bits) / _arr(batch)
+
+
+# ---------------------------------------------------------------- quantized weights (chapter 10)
+
+def bits_per_weight(bits, group_size=None, scale_bits=16, zero_bits=0):
+    """Storage bits per weight of a weight-only quantized format: the code's `bits`, plus one scale (and one
+    zero point / minimum, `zero_bits`) shared by each group of `group_size` weights; None: no per-group cost
+    (per-tensor scales, or per-row ones over long rows, cost next to nothing).
+
+    Q4_1 (llama.cpp: 32 codes of 4 bits, an fp16 scale and an fp16 minimum) is 4 + 32/32 = 5 bits; Q8_0 (an
+    fp16 scale per 32 int8 codes) 8.5; QLoRA's NF4 in blocks of 64 with an fp32 absmax 4.5 (4.127 once the
+    absmaxes are themselves quantized to 8 bits in blocks of 256); AWQ / GPTQ's usual int4 with groups of 128,
+    an fp16 scale and a 4-bit zero, 4.16."""
+    _check_at_least("bits", bits, 1)
+    if group_size is None:
+        return _out(_arr(bits) * 1.0)
+    _check_at_least("group_size", group_size, 1)
+    return _out(_arr(bits) + (scale_bits + zero_bits) / _arr(group_size))

@@ -2,6 +2,7 @@
 speculative loop (chapter 06), each for one sequence (`generate_batch` decodes several together)."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -67,16 +68,17 @@ def decode_step(model, kv_cache, tokens: list[int], context_lens: list[int], slo
 
 def generate_cached(model, prompt_ids: list[int], max_new_tokens: int = 32, params: SamplingParams | None = None,
                     eos_token_id: int | None = None, on_token=None, kv_cache: ContiguousKVCache | None = None,
-                    compile: bool = False) -> list[int]:
+                    compile: bool | str = False) -> list[int]:
     """Prefill once, then decode one token per step against the KV cache. Same tokens as `generate_naive`.
-    compile=True runs each decode step as one compiled graph (`compiled_decode`; the first call compiles)."""
+    compile=True runs each decode step as one compiled graph (`compiled_decode`; the first call compiles);
+    compile="cpp" compiles it with Inductor's C++ wrapper (longer to compile, less overhead per step)."""
     return generate_batch(model, [prompt_ids], max_new_tokens, params, eos_token_id,
                           on_token=on_token, kv_cache=kv_cache, compile=compile)[0]
 
 
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, params: SamplingParams | None = None,
                    eos_token_id: int | None = None, on_token=None, kv_cache: ContiguousKVCache | None = None,
-                   compile: bool = False) -> list[list[int]]:
+                   compile: bool | str = False) -> list[list[int]]:
     """Cached generation for several prompts decoded together, one slot each: every decode step reads the
     weights once for the whole batch. A finished sequence drops out of the batch. `on_token` streams only
     when there is a single prompt (it is how `generate_cached` streams). compile=True: decode steps run as
@@ -92,7 +94,9 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
     elif kv_cache.num_slots < len(prompts) or kv_cache.max_len < longest:
         raise ValueError(f"kv_cache too small: need {len(prompts)} slots of {longest} positions")
     stops = _stops(model, params, eos_token_id)
-    step = compiled_decode_step if compile else decode_step
+    if compile not in (False, True, "cpp"):
+        raise ValueError(f"compile must be False, True or 'cpp', got {compile!r}")
+    step = functools.partial(compiled_decode_step, mode=compile) if compile else decode_step
     gens = [make_generator(params, model.device) for _ in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))

@@ -132,8 +132,12 @@ def matmul_floor_tok_s(model, batch: int = 1, repeats: int = 3, plain: bool = Fa
     x = torch.randn(batch, c.hidden_size, device=model.device, dtype=model.dtype)
     attn_width, mlp_width = c.num_heads * c.head_dim, c.intermediate_size
 
+    # A quantized layer (quant.py) has no float weight: F.linear then runs on its weight dequantized once, here.
+    plain_weights = {id(lin): lin.weight if hasattr(lin, "weight") else lin.dequantize(model.dtype)
+                     for lin in [model.lm_head, *(p for group in layers for p in group)]} if plain else {}
+
     def product(linear, h):
-        return F.linear(h, linear.weight) if plain else linear(h)
+        return F.linear(h, plain_weights[id(linear)]) if plain else linear(h)
 
     def chain():
         h = x
@@ -150,8 +154,12 @@ def tune_products(model, rows=(1,)) -> None:
     """Decide the product form of every weight of `model` for each row count in `rows` now, so that the
     timing runs stay out of later measurements (as a benchmark's warm-up does)."""
     from .products import Linear
+    from .quant import QuantLinear
     with torch.inference_mode():
         for layer in model.modules():
             if isinstance(layer, Linear) and layer.weight.device.type == "cpu":
                 for n in rows:
                     layer.form_for(n)
+            elif isinstance(layer, QuantLinear) and layer.qweight.device.type == "cpu":
+                for n in rows:
+                    layer.form_for(n, model.dtype)

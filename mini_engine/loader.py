@@ -1,4 +1,10 @@
-"""Load checkpoints: the embedded GGUF (dequantized) or an HF folder (config.json + safetensors + tokenizer.json)."""
+"""Load checkpoints: the embedded GGUF (dequantized) or an HF folder (config.json + safetensors + tokenizer.json).
+
+With `quantization="int4"` or `"int8"` the decoder's weight products (and the LM head, see `quant`) are replaced
+by quantized layers. From a GGUF, the Q4_1 tensors' own 4-bit codes and fp16 scales and minimums are kept and
+repacked for int4 (`quant.repack_q4_1`: no re-quantization); anything else is quantized at load, round to
+nearest per group (int4) or per channel (int8).
+"""
 from __future__ import annotations
 
 import importlib.metadata
@@ -34,29 +40,46 @@ def embedded_gguf_path(name: str = "smollm2-135m") -> Path:
     return path
 
 
+def model_path(name_or_path: str) -> Path:
+    """The file or folder `load_model` reads for `name_or_path` (an embedded name's GGUF file)."""
+    if name_or_path in EMBEDDED:
+        return embedded_gguf_path(name_or_path)
+    path = Path(name_or_path)
+    if not path.exists():
+        raise FileNotFoundError(f"no model named {name_or_path!r}: not an embedded model "
+                                f"(known: {sorted(EMBEDDED)}) and no such file or folder")
+    return path
+
+
 def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: str | torch.dtype = "float32",
-               attention_backend: str = "auto") -> tuple[LlamaModel, Tokenizer]:
+               attention_backend: str = "auto", quantization: str | None = None,
+               group_size: int = 32, head: str | None = None) -> tuple[LlamaModel, Tokenizer]:
     """`name_or_path`: an embedded model name, a .gguf file, or an HF checkpoint folder.
-    `attention_backend`: "auto" (triton on CUDA, torch on CPU), "torch", "triton" or "naive"."""
+    `attention_backend`: "auto" (triton on CUDA, torch on CPU), "torch", "triton" or "naive".
+    `quantization`: None (float weights in `dtype`), "int4" (groups of `group_size`; a GGUF's Q4_1 blocks are
+    repacked as they are) or "int8" (per channel); `dtype` is then the activations' dtype. `head`: how the LM
+    head and tied embedding are stored under quantization ("int8", "int4" or "float"; None: the measured
+    default, `quant.default_head`)."""
+    from .quant import check_quantization, quantize_model
+    check_quantization(quantization)
     backend = resolve_backend(attention_backend, device)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch dtype or its name, got {dtype!r}")
-    if name_or_path in EMBEDDED:
-        path = embedded_gguf_path(name_or_path)
-    else:
-        path = Path(name_or_path)
-        if not path.exists():
-            raise FileNotFoundError(f"no model named {name_or_path!r}: not an embedded model "
-                                    f"(known: {sorted(EMBEDDED)}) and no such file or folder")
+    path = model_path(name_or_path)
+    q4_1 = {}
     if path.is_dir():
         config, weights, tokenizer = _read_hf_folder(path)
     elif path.suffix == ".gguf":
-        config, weights, tokenizer = _read_gguf(path)
+        config, weights, tokenizer, q4_1 = _read_gguf(path, keep_q4_1=quantization == "int4" and group_size == 32)
     else:
         raise ValueError(f"name_or_path {str(path)!r} is neither a .gguf file nor an HF checkpoint folder")
     model = LlamaModel(config, attention_backend=backend)
     model.load_weights(weights)
+    del weights
+    if quantization is not None:
+        quantize_model(model, quantization, group_size=group_size, head=head,
+                       q4_1=_fuse_q4_1(q4_1, config.num_layers))
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
@@ -76,8 +99,12 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _read_gguf(path: Path):
+def _read_gguf(path: Path, keep_q4_1: bool = False):
+    """(config, float weights, tokenizer, q4_1): with keep_q4_1, q4_1 maps each Q4_1 weight's key to its own
+    (codes, d, m) (`quant.split_q4_1`), rows already in the model's order."""
     import gguf
+
+    from .quant import split_q4_1
 
     reader = gguf.GGUFReader(path)
     meta = {k: f.contents() for k, f in reader.fields.items()
@@ -99,20 +126,24 @@ def _read_gguf(path: Path):
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
     )
-    weights = {}
+    weights, q4_1 = {}, {}
     for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
+        shape = [int(s) for s in reversed(t.shape)]
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        raw = t.data if keep_q4_1 and t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else None
         parts = t.name.split(".")  # blk.{i}.{kind}.weight or {kind}.weight
         if parts[0] == "blk":
             kind = parts[2]
-            if kind == "attn_q":
-                w = _unpermute_rope_rows(w, heads)
-            elif kind == "attn_k":
-                w = _unpermute_rope_rows(w, kv_heads)
+            unpermute = {"attn_q": heads, "attn_k": kv_heads}.get(kind)
+            if unpermute:  # the raw blocks hold whole rows, so the same row permutation applies to them
+                w = _unpermute_rope_rows(w, unpermute)
+                raw = None if raw is None else _unpermute_rope_rows(np.asarray(raw), unpermute)
             key = f"layers.{parts[1]}.{_GGUF_NAMES[kind]}"
         else:
             key = _GGUF_NAMES[parts[0]]
         weights[key] = torch.from_numpy(np.array(w, dtype=np.float32))
+        if raw is not None:
+            q4_1[key] = split_q4_1(np.array(raw), tuple(shape))
     tokenizer = Tokenizer(
         backend=bpe_from_gguf_metadata(
             tokens=reader.fields["tokenizer.ggml.tokens"].contents(),
@@ -121,7 +152,20 @@ def _read_gguf(path: Path):
             pre=meta.get("tokenizer.ggml.pre", "gpt2")),
         chat_template=meta.get("tokenizer.chat_template"),
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
-    return config, weights, tokenizer
+    return config, weights, tokenizer, q4_1
+
+
+def _fuse_q4_1(q4_1: dict, num_layers: int) -> dict:
+    """Per-projection Q4_1 parts -> the model's fused layers (q, k, v rows stacked; gate and up rows stacked),
+    for the layers whose parts are all Q4_1."""
+    fused = {}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        for name, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn.o_proj", ("o_proj",)),
+                            ("mlp.gate_up_proj", ("gate_proj", "up_proj")), ("mlp.down_proj", ("down_proj",))):
+            if all(p + part in q4_1 for part in parts):
+                fused[p + name] = tuple(torch.cat(xs) for xs in zip(*(q4_1[p + part] for part in parts)))
+    return fused
 
 
 # ---------------------------------------------------------------- HF folder

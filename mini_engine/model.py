@@ -109,17 +109,20 @@ class LlamaModel(nn.Module):
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.attention_backend = attention_backend
+        self.quantization: str | None = None  # "int4" / "int8" once quant.quantize_model has replaced the products
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    # Read off the final norm's weight, a float parameter whatever the products' weights are stored as (a
+    # quantized model's embedding and LM head hold integer codes: see quant.py).
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     def _apply(self, fn, *args, **kwargs):
         # Keep the RoPE tables in fp32 whatever dtype the weights move to (bf16 angles lose positions).

@@ -20,6 +20,29 @@ def test_single_stream_bench_prints_each_rung_hf_and_the_ratios():
         assert phrase in text, f"bench output lacks {phrase!r}:\n{text}"
 
 
+def test_single_stream_bench_with_int4_adds_the_quantized_rows_and_llama_cpp():
+    from mini_engine.bench import llama_cpp_available
+    lines = []
+    rows = bench(["cached"], 3, "cpu", "float32", with_hf=False, print_fn=lines.append, quantization="int4")
+    expected = ["mini_engine cached", "mini_engine int4 cached"]
+    assert [r.system for r in rows][:2] == expected
+    assert [r.system.startswith("llama.cpp") for r in rows[2:]] == ([True] if llama_cpp_available() else [])
+    assert all(r.tokens == 3 for r in rows)
+    text = "\n".join(lines)
+    for phrase in ("mini_engine int4 cached: ", "x mini_engine float32 cached", "% of the bf16 model's",
+                   "matmul floor at batch 1 (the weight products alone, chained)", "float32, int4 weights"):
+        assert phrase in text, f"bench output lacks {phrase!r}:\n{text}"
+
+
+def test_serving_bench_with_int4_serves_the_same_requests():
+    lines = []
+    rows = bench_serving(["continuous"], requests=3, batch=2, device="cpu", dtype="float32", with_hf=False,
+                         low=4, high=8, print_fn=lines.append, progress=False, quantization="int4")
+    assert [r.system for r in rows] == ["mini_engine continuous", "mini_engine int4 continuous"]
+    assert rows[0].tokens == rows[1].tokens
+    assert "mini_engine int4 continuous / mini_engine continuous (float32): " in "\n".join(lines)
+
+
 def test_serving_bench_runs_hf_static_and_each_policy():
     lines = []
     rows = bench_serving(["continuous", "static", "dynamic"], requests=3, batch=2, device="cpu", dtype="float32",

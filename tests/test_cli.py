@@ -15,6 +15,11 @@ def test_generate_streams_and_reports_its_mode(capsys, flags, kind):
         assert "compiled the decode step in" in out, "the one-time compile should be reported apart"
 
 
+def test_generate_with_int4_weights(capsys):
+    main(["generate", "Name a color.", "--max-tokens", "3", "--quantization", "int4"])
+    assert "3 tokens in" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,named", [
     (["generate", "hi", "--naive", "--compile"], "--naive and --compile"),
     (["bench", "--rung", "cached", "--rung", "continuous"], "one-stream rungs"),
@@ -24,6 +29,9 @@ def test_generate_streams_and_reports_its_mode(capsys, flags, kind):
     (["bench", "--ladder", "--rung", "cached"], "takes no --rung"),
     (["bench", "--ladder", "--requests", "0"], "--requests"),
     (["bench", "--workload", "server", "--rate", "0"], "rate"),
+    (["bench", "--workload", "prefix", "--quantization", "int4"], "--quantization adds rows"),
+    (["generate", "hi", "--quantization", "int3"], "--quantization"),
+    (["bench", "--ladder", "--quantization", "int4"], "not --ladder"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, argv, named):
     with pytest.raises(SystemExit) as exit_info:

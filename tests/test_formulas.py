@@ -436,3 +436,27 @@ def test_generation_tok_s_checks_its_arguments():
         F.generation_tok_s(TINY, 5, 5, 2, **A100, batch=2, cache=False)
     with pytest.raises(ValueError, match="new_tokens"):
         F.cached_generation_time(TINY, 5, 0, 2, **A100)
+
+
+def test_bits_per_weight_of_the_formats_chapter_10_names():
+    assert F.bits_per_weight(4, 32, 16, 16) == 5.0           # Q4_1: the embedded GGUF's decoder
+    assert F.bits_per_weight(8, 32) == 8.5                   # Q8_0: its embedding
+    assert F.bits_per_weight(4, 64, 32) == 4.5               # NF4 (QLoRA), fp32 absmax per 64
+    assert F.bits_per_weight(4, 128, 16, 4) == pytest.approx(4.16, abs=0.01)  # AWQ / GPTQ int4, g128
+    assert F.bits_per_weight(16) == 16.0
+    with pytest.raises(ValueError, match="group_size"):
+        F.bits_per_weight(4, 0)
+
+
+def test_quantized_weights_shrink_only_the_weight_term_of_a_decode_step():
+    full = F.decode_bytes("llama-7b", 1, 1024, 2)
+    assert F.decode_bytes("llama-7b", 1, 1024, 2, weight_bits=16) == pytest.approx(full)
+    int4 = F.decode_bytes("llama-7b", 16, 1024, 2, weight_bits=4)
+    kv_and_act = F.decode_bytes("llama-7b", 16, 1024, 2) - F.weight_bytes("llama-7b", 2)
+    assert int4 == pytest.approx(F.weight_bytes("llama-7b", 0.5) + kv_and_act)
+    # batch 1 on an A100: almost the whole step is weights, so int4 is nearly 4x; at batch 16 the K/V dilutes it
+    one = [F.predicted_decode_tok_s("llama-7b", 1, 1024, 2, **A100, weight_bits=w) for w in (16, 4)]
+    sixteen = [F.predicted_decode_tok_s("llama-7b", 16, 1024, 2, **A100, weight_bits=w) for w in (16, 4)]
+    assert 3.5 < one[1] / one[0] < 4
+    assert 1.5 < sixteen[1] / sixteen[0] < one[1] / one[0]
+    assert F.decode_bytes_per_token("llama-7b", 16, 1024, weight_bits=4) == pytest.approx(int4 / 16)

@@ -6,8 +6,9 @@ tensors, set TRITON_INTERPRET=1 in the environment before importing it.
 from .flash_attention import attention_reference, flash_attention, flash_attention_varlen
 from .kv_store import store_kv_cache, store_kv_cache_reference
 from .paged_attention import paged_decode_attention, paged_decode_attention_reference
+from .quant_matmul import w4a16_matmul, w4a16_matmul_reference
 from .rejection_sampler import rejection_sampler, rejection_sampler_reference
 
 __all__ = ["flash_attention", "flash_attention_varlen", "attention_reference",
            "paged_decode_attention", "paged_decode_attention_reference", "store_kv_cache", "store_kv_cache_reference",
-           "rejection_sampler", "rejection_sampler_reference"]
+           "rejection_sampler", "rejection_sampler_reference", "w4a16_matmul", "w4a16_matmul_reference"]

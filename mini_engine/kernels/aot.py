@@ -36,7 +36,8 @@ from .gpus import TARGETS, GPUSpec
 # Every module with a Triton kernel, each exposing aot_specs(gpu, dtype); tests/kernels/test_aot.py
 # fails on a kernel module missing from this list.
 KERNEL_MODULES = ("mini_engine.kernels.flash_attention", "mini_engine.kernels.paged_attention",
-                  "mini_engine.kernels.kv_store", "mini_engine.kernels.rejection_sampler")
+                  "mini_engine.kernels.kv_store", "mini_engine.kernels.rejection_sampler",
+                  "mini_engine.kernels.quant_matmul")
 
 # Triton's names for the element types, as they appear in a signature ("*bf16" is a bf16 pointer).
 TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}

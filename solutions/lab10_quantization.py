@@ -1,0 +1,93 @@
+"""Lab 10: int4 weights, group by group, and the checkpoint's own 4-bit blocks repacked.
+
+A decode step reads every weight once, so a model stored in 4 bits instead of 32 is read eight times faster
+when memory is the bottleneck. A weight matrix is cut into groups of `group_size` weights along each row;
+each group gets a scale and a zero, and each weight a 4-bit code q in [0, 15]:
+
+    w ~ (q - 8) * scale + zero           (the rule torch's packed int4 kernels use)
+
+You write:
+  1. `quantize_int4`: round to nearest. In a group with smallest value lo and largest hi, scale = (hi - lo) / 15
+     and zero = lo + 8 * scale, so code 0 lands on lo and code 15 on hi; q = round((w - zero) / scale + 8).
+  2. `dequantize_int4`: the rule above, group by group.
+  3. `pack_int4` and `unpack_int4`: two codes per byte, column 2j in the low nibble, column 2j + 1 in the high.
+  4. `int4_matmul`: y = x W^T with W dequantized (what every int4 kernel computes, in fewer bytes).
+  5. `repack_q4_1`: the GGUF file's Q4_1 blocks as int4 codes, scales and zeros without re-quantizing. A block
+     holds 32 weights in 20 bytes: an fp16 scale d, an fp16 minimum m, then 16 bytes whose low nibbles are
+     weights 0-15 and high nibbles weights 16-31, with w = d * q + m. Since d * q + m = (q - 8) * d + (m + 8 d),
+     scale = d and zero = m + 8 d give the same weights exactly.
+
+Fill in every function marked TODO in labs/lab10_quantization.py, then grade your work with
+
+    pytest tests/labs/test_lab10.py --impl=labs
+
+Plain torch on CPU tensors; nothing from the engine's quant.py.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest int4 in groups of `group_size` consecutive weights of a row.
+
+    w: float [N, K]. Returns (q, scales, zeros): q uint8 [N, K] with values in [0, 15]; scales and zeros fp32
+    [N, K // group_size], scale = (max - min) / 15 and zero = min + 8 * scale per group, and
+    q = round((w - zero) / scale + 8) clamped to [0, 15]. A group whose weights are all equal (max = min) would
+    divide by zero: it gets scale 0, zero = its value and codes 8, which dequantize to the value exactly.
+    Raises ValueError naming group_size when K is not a multiple of it."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"K ({k}) must be a multiple of group_size ({group_size})")
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = (hi - lo) / 15
+    zeros = lo + 8 * scales
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))[..., None]
+    q = torch.round((groups - zeros[..., None]) / safe + 8).clamp(0, 15)
+    q = torch.where(scales[..., None] > 0, q, torch.full_like(q, 8))
+    return q.to(torch.uint8).reshape(n, k), scales, zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """w = (q - 8) * scale + zero, each weight with its group's scale and zero. Returns fp32 [N, K]."""
+    n, k = q.shape
+    groups = q.float().reshape(n, k // group_size, group_size) - 8
+    return (groups * scales[..., None] + zeros[..., None]).reshape(n, k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (K even, values 0-15) -> uint8 [N, K // 2]: byte j of a row holds column 2j in its low 4 bits
+    and column 2j + 1 in its high 4 bits."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: uint8 [N, K // 2] -> codes uint8 [N, K]."""
+    n, half = packed.shape
+    q = torch.empty(n, 2 * half, dtype=torch.uint8)
+    q[:, 0::2] = packed & 15
+    q[:, 1::2] = packed >> 4
+    return q
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int = 32) -> torch.Tensor:
+    """y = x W^T for x [M, K] (fp32) and W stored as `pack_int4` codes with their scales and zeros: [M, N]."""
+    return x.float() @ dequantize_int4(unpack_int4(packed), scales, zeros, group_size).t()
+
+
+def repack_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 tensor's bytes, uint8 [n, k // 32 * 20] (row by row, 32 weights a block), as int4:
+    (q uint8 [n, k], scales fp32 [n, k // 32], zeros fp32 [n, k // 32]) with scale = d and zero = m + 8 d.
+
+    Block layout (20 bytes): bytes 0-1 d (fp16, little-endian), bytes 2-3 m (fp16), bytes 4-19 qs; weight i
+    of the block (i < 16) is qs[i] & 15 and weight i + 16 is qs[i] >> 4. Hint: `t.contiguous().view(torch.float16)`
+    reinterprets pairs of bytes as fp16 numbers."""
+    blocks = raw.reshape(n, k // 32, 20)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    qs = blocks[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
+    return q, d, m + 8 * d
