@@ -312,7 +312,7 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
     engine_kwargs = {"max_model_len": work.longest, **engine_kwargs}
     llm = LLM.from_model(model, tok, scheduling=policy, max_num_seqs=batch, chunked_prefill_tokens=chunk,
                          record_trace=True, **engine_kwargs)
-    compile_s = llm.warmup() if llm.config.compile else None
+    compile_s = llm.warmup(progress) if llm.config.compile else None
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
     t0 = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=progress)

@@ -173,7 +173,6 @@ class LadderRow:
     kv_bytes: int | None = None              # peak KV memory (see the table's footnote)
     compile_s: float | None = None           # one-time compile, not in `seconds`
     notes: str = ""
-    available: bool = True
     engine: str = ""                         # the engine's repr (its configuration), for engine rungs
     peak_running: int = 1                    # most requests decoding or prefilling together
     stats: dict = field(default_factory=dict)  # engine rungs: prompt/cached tokens, drafts/accepted, preemptions
@@ -192,12 +191,12 @@ class LadderRow:
 
     @property
     def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.available and self.seconds > 0 else float("nan")
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
 def agreement(row: LadderRow, ref: LadderRow | None) -> tuple[int, int] | None:
     """(identical outputs, requests both ran); None when they share no request."""
-    if ref is None or not row.available or not ref.available or row is ref:
+    if ref is None or row is ref:
         return None
     shared = sorted(set(row.outputs) & set(ref.outputs))
     if not shared:
@@ -231,19 +230,19 @@ class LadderResult:
     wall_s: dict = field(default_factory=dict)   # rung -> seconds it took in all (warm-up and compiling included)
 
     def row(self, rung: str) -> LadderRow | None:
-        return next((r for r in self.rows if r.rung == rung and r.available), None)
+        return next((r for r in self.rows if r.rung == rung), None)
 
     @property
     def top(self) -> LadderRow:
         """The last rung that ran."""
-        return [r for r in self.rows if r.available][-1]
+        return self.rows[-1]
 
     def ratio(self, rung: str, base: str) -> float:
         a, b = self.row(rung), self.row(base)
         return a.tok_s / b.tok_s if a and b else float("nan")
 
     def table(self) -> str:
-        first = next((r for r in self.rows if r.available), None)
+        first = self.rows[0] if self.rows else None
         naive, cached, continuous = self.row("naive"), self.row("cached"), self.row("continuous")
         head = (f"{'rung':<34} {'reqs':>4} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
                 f"{'TPOT p50':>9} {'TPOT p99':>9} {'peak KV':>9} {'ratio':>7} {'x naive':>7} {'=cached':>7} "
@@ -251,9 +250,6 @@ class LadderResult:
         lines = [head, "-" * len(head)]
         for r in self.rows:
             label = r.label + (" *" if r.single_stream else "")
-            if not r.available:
-                lines.append(f"{label:<34} {r.notes}")
-                continue
             kv = f"{r.kv_bytes / 2**20:.1f}MiB" if r.kv_bytes else "-"
             ms = [percentile(v, q) * 1e3 for v in (r.ttft, r.tpot) for q in (50, 99)]
             same = [agreement(r, ref) for ref in (cached, continuous)]
@@ -289,7 +285,7 @@ class LadderResult:
         when given; returns the figure."""
         import matplotlib.pyplot as plt
 
-        rows = [r for r in self.rows if r.available]
+        rows = self.rows
         naive = self.row("naive")
         fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))
         y = list(range(len(rows)))[::-1]
@@ -332,26 +328,20 @@ class LadderResult:
                 lines.append(f"{r.label}: {same[0]}/{same[1]} outputs identical to {ref.label}'s; the rest agree on "
                              f"{common_prefix_share(r, ref):.0%} of the reference's tokens before they first differ")
         for r in self.rows:
-            if r.notes and r.available:
+            if r.notes:
                 lines.append(f"{r.label}: {r.notes}")
         if naive:
             lines.append(f"top rung ({top.label}) / naive: {top.tok_s / naive.tok_s:.1f}x (target >= 25x)")
         if hf:
             lines.append(f"top rung ({top.label}) / HF transformers batched generate: {top.tok_s / hf.tok_s:.2f}x "
                          "(target >= 4x)")
-        best = max((r for r in self.rows if r.available), key=lambda r: r.tok_s)
+        best = max(self.rows, key=lambda r: r.tok_s)
         if best is not top:
             lines.append(f"fastest rung: {best.label} ({best.tok_s:.1f} tok/s)")
         return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the rungs
-
-
-def compile_engine_available() -> bool:
-    """Whether this engine has the compiled engine step (`LLM(..., compile=True)`)."""
-    from .engine_config import EngineConfig
-    return "compile" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def run_hf(hf, work: LadderWorkload, batch: int, eos: int, kv_bytes_per_token: int, progress: bool) -> LadderRow:
@@ -450,13 +440,10 @@ def run_engine_rung(model, tok, work: LadderWorkload, rung: str, progress: bool,
     llm = LLM.from_model(model, tok, **engine_kwargs)
     compile_s = None
     if engine_kwargs.get("compile"):
-        t0 = time.perf_counter()
-        if hasattr(llm, "warmup"):
-            llm.warmup()  # every batch-size bucket's graph now, not on the clock
-        compile_s = time.perf_counter() - t0
+        compile_s = llm.warmup(progress)  # every batch-size bucket's graph now, not on the clock
     llm.generate(work.prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # allocation, lazy init
     if compile_s is not None:  # every graph compiled so far, the warm-up's included
-        compile_s = getattr(llm.engine, "compile_seconds", compile_s)
+        compile_s = llm.engine.compile_seconds
     llm.reset_prefix_cache()
     paged = llm.engine.scheduler.blocks is not None
     peak = _track_peaks(llm.engine)
@@ -566,9 +553,6 @@ def bench_ladder(device: str = "cpu", dtype: str = "float32", requests: int | No
             gc.collect()
         elif rung in SINGLE_STREAM:
             rows.append(run_single_stream(model, tok, work, sample_idx, rung, progress))
-        elif rung == "compiled_engine" and not compile_engine_available():
-            rows.append(LadderRow(rung, [], {}, 0.0, [], [], notes="not available: needs LLM(compile=True)",
-                                  available=False))
         else:
             kwargs = engine_kwargs_for(rung, work, device, batch, block_size, max_model_len, paged_max_num_seqs, k)
             row = run_engine_rung(model, tok, work, rung, progress, **kwargs)

@@ -201,11 +201,14 @@ class CompiledDecode:
         self.num_steps += 1
         return logits[:n] if pad else logits
 
-    def warmup(self) -> float:
+    def warmup(self, progress: bool = False) -> float:
         """Compile every bucket not compiled yet, each with a step of one row on the scratch row plus padding
-        (nothing outside the scratch row is written); returns the seconds it took."""
+        (nothing outside the scratch row is written); returns the seconds it took. `progress`: a bar over
+        the buckets (each can take a minute on a CPU with a cold Inductor cache)."""
+        from tqdm import tqdm
+
         t0 = time.perf_counter()
-        for size in self.buckets:
-            if size not in self.compiled_buckets:
-                self([0], [0], [[self.scratch]] if self.paged else [self.scratch], size=size)
+        todo = [size for size in self.buckets if size not in self.compiled_buckets]
+        for size in tqdm(todo, desc="compiling decode graphs (batch buckets)", disable=not progress):
+            self([0], [0], [[self.scratch]] if self.paged else [self.scratch], size=size)
         return time.perf_counter() - t0

@@ -251,11 +251,11 @@ class LLMEngine:
         batch-size bucket, or `warmup()`. A one-time cost, to report apart from any rate."""
         return self.runner.compiled.compile_seconds if self.runner.compiled is not None else 0.0
 
-    def warmup(self) -> float:
+    def warmup(self, progress: bool = False) -> float:
         """With compile=True, compile the graph of every batch-size bucket now rather than at the first step
         that needs it; returns the seconds it took (0.0 without compile). The cache is left as it was, but for
-        the scratch row only padded rows use."""
-        return self.runner.compiled.warmup() if self.runner.compiled is not None else 0.0
+        the scratch row only padded rows use. `progress`: a bar over the buckets."""
+        return self.runner.compiled.warmup(progress) if self.runner.compiled is not None else 0.0
 
     def _make_proposer(self, spec: SpeculativeConfig):
         if spec.method == "ngram":
@@ -586,9 +586,9 @@ class LLM:
         """Drop every cached block no request holds (see `LLMEngine.reset_prefix_cache`); returns how many."""
         return self.engine.reset_prefix_cache()
 
-    def warmup(self) -> float:
+    def warmup(self, progress: bool = False) -> float:
         """compile=True: compile every batch-size bucket's decode graph now (see `LLMEngine.warmup`)."""
-        return self.engine.warmup()
+        return self.engine.warmup(progress)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

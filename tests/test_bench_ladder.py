@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mini_engine.autotune import TUNER
-from mini_engine.bench_ladder import LABELS, RUNGS, LadderWorkload, bench_ladder, compile_engine_available
+from mini_engine.bench_ladder import LABELS, RUNGS, LadderWorkload, bench_ladder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,13 +51,11 @@ def test_ladder_runs_every_rung_and_compares_outputs(plain_forms, tmp_path):
     cached, continuous = res.row("cached"), res.row("continuous")
     assert sorted(cached.outputs) == [0] and sorted(continuous.outputs) == [0, 1, 2]
     for r in res.rows:
-        if r.available and r.rung != "hf":  # HF's fp32 may flip a near-tie; ours must agree (greedy)
+        if r.rung != "hf":  # HF's fp32 may flip a near-tie; ours must agree (greedy)
             assert r.outputs[0] == cached.outputs[0], f"{r.rung} differs from the cached rung on request 0"
     for rung in ("paged", "prefix", "speculative"):
         assert res.row(rung).outputs == continuous.outputs, f"{rung} differs from continuous batching"
-    assert (res.row("compiled_engine") is not None) == compile_engine_available()
-    if not compile_engine_available():
-        assert "not available: needs LLM(compile=True)" in text
+    assert res.row("compiled_engine").compile_s > 0, "the compiled engine's one-time compile is reported apart"
     for phrase in ("CPU:", "=cached", "one request at a time", "compiling (one-time, in no row)",
                    "prefix-cache hit rate", "drafts accepted", "top rung", "target >= 25x", "target >= 4x"):
         assert phrase in text, f"the report lacks {phrase!r}:\n{text}"
