@@ -1,6 +1,7 @@
 """Settings every test shares: which lab tree is graded, and no network, display or GPU assumed."""
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -20,3 +21,19 @@ def pytest_addoption(parser):
         default="solutions",
         help="which tree tests/labs grades: your work in labs/ or the reference in solutions/",
     )
+
+
+@pytest.fixture
+def plain_forms(monkeypatch):
+    """Product forms pinned, untimed (float: F.linear; int4, int8: torch's packed kernels), here and in a server
+    subprocess, for tests of the benches, whose tuning would cost a minute; the tuner's choices are put back
+    after."""
+    from mini_engine.autotune import TUNER
+
+    before = dict(TUNER.choices)
+    pins = {"product": "linear", "int4_product": "int4pack", "int8_product": "int8pack"}
+    monkeypatch.setattr(TUNER, "forced", {**TUNER.forced, **pins})
+    monkeypatch.setenv("MINI_ENGINE_FORMS", ",".join(f"{op}={form}" for op, form in pins.items()))
+    yield
+    TUNER.choices.clear()
+    TUNER.choices.update(before)

@@ -20,7 +20,7 @@ def test_single_stream_bench_prints_each_rung_hf_and_the_ratios():
         assert phrase in text, f"bench output lacks {phrase!r}:\n{text}"
 
 
-def test_single_stream_bench_with_int4_adds_the_quantized_rows_and_llama_cpp():
+def test_single_stream_bench_with_int4_adds_the_quantized_rows_and_llama_cpp(plain_forms):
     from mini_engine.bench import llama_cpp_available
     lines = []
     rows = bench(["cached"], 3, "cpu", "float32", with_hf=False, print_fn=lines.append, quantization="int4")
@@ -34,7 +34,7 @@ def test_single_stream_bench_with_int4_adds_the_quantized_rows_and_llama_cpp():
         assert phrase in text, f"bench output lacks {phrase!r}:\n{text}"
 
 
-def test_serving_bench_with_int4_serves_the_same_requests():
+def test_serving_bench_with_int4_serves_the_same_requests(plain_forms):
     lines = []
     rows = bench_serving(["continuous"], requests=3, batch=2, device="cpu", dtype="float32", with_hf=False,
                          low=4, high=8, print_fn=lines.append, progress=False, quantization="int4")
@@ -43,7 +43,7 @@ def test_serving_bench_with_int4_serves_the_same_requests():
     assert "mini_engine int4 continuous / mini_engine continuous (float32): " in "\n".join(lines)
 
 
-def test_serving_bench_runs_hf_static_and_each_policy():
+def test_serving_bench_runs_hf_static_and_each_policy(plain_forms):
     lines = []
     rows = bench_serving(["continuous", "static", "dynamic"], requests=3, batch=2, device="cpu", dtype="float32",
                          low=4, high=8, print_fn=lines.append)

@@ -8,21 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mini_engine.autotune import TUNER
 from mini_engine.bench_ladder import LABELS, RUNGS, LadderWorkload, bench_ladder
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def plain_forms(monkeypatch):
-    """Products as F.linear, untimed, here and in a server subprocess; the tuner's choices are put back after."""
-    before = dict(TUNER.choices)
-    monkeypatch.setattr(TUNER, "forced", {**TUNER.forced, "product": "linear"})
-    monkeypatch.setenv("MINI_ENGINE_FORMS", "product=linear")
-    yield
-    TUNER.choices.clear()
-    TUNER.choices.update(before)
 
 
 def test_workload_shares_the_system_prompt_mixes_kinds_and_never_repeats_a_prompt():
