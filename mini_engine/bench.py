@@ -134,6 +134,9 @@ def run_llama_cpp(prompt: list[int], new_tokens: int, threads: int | None = None
                           n_ctx=max(512, len(prompt) + new_tokens + 8), verbose=False)
 
     def once(n):
+        # llama-cpp-python keeps the last prompt's KV cache and, given the same prompt again, evaluates only its
+        # last token: emptied here, so that its TTFT holds the whole prefill, as our rows' TTFT does.
+        llm.reset()
         timer = TokenTimer("cpu").begin()
         out = []
         for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # never stops by itself (no EOS check)

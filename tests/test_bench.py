@@ -85,3 +85,34 @@ def test_speculative_bench_compares_ngram_on_and_off_on_both_workloads():
     text = "\n".join(lines)
     for phrase in ("alpha", "tok/round", "pred. speedup", "fixed k", "grounded", "chat"):
         assert phrase in text, f"bench output lacks {phrase!r}:\n{text}"
+
+
+def test_llama_cpp_row_prefills_the_whole_prompt_every_run(monkeypatch):
+    """llama-cpp-python reuses the previous prompt's KV cache when the same prompt comes again; a timed run that
+    did so would leave the prefill out of llama.cpp's TTFT while our rows pay theirs. A stand-in Llama records
+    how many prompt tokens each run found already cached."""
+    import sys
+    import types
+
+    from mini_engine.bench import run_llama_cpp
+
+    cached_at_start = []
+
+    class Llama:
+        def __init__(self, **kwargs):
+            self.n_tokens = 0
+
+        def reset(self):
+            self.n_tokens = 0
+
+        def generate(self, tokens, **kwargs):
+            cached_at_start.append(self.n_tokens)
+            self.n_tokens = len(tokens)
+            while True:
+                self.n_tokens += 1
+                yield 7
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    row = run_llama_cpp([1, 2, 3, 4], 5, threads=1, repeats=2)
+    assert row.tokens == 5
+    assert cached_at_start == [0, 0, 0], f"runs started with {cached_at_start} tokens already in llama.cpp's cache"
