@@ -221,9 +221,9 @@ print(f"\nproduct of the tok/s gains measured alone: {isolated:.0f}x; measured t
 # - **The compiled engine step** removes the Python and per-kernel cost of decode-only steps. Steps that carry
 #   drafts or prompt chunks stay eager, so on top of speculation it finds fewer steps to speed up. On a small
 #   CPU that cost is a few milliseconds of a batch-16 step that the weight products and attention fill: on the
-#   2-core EPYC of `benchmarks/RESULTS.md` the compiled engine served the chapter-04 workload at 0.88x the eager
-#   engine (the same tokens for all 64 requests). On a GPU, where a step is hundreds of tiny kernel launches,
-#   the same graphs replayed as CUDA graphs are what vLLM relies on.
+#   2-core EPYC of `benchmarks/RESULTS.md` the compiled engine served the chapter-04 workload at 0.88-1.06x the
+#   eager engine, depending on the run (the same tokens for all 64 requests). On a GPU, where a step is hundreds
+#   of tiny kernel launches, the same graphs replayed as CUDA graphs are what vLLM relies on.
 #
 # So the gains multiply where they attack different costs (recompute, idle lanes, reserved memory, repeated
 # prefill), and they do not where two of them spend the same spare capacity, or where one removes time that
