@@ -25,7 +25,6 @@ in the batch. Before anything is timed, the product forms are tuned for every ro
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -438,12 +437,11 @@ def run_engine_rung(model, tok, work: LadderWorkload, rung: str, progress: bool,
     from .formulas import kv_bytes_per_token
 
     llm = LLM.from_model(model, tok, **engine_kwargs)
-    compile_s = None
-    if engine_kwargs.get("compile"):
-        compile_s = llm.warmup(progress)  # every batch-size bucket's graph now, not on the clock
+    compiled = engine_kwargs.get("compile", False)
+    if compiled:
+        llm.warmup(progress)  # every batch-size bucket's graph now, not on the clock
     llm.generate(work.prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # allocation, lazy init
-    if compile_s is not None:  # every graph compiled so far, the warm-up's included
-        compile_s = llm.engine.compile_seconds
+    compile_s = llm.engine.compile_seconds if compiled else None  # every graph compiled so far
     llm.reset_prefix_cache()
     paged = llm.engine.scheduler.blocks is not None
     peak = _track_peaks(llm.engine)
