@@ -42,8 +42,16 @@ def _in_fp32(form):
     return lambda x, w: form(x.float(), w.float()).to(x.dtype)
 
 
-def _onednn_pack(w, rows: int):
-    return torch.ops.mkldnn._reorder_linear_weight(w, rows)  # an opaque oneDNN tensor: run only by _onednn
+# oneDNN lays a packed weight out for the row count it is told to expect, and a layer keeps one packed copy for
+# every row count. Told 1 row, oneDNN chose a layout that was slower at every row count: on a 2-core AMD EPYC
+# (Zen 5), the 120 fp32 decoder products took 11.9 ms at 1 row and 18.5 ms at 4 (packed for 1) against 7.6 and
+# 11.1 ms packed for any count from 2 to 512, which were within 3% of one another (bf16: no difference). Before,
+# the first call's row count decided the layout, and a layer first called with one row kept the slow one.
+PACK_ROWS = 64
+
+
+def _onednn_pack(w):
+    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)  # an opaque oneDNN tensor: run only by _onednn
 
 
 def _onednn(x, packed):
@@ -53,13 +61,13 @@ def _onednn(x, packed):
 FORMS = {"linear": F.linear, "transposed": _transposed, "two_row": _two_row,
          "linear_fp32": _in_fp32(F.linear), "transposed_fp32": _in_fp32(_transposed),
          "two_row_fp32": _in_fp32(_two_row), "onednn": _onednn}
-# Forms that run on a prepared copy of the weight, not the weight itself: form -> prepare(weight, rows).
+# Forms that run on a prepared copy of the weight, not the weight itself: form -> prepare(weight).
 PACKERS = {"onednn": _onednn_pack}
 
 
-def prepare_weight(form: str, w: torch.Tensor, rows: int) -> torch.Tensor:
+def prepare_weight(form: str, w: torch.Tensor) -> torch.Tensor:
     """The second argument `FORMS[form]` takes: the weight, or its packed copy for a packed form."""
-    return PACKERS[form](w, rows) if form in PACKERS else w
+    return PACKERS[form](w) if form in PACKERS else w
 
 
 @functools.cache
@@ -122,7 +130,7 @@ def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER, packe
         forms = {}
         for name in candidate_forms(bucket, weight.dtype, packed):
             try:
-                prepared = [prepare_weight(name, w, bucket) for w in ws]
+                prepared = [prepare_weight(name, w) for w in ws]
                 if name in PACKERS:  # a build or CPU that cannot run it says so now, not in the middle of a step
                     FORMS[name](x, prepared[0])
             except RuntimeError:
@@ -184,7 +192,7 @@ class Linear(nn.Linear):
         operator `packed_product` runs inside a compiled graph)."""
         form = self._forms.get(("packed", name))
         if form is None:
-            form = self._forms[("packed", name)] = self._packed_form(name, x.shape[0])
+            form = self._forms[("packed", name)] = self._packed_form(name)
         return form(x, self.weight)
 
     def form_for(self, rows: int):
@@ -192,18 +200,18 @@ class Linear(nn.Linear):
         form = self._forms.get((rows, self.weight.dtype))
         if form is None:
             name = choose_form(self.weight, rows, self.tuner)
-            form = self._forms[(rows, self.weight.dtype)] = self._packed_form(name, rows) if name in PACKERS \
+            form = self._forms[(rows, self.weight.dtype)] = self._packed_form(name) if name in PACKERS \
                 else FORMS[name]
         return form
 
-    def _packed_form(self, name: str, rows: int):
+    def _packed_form(self, name: str):
         """FORMS[name] on this layer's packed copy of the weight, packed once and again only if the weight is
         changed in place (its version counter moves) or its dtype changes."""
         run, pack = FORMS[name], PACKERS[name]
 
         def form(x, w):
             if self._packed is None or self._packed[:2] != (w._version, w.dtype):
-                self._packed = (w._version, w.dtype, pack(w.detach(), rows))
+                self._packed = (w._version, w.dtype, pack(w.detach()))
             return run(x, self._packed[2])
         return form
 

@@ -21,7 +21,7 @@ def test_every_candidate_form_equals_f_linear(rows, dtype, tol):
     forms = candidate_forms(row_bucket(rows), dtype)
     assert forms[0] == "linear", "the plain form is the first candidate: the one kept on a tie"
     for name in forms:
-        got = FORMS[name](x, prepare_weight(name, layer.weight, row_bucket(rows)))
+        got = FORMS[name](x, prepare_weight(name, layer.weight))
         assert got.dtype == dtype and got.shape == (rows, 480), name
         assert got.is_contiguous(), f"{name}: the next layer expects row-major activations"
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * 10, msg=lambda m: f"{name}: {m}")
@@ -68,7 +68,7 @@ def test_a_packed_form_this_machine_cannot_run_is_left_out(monkeypatch):
     rather than fail in the middle of a step."""
     import mini_engine.products as products
 
-    def refuse(w, rows):
+    def refuse(w):
         raise RuntimeError("no oneDNN kernel here")
     monkeypatch.setitem(products.PACKERS, "onednn", refuse)
     tuner = Autotuner(repeats=1)
