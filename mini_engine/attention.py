@@ -5,20 +5,23 @@ Tokens of a step are packed: the step holds `query_lens[i]` new tokens of sequen
 plus the new tokens. With no cache (`slots is None`) a sequence attends to its new tokens only.
 
 Two caches (kv_cache.py): the contiguous one, where sequence i owns row `slots[i]`, and the paged one, where
-`block_tables[i]` lists the blocks holding its positions in order. On a CPU the paged path gathers each
-sequence's blocks (`index_select` on the block ids, once per layer) and calls SDPA as the contiguous path
-does. The forms measured for one layer's decode (16 sequences, SmolLM2's 9 query and 3 KV heads of 64, fp32,
-two threads of a quiet AMD EPYC with AVX-512; shuffled block tables), contexts of 128 / 1024 positions:
-contiguous slice 0.14 / 0.83 ms; `index_select` gather 0.19 / 2.08 ms (kept); advanced indexing
+`block_tables[i]` lists the blocks holding its positions in order.
+
+Decodes over the paged cache on a CPU (`paged_decode_torch`) take the faster of two forms on this machine. The
+C kernel `cpu_kernels.paged_decode` (csrc/paged_decode.c, the CPU twin of the Triton kernel) reads each
+sequence's blocks in place, asking for the next block while it reads the current one. The PyTorch forms copy
+each sequence's blocks out of the pool (`index_select` on the block ids, once per layer) and call SDPA as the
+contiguous path does. The forms measured for one layer's decode (16 sequences, SmolLM2's 9 query and 3 KV heads
+of 64, fp32, two threads of a quiet AMD EPYC with AVX-512; shuffled block tables), contexts of 128 / 1024
+positions: contiguous slice 0.14 / 0.83 ms; `index_select` gather 0.19 / 2.08 ms; advanced indexing
 (`pool[block_tables]`) 0.27 / 3.78 ms; views of contiguous block runs with one SDPA call per sequence 0.44 /
 1.51 ms, and only when a sequence's blocks are consecutive, which decodes growing side by side make rare;
 torch.compile of a fused gather-and-reduce 0.15 / 1.80 ms, but compiled anew for each context length (3-4 s
-each), which a serving engine meets at every step. The copy reads the cached keys and values a second time.
-Copying a few sequences at a time keeps each copy in the CPU's cache until SDPA reads it: 16 sequences of 1,024
-positions took 1.71 ms four at a time against 2.14 ms all at once (the autotuner picks how many, per context
-bucket; `decode_chunk`). What remains is that the copy and SDPA cannot overlap, so at 1,024 positions a paged
-decode step on a CPU costs more than a contiguous one (1.43x measured, `bench --workload paging`,
-benchmarks/RESULTS.md); the Triton kernel reads the pool in place instead.
+each), which a serving engine meets at every step. The copy reads the cached keys and values a second time:
+copying a few sequences at a time keeps each copy in the CPU's cache until SDPA reads it (16 sequences of 1,024
+positions: 1.71 ms four at a time against 2.14 ms all at once), but the copy and SDPA still cannot overlap.
+The C kernel, measured later over 30 layers' pools (so that it reads from memory): 0.08 / 0.75 ms, against 0.17 / 1.1 ms for the contiguous cache's
+SDPA in the same run (without its prefetch of the next block, 1.6 ms at 1,024 positions).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
+from .cpu_kernels import paged_decode, paged_decode_supported
 from .paging import slot_mapping as block_slot_mapping
 
 BACKENDS = ("naive", "torch", "triton")
@@ -436,15 +440,20 @@ def _decode_sdpa(q, k, v, mask, backend: str):
 
 
 def paged_decode_torch(qs, k_cache, v_cache, group: DecodeGroup, backend: str = "torch", chunk: int | None = None):
-    """Decode attention through block tables without a kernel: copy the sequences' blocks out of the pool
-    (`gather_blocks`) and run SDPA on the copy. The copy is written once and read once more, so a long context
-    costs a second pass over its keys and values. Done for a few sequences at a time, the copy is still in
-    the CPU's cache when SDPA reads it, and that second pass comes almost free; how many at a time pays best
-    is measured on this machine (`decode_chunk`). `chunk` forces a number of sequences per copy.
+    """Decode attention through block tables on a CPU, in the form measured fastest here (`paged_decode_form`):
+    the C kernel that reads the pool in place (`cpu_kernels.paged_decode`), or a copy of the sequences' blocks
+    out of the pool (`gather_blocks`) with SDPA on the copy. The copy is written once and read once more, so a
+    long context costs a second pass over its keys and values. Done for a few sequences at a time, the copy is
+    still in the CPU's cache when SDPA reads it, and that second pass comes almost free. `chunk` forces the copy
+    with that many sequences per copy.
     With `group.lens`, each copy reads only its own longest context: with rows sorted by length, on a batch of
     mixed lengths, far fewer positions than the batch's longest for every row."""
     n = qs.shape[0]
-    chunk = chunk or decode_chunk(qs, k_cache, v_cache, group, backend)
+    if chunk is None:
+        form = paged_decode_form(qs, k_cache, v_cache, group, backend)
+        if form == IN_PLACE:
+            return paged_decode(qs, k_cache, v_cache, group.block_tables, group.context_lens)
+        chunk = int(form.split()[0])
     outs = []
     for a in range(0, n, chunk):
         rows = slice(a, a + chunk)
@@ -459,20 +468,34 @@ def paged_decode_torch(qs, k_cache, v_cache, group: DecodeGroup, backend: str = 
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def decode_chunk(qs, k_cache, v_cache, group: DecodeGroup, backend: str, tuner: Autotuner = TUNER) -> int:
-    """Sequences per block copy in `paged_decode_torch`, timed per (dtype, sequences, context) bucket: all of
-    them at once (the plain form), or 8, 4, 2 or 1 at a time. Which wins depends on the CPU's cache sizes and
-    the context: on a 2-core AMD EPYC (32 MiB L3) 16 sequences of 1,024 positions ran best 2 or 4 at a time
-    (runs differed), of 128 positions all at once."""
+IN_PLACE = "in place (C)"  # the form of `paged_decode_form` that runs cpu_kernels.paged_decode
+
+
+def paged_decode_form(qs, k_cache, v_cache, group: DecodeGroup, backend: str, tuner: Autotuner = TUNER) -> str:
+    """How `paged_decode_torch` attends, timed per (dtype, sequences, context) bucket: the C kernel reading the
+    pool in place (fp32, where it builds), or the copy with all sequences at once (the plain form) or 8, 4, 2 or
+    1 at a time. On a 2-core AMD EPYC (Zen 5, 32 MiB L3), one layer of 16 sequences of 1,024 positions: the
+    kernel 0.75 ms, the copy 1.7-1.9 ms (best 2 or 4 at a time), the contiguous cache's SDPA 1.1 ms; of 128
+    positions: 0.08, 0.24-0.6 and 0.17 ms. The naive backend keeps its explicit products (chapter 02 counts
+    their FLOPs), and so do FLOP counters."""
     n = qs.shape[0]
-    if n == 1 or qs.device.type != "cpu" or counting_mode_active():
-        return n
+    if qs.device.type != "cpu" or counting_mode_active():
+        return f"{n} at a time"
+    kernel = backend == "torch" and group.context_lens is not None and paged_decode_supported(qs, k_cache, v_cache)
+    if n == 1 and not kernel:
+        return "1 at a time"
     sizes = [n] + [c for c in (8, 4, 2, 1) if c < n]
     key = (str(qs.dtype), row_bucket(n), row_bucket(group.max_context, 1 << 20), k_cache.shape[1:])
     key += () if group.lens is None else ("own lengths",)
-    form = tuner.choose("paged_decode", key, lambda: {
-        f"{c} at a time": (lambda c=c: paged_decode_torch(qs, k_cache, v_cache, group, backend, c)) for c in sizes})
-    return int(form.split()[0])
+    key += ("kernel",) if kernel else ()
+
+    def candidates():
+        forms = {f"{c} at a time": (lambda c=c: paged_decode_torch(qs, k_cache, v_cache, group, backend, c))
+                 for c in sizes}
+        if kernel:
+            forms[IN_PLACE] = lambda: paged_decode(qs, k_cache, v_cache, group.block_tables, group.context_lens)
+        return forms
+    return tuner.choose("paged_decode", key, candidates)
 
 
 # ---------------------------------------------------------------- decode attention inside a compiled graph

@@ -1,0 +1,160 @@
+"""C kernels for the CPU, built on first use by the machine's C compiler and called through ctypes.
+
+One so far: `paged_decode` (csrc/paged_decode.c), the CPU twin of the Triton kernel in
+kernels/paged_attention.py. It reads a paged KV pool in place through the block tables, where the PyTorch path
+copies each sequence's blocks out of the pool before SDPA. Whether it runs is measured, like every other form
+(`attention.paged_decode_form`): on a machine where it loses, or without a C compiler, the PyTorch path runs.
+
+The build:
+- `-O3 -march=native`: for the CPU it runs on; the cached library's name carries a digest of the source, the
+  flags, the compiler and this CPU's model and feature flags, so a cache shared with another CPU builds anew.
+- `-ffast-math` when compiling, never when linking. Compiling with it lets GCC vectorise `expf` (glibc's
+  libmvec) and reassociate the dot products; linking a shared library with it adds `crtfastmath.o`, which
+  turns on flush-to-zero for the whole process as the library loads, and every PyTorch op after that would
+  lose its denormals (tests/engine/test_cpu_kernels.py checks they survive).
+- `-fopenmp`: the library asks for `libgomp.so.1`, the name under which PyTorch's wheel has already loaded its
+  own OpenMP runtime, so the kernel's threads are PyTorch's threads (one team, `torch.set_num_threads`).
+- The model's head counts and head size are compile-time constants (`-D`): one build per model shape.
+
+Built libraries go to $MINI_ENGINE_CACHE, or $XDG_CACHE_HOME/mini_engine (~/.cache/mini_engine). Set
+MINI_ENGINE_C_KERNELS=0 to never build or use them.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("MINI_ENGINE_CACHE"):
+        return Path(os.environ["MINI_ENGINE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mini_engine"
+
+
+def compiler() -> str | None:
+    """The C compiler: $CC, else cc or gcc on the PATH; None when C kernels are off or there is none."""
+    if os.environ.get("MINI_ENGINE_C_KERNELS", "1") == "0":
+        return None
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_signature() -> bytes:
+    """This CPU's model name and feature flags: what -march=native compiled for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b"unknown"
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
+
+
+def build(name: str, defines: dict[str, int]) -> Path:
+    """Compile csrc/<name>.c with `defines` into the cache (once per source, flags and CPU); the library's path.
+    Raises RuntimeError with the compiler's message when the build fails."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (or MINI_ENGINE_C_KERNELS=0)")
+    source = SOURCE_DIR / f"{name}.c"
+    flags = [*COMPILE_FLAGS, *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
+    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join([cc, *flags, *LINK_FLAGS]).encode(),
+                                        _cpu_signature()])).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    obj, tmp = out.with_suffix(f".{os.getpid()}.o"), out.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        for cmd in ([cc, *flags, "-c", str(source), "-o", str(obj)], [cc, *LINK_FLAGS, str(obj), "-o", str(tmp), "-lm"]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        os.replace(tmp, out)  # atomic: another process building the same library at once is harmless
+    finally:
+        obj.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+@functools.cache
+def _paged_decode_lib(num_heads: int, num_kv_heads: int, head_dim: int):
+    """The paged-decode function built for this shape, or None (no compiler, or the build failed: said once)."""
+    if compiler() is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(build("paged_decode", {"HQ": num_heads, "HKV": num_kv_heads, "HEAD_DIM": head_dim})))
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        warnings.warn(f"the C paged-decode kernel could not be built; the PyTorch path runs instead ({e})")
+        return None
+    fn = lib.paged_decode_f32
+    p, i = ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float]
+    fn.restype = i
+    return fn
+
+
+def paged_decode_supported(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether `paged_decode` can run these: fp32 CPU tensors, contiguous pools of one shape (the kernel reads
+    them in place), GQA with whole groups, and a kernel that built on this machine."""
+    return (q.device.type == "cpu" and q.dim() == 3 and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+            and k_pool.dim() == 4 and k_pool.shape == v_pool.shape and k_pool.is_contiguous()
+            and v_pool.is_contiguous() and q.shape[1] % k_pool.shape[2] == 0 and q.shape[2] == k_pool.shape[3]
+            and _paged_decode_lib(q.shape[1], k_pool.shape[2], q.shape[2]) is not None)
+
+
+def _check_tables(block_tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """The kernel reads wherever the tables point: every context must fit its table and every block id read
+    must lie in the pool. A decode step passes the same two tensors to each of its layers, so the last pair
+    checked is remembered (by identity and version) and not checked 29 more times."""
+    key = (block_tables._version, lens._version, num_blocks, block_size)
+    last = _CHECKED[0]
+    if last is not None and last[0] is block_tables and last[1] is lens and last[2] == key:
+        return
+    width = block_tables.shape[1]
+    if int(lens.min()) < 1 or int(lens.max()) > width * block_size:
+        raise ValueError(f"context_lens must lie in [1, {width * block_size}] (block_tables' width {width} x "
+                         f"block_size {block_size}), got {lens.tolist()}")
+    used = torch.arange(width)[None, :] * block_size < lens[:, None]  # the entries the kernel reads
+    ids = block_tables[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"block_tables must hold block ids in [0, {num_blocks}) where a context reads them")
+    _CHECKED[0] = (block_tables, lens, key)
+
+
+_CHECKED: list = [None]  # (block_tables, lens, (versions, pool shape)) last checked by _check_tables
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Decode attention read in place from a paged pool, as `kernels.paged_decode_attention` on a GPU:
+    q [S, Hq, D] fp32; k_pool/v_pool [num_blocks, block_size, Hkv, D] fp32 (one layer's); block_tables [S, W]
+    int32 covering each context; context_lens [S] int32, each >= 1. Returns [S, Hq, D]."""
+    if not paged_decode_supported(q, k_pool, v_pool):
+        raise ValueError("paged_decode needs fp32 CPU tensors, contiguous pools, Hq a multiple of Hkv and a C "
+                         "compiler (check paged_decode_supported first)")
+    fn = _paged_decode_lib(q.shape[1], k_pool.shape[2], q.shape[2])
+    s, w = block_tables.shape
+    if q.shape[0] != s or context_lens.shape != (s,):
+        raise ValueError(f"q, block_tables and context_lens must have one row per sequence: {q.shape[0]}, {s}, "
+                         f"{tuple(context_lens.shape)}")
+    if s == 0:
+        return torch.empty_like(q)
+    lens, tables = context_lens.to(torch.int32).contiguous(), block_tables.to(torch.int32).contiguous()
+    _check_tables(tables, lens, k_pool.shape[0], k_pool.shape[1])
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    status = fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                out.data_ptr(), s, k_pool.shape[1], w, q.shape[2] ** -0.5 if scale is None else scale)
+    if status != 0:
+        raise MemoryError("paged_decode: the kernel could not allocate its scratch buffer")
+    return out

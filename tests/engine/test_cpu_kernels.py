@@ -1,0 +1,162 @@
+"""The C paged-decode kernel (cpu_kernels.paged_decode) against a plain reference, its input checks, the build's
+effect on the rest of the process, and the engine's tokens with the kernel against the PyTorch copy form."""
+import pytest
+import torch
+
+import mini_engine as me
+from mini_engine import cpu_kernels
+from mini_engine.attention import IN_PLACE
+from mini_engine.autotune import TUNER
+from mini_engine.engine import LLM
+
+pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C compiler on this machine")
+
+
+def reference(q, k_pool, v_pool, tables, lens):
+    """Each sequence's blocks gathered in order, attention in float64: [S, Hq, D]."""
+    s, hq, d = q.shape
+    g = hq // k_pool.shape[2]
+    out = []
+    for i in range(s):
+        n = int(lens[i])
+        k = k_pool[tables[i].long()].flatten(0, 1)[:n].double().repeat_interleave(g, dim=1)  # [n, Hq, D]
+        v = v_pool[tables[i].long()].flatten(0, 1)[:n].double().repeat_interleave(g, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * d ** -0.5, dim=-1)
+        out.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(out).float()
+
+
+def random_case(seed, lens, hq=9, hkv=3, d=64, block_size=16, spare=5):
+    """A pool with room for every context plus `spare` blocks, shuffled tables padded with block 0."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + spare
+    k_pool, v_pool = torch.randn(2, num_blocks, block_size, hkv, d, generator=g).unbind(0)
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(need)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n] + [0] * (width - n))
+        at += n
+    q = torch.randn(len(lens), hq, d, generator=g)
+    return q, k_pool, v_pool, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 16)], ids=["gqa 9/3", "mha", "gqa 8/2"])
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_the_kernel_matches_the_reference(heads, block_size):
+    """Contexts of 1 position, of block multiples and not, of different lengths in one call; block tables
+    shuffled through the pool and padded past each context (padding is never read)."""
+    hq, hkv, d = heads
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 70, 200]
+    q, k_pool, v_pool, tables, lens_t = random_case(block_size + hq, lens, hq, hkv, d, block_size)
+    got = cpu_kernels.paged_decode(q, k_pool, v_pool, tables, lens_t)
+    torch.testing.assert_close(got, reference(q, k_pool, v_pool, tables, lens_t), rtol=1e-5, atol=1e-5)
+
+
+def test_no_sequences_and_one_sequence():
+    q, k_pool, v_pool, tables, lens = random_case(0, [37])
+    assert cpu_kernels.paged_decode(q[:0], k_pool, v_pool, tables[:0], lens[:0]).shape == (0, 9, 64)
+    torch.testing.assert_close(cpu_kernels.paged_decode(q, k_pool, v_pool, tables, lens),
+                               reference(q, k_pool, v_pool, tables, lens), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_refused_by_name_before_the_kernel_reads_memory():
+    q, k_pool, v_pool, tables, lens = random_case(1, [20, 33])
+    with pytest.raises(ValueError, match="context_lens"):
+        cpu_kernels.paged_decode(q, k_pool, v_pool, tables, torch.tensor([20, 33 + 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match="context_lens"):
+        cpu_kernels.paged_decode(q, k_pool, v_pool, tables, torch.tensor([0, 33], dtype=torch.int32))
+    bad = tables.clone()
+    bad[1, 2] = k_pool.shape[0]  # a block id past the pool, inside the context
+    with pytest.raises(ValueError, match="block_tables"):
+        cpu_kernels.paged_decode(q, k_pool, v_pool, bad, lens)
+    padded = tables.clone()
+    padded[0, 2] = 10**6  # past sequence 0's context (20 positions = 2 blocks): never read, so allowed
+    cpu_kernels.paged_decode(q, k_pool, v_pool, padded, lens)
+    with pytest.raises(ValueError, match="one row per sequence"):
+        cpu_kernels.paged_decode(q, k_pool, v_pool, tables[:1], lens)
+    assert not cpu_kernels.paged_decode_supported(q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16())
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_kernels.paged_decode(q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), tables, lens)
+
+
+def test_a_changed_table_is_checked_again():
+    """The checks are skipped for the pair of tensors checked last (a step's 30 layers share them), but a
+    table written in place since must be checked anew."""
+    q, k_pool, v_pool, tables, lens = random_case(2, [20, 33])
+    cpu_kernels.paged_decode(q, k_pool, v_pool, tables, lens)
+    tables[1, 1] = -1
+    with pytest.raises(ValueError, match="block_tables"):
+        cpu_kernels.paged_decode(q, k_pool, v_pool, tables, lens)
+
+
+def test_loading_the_kernel_keeps_denormals_in_every_other_op():
+    """Linked with -ffast-math, a shared library turns on flush-to-zero for the whole process when it loads;
+    the build compiles with it but links without it, so PyTorch's arithmetic is unchanged."""
+    q, k_pool, v_pool, tables, lens = random_case(3, [5])
+    cpu_kernels.paged_decode(q, k_pool, v_pool, tables, lens)  # built and loaded
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert (tiny * 2).item() > 0, "denormals are flushed to zero: the kernel was linked with -ffast-math"
+
+
+def test_a_build_is_reused_and_named_for_this_source_flags_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINI_ENGINE_CACHE", str(tmp_path))
+    first = cpu_kernels.build("paged_decode", {"HQ": 4, "HKV": 2, "HEAD_DIM": 8})
+    assert first.parent == tmp_path and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build("paged_decode", {"HQ": 4, "HKV": 2, "HEAD_DIM": 8}) == first
+    assert first.stat().st_mtime_ns == mtime, "built again"
+    assert cpu_kernels.build("paged_decode", {"HQ": 4, "HKV": 2, "HEAD_DIM": 16}) != first
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".so", ".so"], "a temporary file was left behind"
+
+
+def test_without_a_compiler_the_pytorch_path_is_the_only_form(monkeypatch):
+    monkeypatch.setenv("MINI_ENGINE_C_KERNELS", "0")
+    cpu_kernels._paged_decode_lib.cache_clear()
+    try:
+        q, k_pool, v_pool, _, _ = random_case(4, [5])
+        assert not cpu_kernels.paged_decode_supported(q, k_pool, v_pool)
+    finally:
+        monkeypatch.delenv("MINI_ENGINE_C_KERNELS")
+        cpu_kernels._paged_decode_lib.cache_clear()
+
+
+@pytest.fixture
+def force_paged_decode(monkeypatch):
+    """force(form): every paged decode from now on takes `form`; the tuner's choices are put back after."""
+    before = dict(TUNER.choices)
+
+    def force(form):
+        TUNER.choices.clear()
+        TUNER.choices.update(before)
+        monkeypatch.setattr(TUNER, "forced", {**TUNER.forced, "paged_decode": form})
+    yield force
+    TUNER.choices.clear()
+    TUNER.choices.update(before)
+
+
+def test_a_compiled_graph_reaches_the_kernel_through_the_decode_operator(force_paged_decode):
+    """A compiled decode step attends through `mini_engine::decode_attention` (every row padded to one table
+    width, masked past its context): with the kernel forced, the reference's result."""
+    from mini_engine.attention import DecodeGroup
+
+    q, k_pool, v_pool, tables, lens = random_case(5, [3, 40, 17, 64])
+    group = DecodeGroup.from_tensors(lens, tables.shape[1] * 16, block_tables=tables)
+    force_paged_decode(IN_PLACE)
+    got = torch.ops.mini_engine.decode_attention(q, k_pool, v_pool, group.mask, lens, None, tables, "torch")
+    torch.testing.assert_close(got, reference(q, k_pool, v_pool, tables, lens), rtol=1e-5, atol=1e-5)
+
+
+def test_real_model_same_tokens_with_the_kernel_as_with_the_copy(real, chat_prompts, force_paged_decode):
+    """The engine on the paged cache, every paged decode forced through the kernel, then through the copy and
+    SDPA one sequence at a time: the same greedy tokens, and the same seeded samples."""
+    model, tok = real
+    params = [me.SamplingParams(max_tokens=24), me.SamplingParams(max_tokens=24, temperature=0.8, seed=7),
+              me.SamplingParams(max_tokens=24)]
+    outs = {}
+    for form in (IN_PLACE, "1 at a time"):
+        force_paged_decode(form)
+        llm = LLM.from_model(model, tok, block_size=16, max_num_seqs=3, max_model_len=128)
+        outs[form] = [o.token_ids for o in llm.generate(chat_prompts, params, use_tqdm=False)]
+    assert outs[IN_PLACE] == outs["1 at a time"]
