@@ -346,11 +346,22 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# On a GPU the Triton kernel reads the blocks in place; on a CPU the torch path copies each sequence's blocks
-# out of the pool before attention, once per layer, so a paged decode step reads the cached keys and values
-# twice as a contiguous one does. At long contexts, where the cache is read more than the weights, that
-# copy is visible; `python -m mini_engine bench --workload paging` measures it at contexts 128 and 1024.
-#
+# A paged decode has to find each sequence's blocks wherever they lie. On a GPU the Triton kernel reads them
+# in place, following the block table. On a CPU the engine times two ways and keeps the faster, per batch and
+# context size: copy each sequence's blocks out of the pool and run SDPA on the copy (which reads the cached
+# keys and values twice), or a small C kernel (`mini_engine/csrc/paged_decode.c`) that reads them in place and
+# asks for the next block while it reads the current one, since the CPU's prefetcher cannot guess where that
+# block lies. Which won on this machine, for each (batch, context) size the steps above met:
+
+# %%
+from collections import Counter
+
+from mini_engine.autotune import TUNER
+
+paged_forms = Counter(choice.form for key, choice in TUNER.report() if key[0] == "paged_decode")
+print("paged decode forms chosen here:", dict(paged_forms) or "none timed (a GPU reads the pool in place)")
+
+# %% [markdown]
 # ## 7. The other preemption: swapping to host memory
 #
 # Recompute is not the only way to free a request's blocks. vLLM also offered **swapping**: copy the
