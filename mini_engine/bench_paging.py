@@ -7,6 +7,9 @@
 - One decode step at equal batch: `batch` sequences at each context length, read from the contiguous cache
   (a slice of its slots) and from the paged pool (through shuffled block tables, the worst case for
   locality). The forms are timed in alternation and the medians compared.
+- On a CPU, the paged decode's attention forms side by side (`time_paged_decode_forms`): one layer's
+  attention for the same batch and contexts, through the C kernel that reads the pool in place and through the
+  copy of the blocks with SDPA (the form it replaces), beside the contiguous cache's SDPA.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, _decode_sdpa, paged_decode_torch
+from .cpu_kernels import paged_decode, paged_decode_supported
 from .bench import Row, ServingWorkload, format_table, run_engine
 from .devices import synchronize
 from .kv_cache import ContiguousKVCache, PagedKVCache
@@ -58,6 +62,42 @@ def time_decode_steps(model, batch: int, context: int, block_sizes=(16,), repeat
     return {form: statistics.median(t) for form, t in times.items()}
 
 
+def time_paged_decode_forms(model, batch: int, context: int, block_size: int = 16, repeats: int = 7) -> dict:
+    """Median seconds of one layer's decode attention, {"in place (C)": s, "copy + SDPA": s, "contiguous": s},
+    each form run over every layer's pool in turn (so that, as in a step, the keys and values come from memory)
+    and divided by the layers: the C kernel, the copy of the blocks with SDPA (the best number of sequences per
+    copy), and SDPA on the contiguous cache's slots. {} where the kernel cannot run (not a CPU, not fp32, or
+    no C compiler)."""
+    paged, meta = decode_step_inputs(model, batch, context, block_size)
+    contiguous, cmeta = decode_step_inputs(model, batch, context, None)
+    c = model.config
+    q = torch.randn(batch, c.num_heads, c.head_dim, device=model.device, dtype=model.dtype)
+    layers = range(c.num_layers)
+    if not paged_decode_supported(q, *paged.layer(0)):
+        return {}
+    group = meta.decode
+    chunks = [n for n in (batch, 8, 4, 2, 1) if n <= batch]
+
+    def copy_form(n):
+        return lambda: [paged_decode_torch(q, *paged.layer(i), group, chunk=n) for i in layers]
+    forms = {"in place (C)": lambda: [paged_decode(q, *paged.layer(i), group.block_tables, group.context_lens)
+                                      for i in layers],
+             **{f"copy {n}": copy_form(n) for n in dict.fromkeys(chunks)},
+             "contiguous": lambda: [_decode_sdpa(q.unsqueeze(2), *(x[cmeta.decode.slots] for x in contiguous.layer(i)),
+                                                 None, "torch") for i in layers]}
+    times: dict = {name: [] for name in forms}
+    for i in range(repeats + 1):
+        for name, fn in forms.items():
+            t0 = time.perf_counter()
+            fn()
+            if i:
+                times[name].append((time.perf_counter() - t0) / len(layers))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    copies = {name: t for name, t in medians.items() if name.startswith("copy")}
+    return {"in place (C)": medians["in place (C)"], "copy + SDPA": min(copies.values()),
+            "contiguous": medians["contiguous"]}
+
+
 def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_len: int = 2048, low: int = 16,
                  high: int = 256, block_size: int = 16, contexts=(128, 1024), progress: bool = True,
                  print_fn=print) -> tuple[list[Row], dict[int, tuple[float, float]]]:
@@ -84,6 +124,7 @@ def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_l
     steps = {c: time_decode_steps(model, batch, c, (block_size,)) for c in tqdm(contexts, desc="decode steps",
                                                                                 disable=not progress)}
     steps = {c: (t["contiguous"], t[block_size]) for c, t in steps.items()}
+    forms = {c: time_paged_decode_forms(model, batch, c, block_size) for c in contexts}
     print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} workload: {requests} requests, prompt and "
              f"output lengths uniform in {low}-{high} (seed 0), ignore_eos, max_model_len {max_model_len}; KV memory "
@@ -98,4 +139,11 @@ def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_l
     for c, (t_contiguous, t_paged) in steps.items():
         print_fn(f"  context {c:5d}: contiguous {t_contiguous * 1e3:7.1f} ms, paged {t_paged * 1e3:7.1f} ms, "
                  f"paged / contiguous {t_paged / t_contiguous:.2f}x")
+    if all(forms.values()):
+        print_fn(f"one layer's paged decode attention, {batch} sequences (median over the {model.config.num_layers} "
+                 "layers' pools): the C kernel reading the pool in place against the copy + SDPA it replaces")
+        for c, t in forms.items():
+            print_fn(f"  context {c:5d}: in place {t['in place (C)'] * 1e3:6.3f} ms, copy + SDPA "
+                     f"{t['copy + SDPA'] * 1e3:6.3f} ms ({t['copy + SDPA'] / t['in place (C)']:.2f}x the kernel), "
+                     f"contiguous SDPA {t['contiguous'] * 1e3:6.3f} ms")
     return rows, steps
