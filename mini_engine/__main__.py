@@ -89,6 +89,9 @@ def cmd_bench(args) -> None:
         bench_server(32 if args.requests is None else args.requests, 64 if args.tokens is None else args.tokens,
                      args.device, args.dtype, rate=args.rate)
         return
+    # Paging, by default at two KV memories: the contiguous default's 16 slots, and 4 slots, where memory (not the
+    # number of requests) bounds the batch.
+    slot_counts = (16, 4) if args.batch is None else (args.batch,)
     for name, default in (("requests", 64), ("batch", 16), ("tokens", 128)):
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -98,7 +101,8 @@ def cmd_bench(args) -> None:
             raise ValueError("--workload paging compares the two KV caches; it takes no --rung")
         if args.requests < 1 or args.batch < 1 or args.max_model_len < 2:
             raise ValueError("--requests and --batch must be >= 1, --max-model-len >= 2")
-        bench_paging(args.requests, args.batch, args.device, args.dtype, max_model_len=args.max_model_len)
+        for slots in slot_counts:
+            bench_paging(args.requests, slots, args.device, args.dtype, max_model_len=args.max_model_len)
     elif args.workload == "prefix":
         from .bench_prefix import bench_prefix
         if rungs:
@@ -200,8 +204,8 @@ def main(argv=None) -> None:
                    "default 64); ladder: default 32 on a CPU, 256 on a GPU; server: default 32")
     b.add_argument("--batch", type=int, default=None,
                    help="serving: max_num_seqs, and HF's batch size (default 16); paging: the contiguous slots, whose "
-                        "memory the paged pool gets, and the decode step's batch; ladder: the contiguous slots and "
-                        "HF's batch (default 16 on a CPU, 64 on a GPU)")
+                        "memory the paged pool gets, and the decode step's batch (default: 16, then 4); ladder: the "
+                        "contiguous slots and HF's batch (default 16 on a CPU, 64 on a GPU)")
     b.add_argument("--sample", type=int, default=None,
                    help="ladder: requests the one-at-a-time rungs (naive, cached, compiled) run (default 2 on a CPU)")
     b.add_argument("--plot", default=None, help="ladder: save the bar chart here (default build/ladder.png)")
