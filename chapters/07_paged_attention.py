@@ -142,7 +142,8 @@ print("slots of a's positions 0-8:", bm.slot_mapping("a", 0, 9), " (slot = block
 # chapter 08's subject, and this chapter's runs switch it off to see paging alone). The model writes each
 # new token's keys and values to its slot (`slot_mapping`), and attention reads each request's context
 # through its block table: on a GPU the Triton kernel `paged_decode_attention` follows the table itself; on
-# a CPU the torch path copies the blocks out first (section 6 measures what that costs).
+# a CPU either a small C kernel does, or the torch path copies the blocks out first, whichever is faster
+# here (section 6 measures the cost of a paged step, and says which won).
 
 # %%
 llm = LLM.from_model(model, tok, max_model_len=512)
