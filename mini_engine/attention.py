@@ -20,8 +20,9 @@ torch.compile of a fused gather-and-reduce 0.15 / 1.80 ms, but compiled anew for
 each), which a serving engine meets at every step. The copy reads the cached keys and values a second time:
 copying a few sequences at a time keeps each copy in the CPU's cache until SDPA reads it (16 sequences of 1,024
 positions: 1.71 ms four at a time against 2.14 ms all at once), but the copy and SDPA still cannot overlap.
-The C kernel, measured later over 30 layers' pools (so that it reads from memory): 0.08 / 0.75 ms, against 0.17 / 1.1 ms for the contiguous cache's
-SDPA in the same run (without its prefetch of the next block, 1.6 ms at 1,024 positions).
+The C kernel, measured later over 30 layers' pools (so that it reads from memory): 0.08 / 0.75 ms, against
+0.17 / 1.1 ms for the contiguous cache's SDPA in the same run (without its prefetch of the next block, 1.6 ms
+at 1,024 positions).
 """
 from __future__ import annotations
 

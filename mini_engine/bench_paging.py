@@ -80,11 +80,15 @@ def time_paged_decode_forms(model, batch: int, context: int, block_size: int = 1
 
     def copy_form(n):
         return lambda: [paged_decode_torch(q, *paged.layer(i), group, chunk=n) for i in layers]
+
+    def contiguous_form():
+        for i in layers:
+            k, v = (kv[cmeta.decode.slots] for kv in contiguous.layer(i))
+            _decode_sdpa(q.unsqueeze(2), k, v, None, "torch")
     forms = {"in place (C)": lambda: [paged_decode(q, *paged.layer(i), group.block_tables, group.context_lens)
                                       for i in layers],
              **{f"copy {n}": copy_form(n) for n in dict.fromkeys(chunks)},
-             "contiguous": lambda: [_decode_sdpa(q.unsqueeze(2), *(x[cmeta.decode.slots] for x in contiguous.layer(i)),
-                                                 None, "torch") for i in layers]}
+             "contiguous": contiguous_form}
     times: dict = {name: [] for name in forms}
     for i in range(repeats + 1):
         for name, fn in forms.items():

@@ -75,7 +75,9 @@ def build(name: str, defines: dict[str, int]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     obj, tmp = out.with_suffix(f".{os.getpid()}.o"), out.with_suffix(f".{os.getpid()}.tmp")
     try:
-        for cmd in ([cc, *flags, "-c", str(source), "-o", str(obj)], [cc, *LINK_FLAGS, str(obj), "-o", str(tmp), "-lm"]):
+        compile_ = [cc, *flags, "-c", str(source), "-o", str(obj)]
+        link = [cc, *LINK_FLAGS, str(obj), "-o", str(tmp), "-lm"]  # without -ffast-math: see the module's notes
+        for cmd in (compile_, link):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
