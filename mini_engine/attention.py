@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
-from .cpu_kernels import paged_decode, paged_decode_supported
+from .cpu_kernels import paged_chunk, paged_decode, paged_decode_supported
 from .paging import slot_mapping as block_slot_mapping
 
 BACKENDS = ("naive", "torch", "triton")
+IN_PLACE = "in place (C)"  # the autotuned form that reads a paged pool through the C kernels (cpu_kernels.py)
 
 
 def resolve_backend(name: str, device) -> str:
@@ -153,6 +154,7 @@ class VerifyGroup:
     block_tables: torch.Tensor | None  # paged cache: [S, blocks of the longest context] int32
     max_context: int               # key positions read per sequence
     mask: torch.Tensor             # [S,1,Q,1,max_context] True where query row j of sequence s may look
+    visible: torch.Tensor | None = None  # [S, Q] int32: how many positions query row j sees (the C kernel's mask)
 
     @classmethod
     def build(cls, query_lens, context_lens, slots, block_tables, device) -> "VerifyGroup | None":
@@ -178,7 +180,7 @@ class VerifyGroup:
         return cls(seqs, torch.tensor(tokens, device=device), torch.tensor(valid, device=device),
                    torch.tensor(packed, device=device), width,
                    None if slots is None else torch.tensor([slots[i] for i in seqs], device=device),
-                   tables, max_context, mask[:, None, :, None, :])
+                   tables, max_context, mask[:, None, :, None, :], torch.tensor(sees, dtype=torch.int32, device=device))
 
 
 @dataclass
@@ -401,17 +403,24 @@ def decode_attention(q, k_cache, v_cache, group: DecodeGroup, backend: str = "to
     return o if group.rows is None else o[group.rows]
 
 
-def verify_attention(q, k_cache, v_cache, group: VerifyGroup, backend: str = "torch"):
+def verify_attention(q, k_cache, v_cache, group: VerifyGroup, backend: str = "torch", form: str | None = None):
     """The short chunks of `group`, padded to Q query rows each, in one call: [n real rows, Hq, D], in the
     order of `group.packed`. As in `_decode_sdpa`, the query heads sharing a KV head become that head's rows
-    (here Q x Hq/Hkv of them), so SDPA reads each KV head once."""
+    (here Q x Hq/Hkv of them), so SDPA reads each KV head once. On a paged cache on a CPU, the C kernel that
+    reads the pool in place (`cpu_kernels.paged_chunk`) competes with the copy + SDPA (`verify_form`); `form`
+    forces one of the two."""
+    s, n_q = len(group.seqs), group.query_len
+    if group.block_tables is not None and (form or verify_form(q, k_cache, v_cache, group, backend)) == IN_PLACE:
+        qs = q[group.tokens].view(s, n_q, *q.shape[1:])
+        out = paged_chunk(qs, k_cache, v_cache, group.block_tables, group.visible)
+        return out.view(s * n_q, *q.shape[1:])[group.valid]
     if group.block_tables is not None:
         k = gather_blocks(k_cache, group.block_tables, group.max_context)  # [S,Hkv,L,D]
         v = gather_blocks(v_cache, group.block_tables, group.max_context)
     else:
         k = k_cache[group.slots, :, :group.max_context]
         v = v_cache[group.slots, :, :group.max_context]
-    s, n_q, (hq, d), hkv = k.shape[0], group.query_len, q.shape[1:], k.shape[1]
+    (hq, d), hkv = q.shape[1:], k.shape[1]
     g = hq // hkv
     qs = q[group.tokens].view(s, n_q, hkv, g, d).transpose(1, 2).reshape(s, hkv, n_q * g, d)
     mask = group.mask.expand(s, 1, n_q, g, group.max_context).reshape(s, 1, n_q * g, group.max_context)
@@ -423,6 +432,19 @@ def verify_attention(q, k_cache, v_cache, group: VerifyGroup, backend: str = "to
     o = run_attention(attention_in_fp32("verify", fn, qs, k, v), fn, qs, k, v)  # [S,Hkv,Q*g,D]
     o = o.view(s, hkv, n_q, g, d).transpose(1, 2).reshape(s * n_q, hq, d)
     return o[group.valid]
+
+
+def verify_form(q, k_cache, v_cache, group: VerifyGroup, backend: str, tuner: Autotuner = TUNER) -> str:
+    """"copy" (the sequences' blocks copied out of the pool, then SDPA) or IN_PLACE (the C kernel), timed per
+    (dtype, chunks, chunk length, context) bucket on a paged cache on a CPU; "copy" anywhere else."""
+    if (backend != "torch" or q.device.type != "cpu" or counting_mode_active()
+            or not paged_decode_supported(q, k_cache, v_cache)):
+        return "copy"
+    key = (str(q.dtype), row_bucket(len(group.seqs)), group.query_len, row_bucket(group.max_context, 1 << 20),
+           k_cache.shape[1:])
+    return tuner.choose("paged_verify", key, lambda: {
+        name: (lambda name=name: verify_attention(q, k_cache, v_cache, group, backend, name))
+        for name in ("copy", IN_PLACE)})
 
 
 def _decode_sdpa(q, k, v, mask, backend: str):
@@ -467,9 +489,6 @@ def paged_decode_torch(qs, k_cache, v_cache, group: DecodeGroup, backend: str = 
         v = gather_blocks(v_cache, group.block_tables[rows], length)
         outs.append(_decode_sdpa(qs[rows].unsqueeze(2), k, v, mask, backend))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-IN_PLACE = "in place (C)"  # the form of `paged_decode_form` that runs cpu_kernels.paged_decode
 
 
 def paged_decode_form(qs, k_cache, v_cache, group: DecodeGroup, backend: str, tuner: Autotuner = TUNER) -> str:

@@ -89,38 +89,41 @@ def build(name: str, defines: dict[str, int]) -> Path:
 
 
 @functools.cache
-def _paged_decode_lib(num_heads: int, num_kv_heads: int, head_dim: int):
-    """The paged-decode function built for this shape, or None (no compiler, or the build failed: said once)."""
+def _paged_lib(num_heads: int, num_kv_heads: int, head_dim: int):
+    """csrc/paged_decode.c built for this shape and loaded, or None (no compiler, or the build failed: said once)."""
     if compiler() is None:
         return None
     try:
         lib = ctypes.CDLL(str(build("paged_decode", {"HQ": num_heads, "HKV": num_kv_heads, "HEAD_DIM": head_dim})))
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        warnings.warn(f"the C paged-decode kernel could not be built; the PyTorch path runs instead ({e})")
+        warnings.warn(f"the C paged-attention kernels could not be built; the PyTorch path runs instead ({e})")
         return None
-    fn = lib.paged_decode_f32
     p, i = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float]
-    fn.restype = i
-    return fn
+    lib.paged_decode_f32.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float]
+    lib.paged_chunk_f32.argtypes = [p, p, p, p, p, p, i, i, i, i, ctypes.c_float]
+    lib.paged_decode_f32.restype = lib.paged_chunk_f32.restype = i
+    return lib
 
 
 def paged_decode_supported(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
-    """Whether `paged_decode` can run these: fp32 CPU tensors, contiguous pools of one shape (the kernel reads
-    them in place), GQA with whole groups, and a kernel that built on this machine."""
-    return (q.device.type == "cpu" and q.dim() == 3 and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+    """Whether `paged_decode` (q [S, Hq, D]) or `paged_chunk` (q [S, Q, Hq, D]) can run these: fp32 CPU tensors,
+    contiguous pools of one shape (the kernels read them in place), GQA with whole groups, and kernels that built
+    on this machine."""
+    return (q.device.type == "cpu" and q.dim() in (3, 4) and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
             and k_pool.dim() == 4 and k_pool.shape == v_pool.shape and k_pool.is_contiguous()
-            and v_pool.is_contiguous() and q.shape[1] % k_pool.shape[2] == 0 and q.shape[2] == k_pool.shape[3]
-            and _paged_decode_lib(q.shape[1], k_pool.shape[2], q.shape[2]) is not None)
+            and v_pool.is_contiguous() and q.shape[-2] % k_pool.shape[2] == 0 and q.shape[-1] == k_pool.shape[3]
+            and _paged_lib(q.shape[-2], k_pool.shape[2], q.shape[-1]) is not None)
 
 
 def _check_tables(block_tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
     """The kernel reads wherever the tables point: every context must fit its table and every block id read
     must lie in the pool. A decode step passes the same two tensors to each of its layers, so the last pair
     checked is remembered (by identity and version) and not checked 29 more times."""
-    key = (block_tables._version, lens._version, num_blocks, block_size)
+    # Inference-mode tensors keep no version counter: those are checked every time.
+    tracked = not (block_tables.is_inference() or lens.is_inference())
+    key = (block_tables._version, lens._version, num_blocks, block_size) if tracked else None
     last = _CHECKED[0]
-    if last is not None and last[0] is block_tables and last[1] is lens and last[2] == key:
+    if tracked and last is not None and last[0] is block_tables and last[1] is lens and last[2] == key:
         return
     width = block_tables.shape[1]
     if int(lens.min()) < 1 or int(lens.max()) > width * block_size:
@@ -130,7 +133,8 @@ def _check_tables(block_tables: torch.Tensor, lens: torch.Tensor, num_blocks: in
     ids = block_tables[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"block_tables must hold block ids in [0, {num_blocks}) where a context reads them")
-    _CHECKED[0] = (block_tables, lens, key)
+    if tracked:
+        _CHECKED[0] = (block_tables, lens, key)
 
 
 _CHECKED: list = [None]  # (block_tables, lens, (versions, pool shape)) last checked by _check_tables
@@ -141,10 +145,10 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     """Decode attention read in place from a paged pool, as `kernels.paged_decode_attention` on a GPU:
     q [S, Hq, D] fp32; k_pool/v_pool [num_blocks, block_size, Hkv, D] fp32 (one layer's); block_tables [S, W]
     int32 covering each context; context_lens [S] int32, each >= 1. Returns [S, Hq, D]."""
-    if not paged_decode_supported(q, k_pool, v_pool):
-        raise ValueError("paged_decode needs fp32 CPU tensors, contiguous pools, Hq a multiple of Hkv and a C "
-                         "compiler (check paged_decode_supported first)")
-    fn = _paged_decode_lib(q.shape[1], k_pool.shape[2], q.shape[2])
+    if q.dim() != 3 or not paged_decode_supported(q, k_pool, v_pool):
+        raise ValueError("paged_decode needs q [S, Hq, D], fp32 CPU tensors, contiguous pools, Hq a multiple of Hkv "
+                         "and a C compiler (check paged_decode_supported first)")
+    fn = _paged_lib(q.shape[1], k_pool.shape[2], q.shape[2]).paged_decode_f32
     s, w = block_tables.shape
     if q.shape[0] != s or context_lens.shape != (s,):
         raise ValueError(f"q, block_tables and context_lens must have one row per sequence: {q.shape[0]}, {s}, "
@@ -159,4 +163,33 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
                 out.data_ptr(), s, k_pool.shape[1], w, q.shape[2] ** -0.5 if scale is None else scale)
     if status != 0:
         raise MemoryError("paged_decode: the kernel could not allocate its scratch buffer")
+    return out
+
+
+def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Short chunks read in place from a paged pool (a speculative step's verify chunks): q [S, Q, Hq, D] fp32,
+    query j of sequence s attending to the first visible[s, j] positions (its own included), visible [S, Q]
+    int32, each >= 1 and at most the row's last entry; pools and block_tables as for `paged_decode`.
+    Returns [S, Q, Hq, D]."""
+    if q.dim() != 4 or not paged_decode_supported(q, k_pool, v_pool):
+        raise ValueError("paged_chunk needs q [S, Q, Hq, D], fp32 CPU tensors, contiguous pools, Hq a multiple of "
+                         "Hkv and a C compiler (check paged_decode_supported first)")
+    s, w = block_tables.shape
+    if q.shape[0] != s or visible.shape != q.shape[:2]:
+        raise ValueError(f"q [S, Q, ...], block_tables [S, W] and visible [S, Q] must agree: {tuple(q.shape)}, "
+                         f"{tuple(block_tables.shape)}, {tuple(visible.shape)}")
+    if s == 0:
+        return torch.empty_like(q)
+    visible, tables = visible.to(torch.int32).contiguous(), block_tables.to(torch.int32).contiguous()
+    if int(visible.min()) < 1 or bool((visible.amax(dim=1) != visible[:, -1]).any()):
+        raise ValueError(f"visible must be >= 1 and at most each row's last entry, got {visible.tolist()}")
+    _check_tables(tables, visible[:, -1].contiguous(), k_pool.shape[0], k_pool.shape[1])
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    status = _paged_lib(q.shape[2], k_pool.shape[2], q.shape[3]).paged_chunk_f32(
+        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), visible.data_ptr(), out.data_ptr(),
+        s, q.shape[1], k_pool.shape[1], w, q.shape[3] ** -0.5 if scale is None else scale)
+    if status != 0:
+        raise MemoryError("paged_chunk: the kernel could not allocate its scratch buffer")
     return out

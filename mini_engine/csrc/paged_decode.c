@@ -112,3 +112,82 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
   }
   return failed ? -1 : 0;
 }
+
+/* Short chunks (a speculative step's last token and its drafts): Q query tokens per sequence, query j of sequence
+   s seeing the first visible[s * Q + j] positions (its own included; non-decreasing in j), with the same reads as
+   paged_decode_f32: every key and value row of the sequence once, for all Q x HQ query rows at a time.
+     q [S, Q, HQ, HEAD_DIM], visible [S, Q] int32 (>= 1), out [S, Q, HQ, HEAD_DIM]. */
+int paged_chunk_f32(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
+                    const int32_t *visible, float *out, int S, int Q, int block_size, int W, float scale) {
+  const size_t block = (size_t)block_size * ROW;
+  const int R = Q * HQ; /* query rows of a sequence: row r = j * HQ + head */
+  int failed = 0;
+#pragma omp parallel reduction(| : failed)
+  {
+    int cap = 0;
+    float *scores = NULL; /* [R][len] */
+#pragma omp for schedule(dynamic, 1)
+    for (int s = 0; s < S; s++) {
+      const int32_t *vis = visible + (size_t)s * Q;
+      const int len = vis[Q - 1];
+      if ((size_t)len * R > (size_t)cap) {
+        free(scores);
+        cap = len * R;
+        scores = malloc(sizeof(float) * (size_t)cap);
+        if (!scores) { cap = 0; failed = 1; continue; }
+      }
+      const float *qs = q + (size_t)s * R * HEAD_DIM;
+      const int32_t *table = tables + (size_t)s * W;
+      float *o = out + (size_t)s * R * HEAD_DIM;
+
+      for (int t0 = 0; t0 < len; t0 += block_size) { /* pass 1: scores (positions a row cannot see: unused) */
+        const int b = t0 / block_size, n = len - t0 < block_size ? len - t0 : block_size;
+        const float *kb = kpool + (size_t)table[b] * block;
+        const float *next = t0 + block_size < len ? kpool + (size_t)table[b + 1] * block : NULL;
+        for (int i = 0; i < n; i++) {
+          PREFETCH_ROW(next, i);
+          const float *k = kb + (size_t)i * ROW;
+          for (int r = 0; r < R; r++) {
+            const float *qr = qs + (size_t)r * HEAD_DIM, *kh = k + ((r % HQ) / G) * HEAD_DIM;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < HEAD_DIM; d++) dot += qr[d] * kh[d];
+            scores[(size_t)r * len + t0 + i] = dot * scale;
+          }
+        }
+      }
+      for (int r = 0; r < R; r++) { /* softmax of each row over the positions it sees */
+        const int seen = vis[r / HQ];
+        float *sc = scores + (size_t)r * len, m = sc[0], sum = 0.f;
+        for (int t = 1; t < seen; t++) m = sc[t] > m ? sc[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < seen; t++) {
+          const float e = expf(sc[t] - m);
+          sc[t] = e;
+          sum += e;
+        }
+        const float inv = 1.f / sum;
+        for (int t = 0; t < seen; t++) sc[t] *= inv;
+        for (int t = seen; t < len; t++) sc[t] = 0.f;
+        for (int d = 0; d < HEAD_DIM; d++) o[(size_t)r * HEAD_DIM + d] = 0.f;
+      }
+      for (int t0 = 0; t0 < len; t0 += block_size) { /* pass 2: the weighted sum of the values */
+        const int b = t0 / block_size, n = len - t0 < block_size ? len - t0 : block_size;
+        const float *vb = vpool + (size_t)table[b] * block;
+        const float *next = t0 + block_size < len ? vpool + (size_t)table[b + 1] * block : NULL;
+        for (int i = 0; i < n; i++) {
+          PREFETCH_ROW(next, i);
+          const float *v = vb + (size_t)i * ROW;
+          for (int r = 0; r < R; r++) {
+            const float p = scores[(size_t)r * len + t0 + i], *vh = v + ((r % HQ) / G) * HEAD_DIM;
+            float *orow = o + (size_t)r * HEAD_DIM;
+#pragma omp simd
+            for (int d = 0; d < HEAD_DIM; d++) orow[d] += p * vh[d];
+          }
+        }
+      }
+    }
+    free(scores);
+  }
+  return failed ? -1 : 0;
+}

@@ -54,6 +54,31 @@ def test_the_kernel_matches_the_reference(heads, block_size):
     torch.testing.assert_close(got, reference(q, k_pool, v_pool, tables, lens_t), rtol=1e-5, atol=1e-5)
 
 
+def chunk_reference(q, k_pool, v_pool, tables, visible):
+    """Query j of sequence s over the first visible[s, j] positions, in float64: [S, Q, Hq, D]."""
+    s, n_q = visible.shape
+    return torch.stack([torch.stack([reference(q[i, j:j + 1], k_pool, v_pool, tables[i:i + 1], visible[i, j:j + 1])[0]
+                                     for j in range(n_q)]) for i in range(s)])
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 16)], ids=["gqa 9/3", "gqa 8/2"])
+def test_the_chunk_kernel_matches_the_reference(heads):
+    """Verify chunks of Q = 5 rows: each row sees one more position than the one before, the last rows of a
+    shorter chunk repeat its last position (as VerifyGroup pads them), contexts from 5 to 200 positions."""
+    hq, hkv, d = heads
+    lens = [5, 16, 17, 70, 200]
+    q, k_pool, v_pool, tables, lens_t = random_case(40 + hq, lens, hq, hkv, d)
+    n_q = 5
+    visible = torch.tensor([[n - n_q + 1 + j for j in range(n_q)] for n in lens], dtype=torch.int32)
+    visible[2, 3:] = visible[2, 2]  # a chunk of 3 real rows, padded to 5
+    visible[2] += lens[2] - int(visible[2, -1])
+    qc = torch.randn(len(lens), n_q, hq, d, generator=torch.Generator().manual_seed(1))
+    got = cpu_kernels.paged_chunk(qc, k_pool, v_pool, tables, visible)
+    torch.testing.assert_close(got, chunk_reference(qc, k_pool, v_pool, tables, visible), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="visible"):
+        cpu_kernels.paged_chunk(qc, k_pool, v_pool, tables, visible.flip(1))  # decreasing rows
+
+
 def test_no_sequences_and_one_sequence():
     q, k_pool, v_pool, tables, lens = random_case(0, [37])
     assert cpu_kernels.paged_decode(q[:0], k_pool, v_pool, tables[:0], lens[:0]).shape == (0, 9, 64)
@@ -113,50 +138,58 @@ def test_a_build_is_reused_and_named_for_this_source_flags_and_cpu(tmp_path, mon
 
 def test_without_a_compiler_the_pytorch_path_is_the_only_form(monkeypatch):
     monkeypatch.setenv("MINI_ENGINE_C_KERNELS", "0")
-    cpu_kernels._paged_decode_lib.cache_clear()
+    cpu_kernels._paged_lib.cache_clear()
     try:
         q, k_pool, v_pool, _, _ = random_case(4, [5])
         assert not cpu_kernels.paged_decode_supported(q, k_pool, v_pool)
     finally:
         monkeypatch.delenv("MINI_ENGINE_C_KERNELS")
-        cpu_kernels._paged_decode_lib.cache_clear()
+        cpu_kernels._paged_lib.cache_clear()
 
 
 @pytest.fixture
-def force_paged_decode(monkeypatch):
-    """force(form): every paged decode from now on takes `form`; the tuner's choices are put back after."""
+def force_forms(monkeypatch):
+    """force(**forms): from now on the tuner's ops take the given forms (op=form); its choices are put back
+    after."""
     before = dict(TUNER.choices)
 
-    def force(form):
+    def force(**forms):
         TUNER.choices.clear()
         TUNER.choices.update(before)
-        monkeypatch.setattr(TUNER, "forced", {**TUNER.forced, "paged_decode": form})
+        monkeypatch.setattr(TUNER, "forced", {**TUNER.forced, **forms})
     yield force
     TUNER.choices.clear()
     TUNER.choices.update(before)
 
 
-def test_a_compiled_graph_reaches_the_kernel_through_the_decode_operator(force_paged_decode):
+KERNELS = {"paged_decode": IN_PLACE, "paged_verify": IN_PLACE}
+COPIES = {"paged_decode": "1 at a time", "paged_verify": "copy"}
+
+
+def test_a_compiled_graph_reaches_the_kernel_through_the_decode_operator(force_forms):
     """A compiled decode step attends through `mini_engine::decode_attention` (every row padded to one table
     width, masked past its context): with the kernel forced, the reference's result."""
     from mini_engine.attention import DecodeGroup
 
     q, k_pool, v_pool, tables, lens = random_case(5, [3, 40, 17, 64])
     group = DecodeGroup.from_tensors(lens, tables.shape[1] * 16, block_tables=tables)
-    force_paged_decode(IN_PLACE)
+    force_forms(**KERNELS)
     got = torch.ops.mini_engine.decode_attention(q, k_pool, v_pool, group.mask, lens, None, tables, "torch")
     torch.testing.assert_close(got, reference(q, k_pool, v_pool, tables, lens), rtol=1e-5, atol=1e-5)
 
 
-def test_real_model_same_tokens_with_the_kernel_as_with_the_copy(real, chat_prompts, force_paged_decode):
-    """The engine on the paged cache, every paged decode forced through the kernel, then through the copy and
-    SDPA one sequence at a time: the same greedy tokens, and the same seeded samples."""
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "k": 4}], ids=["plain", "n-gram speculation"])
+def test_real_model_same_tokens_with_the_kernels_as_with_the_copy(real, chat_prompts, force_forms, speculative):
+    """The engine on the paged cache, every paged decode and verify chunk forced through the kernels, then
+    through the copy and SDPA: the same greedy tokens, and the same seeded samples."""
     model, tok = real
     params = [me.SamplingParams(max_tokens=24), me.SamplingParams(max_tokens=24, temperature=0.8, seed=7),
               me.SamplingParams(max_tokens=24)]
+    if speculative:
+        params = [me.SamplingParams(max_tokens=24)] * 3  # greedy: speculation changes no token
     outs = {}
-    for form in (IN_PLACE, "1 at a time"):
-        force_paged_decode(form)
-        llm = LLM.from_model(model, tok, block_size=16, max_num_seqs=3, max_model_len=128)
-        outs[form] = [o.token_ids for o in llm.generate(chat_prompts, params, use_tqdm=False)]
-    assert outs[IN_PLACE] == outs["1 at a time"]
+    for name, forms in (("kernels", KERNELS), ("copies", COPIES)):
+        force_forms(**forms)
+        llm = LLM.from_model(model, tok, block_size=16, max_num_seqs=3, max_model_len=128, speculative=speculative)
+        outs[name] = [o.token_ids for o in llm.generate(chat_prompts, params, use_tqdm=False)]
+    assert outs["kernels"] == outs["copies"]
