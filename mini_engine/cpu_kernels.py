@@ -1,9 +1,11 @@
 """C kernels for the CPU, built on first use by the machine's C compiler and called through ctypes.
 
-One so far: `paged_decode` (csrc/paged_decode.c), the CPU twin of the Triton kernel in
-kernels/paged_attention.py. It reads a paged KV pool in place through the block tables, where the PyTorch path
-copies each sequence's blocks out of the pool before SDPA. Whether it runs is measured, like every other form
-(`attention.paged_decode_form`): on a machine where it loses, or without a C compiler, the PyTorch path runs.
+One source so far, csrc/paged_decode.c, with two kernels that read a paged KV pool in place through the block
+tables, where the PyTorch path copies each sequence's blocks out of the pool before SDPA: `paged_decode` (one
+query token per sequence, the CPU twin of the Triton kernel in kernels/paged_attention.py) and `paged_chunk`
+(a few query tokens per sequence, each seeing its own prefix: a speculative step's verify chunks). Whether they
+run is measured, like every other form (`attention.paged_decode_form`, `attention.verify_form`): on a machine
+where they lose, or without a C compiler, the PyTorch path runs.
 
 The build:
 - `-O3 -march=native`: for the CPU it runs on; the cached library's name carries a digest of the source, the
