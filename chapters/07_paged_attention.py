@@ -314,11 +314,11 @@ print(f"blocks free afterwards: {tight_llm.engine.num_free_blocks} of {tight_llm
 # ## 6. The block size
 #
 # Small blocks waste less (at most `block_size − 1` positions per request), so more requests fit; large
-# blocks mean fewer, larger pieces to look up and copy, and a longer unused tail to read past. The same
-# workload again, on a pool of a quarter of section 4's memory (so that the pool, not the queue, limits the
-# batch), at five block sizes: the positions wasted follow from the requests' lengths; the requests that ran
-# at once, the throughput and the cost of one decode step (a batch at a long context, through shuffled block
-# tables of each size, against the contiguous cache) are measured.
+# blocks mean fewer, larger pieces to look up (and to copy, where the copy wins), and a longer unused tail to
+# read past. The same workload again, on a pool of a quarter of section 4's memory (so that the pool, not the
+# queue, limits the batch), at five block sizes: the positions wasted follow from the requests' lengths; the
+# requests that ran at once, the throughput and the cost of one decode step (a batch at a long context,
+# through shuffled block tables of each size, against the contiguous cache) are measured.
 
 # %%
 sizes = [1, 4, 16, 64, 256]
