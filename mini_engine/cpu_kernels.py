@@ -117,16 +117,20 @@ def paged_decode_supported(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
             and _paged_lib(q.shape[-2], k_pool.shape[2], q.shape[-1]) is not None)
 
 
-def _check_tables(block_tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
-    """The kernel reads wherever the tables point: every context must fit its table and every block id read
-    must lie in the pool. A decode step passes the same two tensors to each of its layers, so the last pair
-    checked is remembered (by identity and version) and not checked 29 more times."""
+def _check_tables(block_tables: torch.Tensor, seen: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """The kernels read wherever the tables point: every context must fit its table and every block id read
+    must lie in the pool. seen: each sequence's context length [S], or each query row's visible length [S, Q]
+    (the last one the context, none larger). A step passes the same tensors to each of its layers, so the last
+    pair checked is remembered (by identity and version) and not checked again."""
     # Inference-mode tensors keep no version counter: those are checked every time.
-    tracked = not (block_tables.is_inference() or lens.is_inference())
-    key = (block_tables._version, lens._version, num_blocks, block_size) if tracked else None
+    tracked = not (block_tables.is_inference() or seen.is_inference())
+    key = (block_tables._version, seen._version, num_blocks, block_size) if tracked else None
     last = _CHECKED[0]
-    if tracked and last is not None and last[0] is block_tables and last[1] is lens and last[2] == key:
+    if tracked and last is not None and last[0] is block_tables and last[1] is seen and last[2] == key:
         return
+    lens = seen if seen.dim() == 1 else seen[:, -1]
+    if seen.dim() == 2 and (int(seen.min()) < 1 or bool((seen.amax(dim=1) != lens).any())):
+        raise ValueError(f"visible must be >= 1 and at most each row's last entry, got {seen.tolist()}")
     width = block_tables.shape[1]
     if int(lens.min()) < 1 or int(lens.max()) > width * block_size:
         raise ValueError(f"context_lens must lie in [1, {width * block_size}] (block_tables' width {width} x "
@@ -136,10 +140,10 @@ def _check_tables(block_tables: torch.Tensor, lens: torch.Tensor, num_blocks: in
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"block_tables must hold block ids in [0, {num_blocks}) where a context reads them")
     if tracked:
-        _CHECKED[0] = (block_tables, lens, key)
+        _CHECKED[0] = (block_tables, seen, key)
 
 
-_CHECKED: list = [None]  # (block_tables, lens, (versions, pool shape)) last checked by _check_tables
+_CHECKED: list = [None]  # (block_tables, seen, (versions, pool shape)) last checked by _check_tables
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -184,9 +188,7 @@ def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blo
     if s == 0:
         return torch.empty_like(q)
     visible, tables = visible.to(torch.int32).contiguous(), block_tables.to(torch.int32).contiguous()
-    if int(visible.min()) < 1 or bool((visible.amax(dim=1) != visible[:, -1]).any()):
-        raise ValueError(f"visible must be >= 1 and at most each row's last entry, got {visible.tolist()}")
-    _check_tables(tables, visible[:, -1].contiguous(), k_pool.shape[0], k_pool.shape[1])
+    _check_tables(tables, visible, k_pool.shape[0], k_pool.shape[1])
     q = q.contiguous()
     out = torch.empty_like(q)
     status = _paged_lib(q.shape[2], k_pool.shape[2], q.shape[3]).paged_chunk_f32(
