@@ -50,16 +50,23 @@ def time_decode_steps(model, batch: int, context: int, block_sizes=(16,), repeat
     inputs = {"contiguous": decode_step_inputs(model, batch, context, None)}
     inputs.update((b, decode_step_inputs(model, batch, context, b)) for b in block_sizes)
     tokens = torch.randint(0, model.config.vocab_size, (batch,), device=model.device)
-    times: dict = {form: [] for form in inputs}
+    return median_alternated({form: (lambda cache=cache, meta=meta: model(tokens, meta, cache))
+                              for form, (cache, meta) in inputs.items()}, repeats, model.device)
+
+
+def median_alternated(forms: dict, repeats: int, device="cpu") -> dict:
+    """{name: median seconds of fn()} over `repeats` rounds, each running every form once in turn (so that a
+    machine whose load changes affects all alike), after one round that warms them up."""
+    times: dict = {name: [] for name in forms}
     for i in range(repeats + 1):
-        for form, (cache, meta) in inputs.items():
-            synchronize(model.device)
+        for name, fn in forms.items():
+            synchronize(device)
             t0 = time.perf_counter()
-            model(tokens, meta, cache)
-            synchronize(model.device)
-            if i:  # the first round warms every form up
-                times[form].append(time.perf_counter() - t0)
-    return {form: statistics.median(t) for form, t in times.items()}
+            fn()
+            synchronize(device)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def time_paged_decode_forms(model, batch: int, context: int, block_size: int = 16, repeats: int = 7) -> dict:
@@ -89,14 +96,7 @@ def time_paged_decode_forms(model, batch: int, context: int, block_size: int = 1
                                       for i in layers],
              **{f"copy {n}": copy_form(n) for n in dict.fromkeys(chunks)},
              "contiguous": contiguous_form}
-    times: dict = {name: [] for name in forms}
-    for i in range(repeats + 1):
-        for name, fn in forms.items():
-            t0 = time.perf_counter()
-            fn()
-            if i:
-                times[name].append((time.perf_counter() - t0) / len(layers))
-    medians = {name: statistics.median(t) for name, t in times.items()}
+    medians = {name: t / len(layers) for name, t in median_alternated(forms, repeats).items()}
     copies = {name: t for name, t in medians.items() if name.startswith("copy")}
     return {"in place (C)": medians["in place (C)"], "copy + SDPA": min(copies.values()),
             "contiguous": medians["contiguous"]}
