@@ -109,11 +109,12 @@ def _paged_lib(num_heads: int, num_kv_heads: int, head_dim: int):
 
 def paged_decode_supported(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """Whether `paged_decode` (q [S, Hq, D]) or `paged_chunk` (q [S, Q, Hq, D]) can run these: fp32 CPU tensors,
-    contiguous pools of one shape (the kernels read them in place), GQA with whole groups, and kernels that built
-    on this machine."""
+    contiguous pools of one shape (the kernels read them in place), GQA with whole groups, a head size that is a
+    multiple of 8, and kernels that built on this machine."""
     return (q.device.type == "cpu" and q.dim() in (3, 4) and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
             and k_pool.dim() == 4 and k_pool.shape == v_pool.shape and k_pool.is_contiguous()
             and v_pool.is_contiguous() and q.shape[-2] % k_pool.shape[2] == 0 and q.shape[-1] == k_pool.shape[3]
+            and q.shape[-1] % 8 == 0
             and _paged_lib(q.shape[-2], k_pool.shape[2], q.shape[-1]) is not None)
 
 
@@ -121,12 +122,12 @@ def _check_tables(block_tables: torch.Tensor, seen: torch.Tensor, num_blocks: in
     """The kernels read wherever the tables point: every context must fit its table and every block id read
     must lie in the pool. seen: each sequence's context length [S], or each query row's visible length [S, Q]
     (the last one the context, none larger). A step passes the same tensors to each of its layers, so the last
-    pair checked is remembered (by identity and version) and not checked again."""
+    few pairs checked (a step's decodes, verify chunks and prefill chunks) are remembered by identity and
+    version, and not checked again."""
     # Inference-mode tensors keep no version counter: those are checked every time.
     tracked = not (block_tables.is_inference() or seen.is_inference())
     key = (block_tables._version, seen._version, num_blocks, block_size) if tracked else None
-    last = _CHECKED[0]
-    if tracked and last is not None and last[0] is block_tables and last[1] is seen and last[2] == key:
+    if tracked and any(t is block_tables and v is seen and k == key for t, v, k in _CHECKED):
         return
     lens = seen if seen.dim() == 1 else seen[:, -1]
     if seen.dim() == 2 and (int(seen.min()) < 1 or bool((seen.amax(dim=1) != lens).any())):
@@ -140,10 +141,12 @@ def _check_tables(block_tables: torch.Tensor, seen: torch.Tensor, num_blocks: in
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"block_tables must hold block ids in [0, {num_blocks}) where a context reads them")
     if tracked:
-        _CHECKED[0] = (block_tables, seen, key)
+        _CHECKED.append((block_tables, seen, key))
+        del _CHECKED[:-_CHECKED_KEPT]
 
 
-_CHECKED: list = [None]  # (block_tables, seen, (versions, pool shape)) last checked by _check_tables
+_CHECKED: list = []  # (block_tables, seen, (versions, pool shape)) last checked by _check_tables, newest last
+_CHECKED_KEPT = 8
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,

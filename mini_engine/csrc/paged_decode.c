@@ -30,6 +30,7 @@
 #endif
 
 enum { G = HQ / HKV, ROW = HKV * HEAD_DIM };
+_Static_assert(HEAD_DIM % 8 == 0, "the chunk kernel sums 8 output columns at a time");
 
 /* Ask for row i of block `next` (NULL: none) while row i of the current block is read. A macro: written as an
    inline function, GCC 12 dropped every prefetch in it. */
@@ -113,81 +114,98 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
   return failed ? -1 : 0;
 }
 
-/* Short chunks (a speculative step's last token and its drafts): Q query tokens per sequence, query j of sequence
-   s seeing the first visible[s * Q + j] positions (its own included; non-decreasing in j), with the same reads as
-   paged_decode_f32: every key and value row of the sequence once, for all Q x HQ query rows at a time.
-     q [S, Q, HQ, HEAD_DIM], visible [S, Q] int32 (>= 1), out [S, Q, HQ, HEAD_DIM]. */
+/* Chunks of Q query tokens per sequence (a prefill chunk after a cached prefix, a speculative step's verify
+   chunk), query j of sequence s seeing the first visible[s * Q + j] positions (its own included; non-decreasing
+   in j).  q [S, Q, HQ, HEAD_DIM], visible [S, Q] int32 (>= 1), out [S, Q, HQ, HEAD_DIM].
+
+   FlashAttention's loop, laid out for a CPU's vector registers. The query rows that share a KV head (Q tokens x
+   G heads of a group) are taken 16 at a time, one row per lane of a 16-float vector: a score vector then holds
+   one key's score for 16 rows, and the online softmax (running max, rescale, running sum) is lane-wise
+   arithmetic with no reduction across lanes. Keys and values are read 16 positions at a time, in place through
+   the block table: each score is 64 fused multiply-adds of a query column by one broadcast key value, and each
+   output column gathers 16 broadcast values. Work items are (sequence, KV head, tile of 16 rows), shared among
+   the threads, so a single long chunk still uses every core. */
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+enum { LANES = 16, KEYS = 16 };
+#define NEG_BIG (-1e30f) /* "cannot see": finite, since -ffast-math assumes no infinities */
+
+static inline vf vmax(vf a, vf b) {
+  const vi m = a > b;
+  return (vf)(((vi)a & m) | ((vi)b & ~m));
+}
+
+static inline vf vexp(vf x) { /* lane-wise expf: GCC vectorises the loop with glibc's libmvec */
+  float a[LANES] __attribute__((aligned(64)));
+  *(vf *)a = x;
+#pragma omp simd aligned(a : 64)
+  for (int k = 0; k < LANES; k++) a[k] = expf(a[k]);
+  return *(vf *)a;
+}
+
 int paged_chunk_f32(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
                     const int32_t *visible, float *out, int S, int Q, int block_size, int W, float scale) {
-  const size_t block = (size_t)block_size * ROW;
-  const int R = Q * HQ; /* query rows of a sequence: row r = j * HQ + head */
-  int failed = 0;
-#pragma omp parallel reduction(| : failed)
-  {
-    int cap = 0;
-    float *scores = NULL; /* [R][len] */
-#pragma omp for schedule(dynamic, 1)
-    for (int s = 0; s < S; s++) {
-      const int32_t *vis = visible + (size_t)s * Q;
-      const int len = vis[Q - 1];
-      if ((size_t)len * R > (size_t)cap) {
-        free(scores);
-        cap = len * R;
-        scores = malloc(sizeof(float) * (size_t)cap);
-        if (!scores) { cap = 0; failed = 1; continue; }
+  const int rows = Q * G, tiles = (rows + LANES - 1) / LANES; /* row r of a KV head: token r / G, head r % G */
+  const int items = S * HKV * tiles;
+  (void)W;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int item = 0; item < items; item++) {
+    const int s = item / (HKV * tiles), h = item / tiles % HKV, r0 = item % tiles * LANES;
+    const int n_rows = rows - r0 < LANES ? rows - r0 : LANES;
+    const int32_t *vis = visible + (size_t)s * Q, *table = tables + (size_t)s * W;
+    vf qt[HEAD_DIM], o[HEAD_DIM], seen, m, l;
+    int lo = 1 << 30, hi = 0; /* fewest and most positions a row of the tile sees */
+    for (int lane = 0; lane < LANES; lane++) { /* lanes past the last row repeat it; their results are dropped */
+      const int r = r0 + (lane < n_rows ? lane : n_rows - 1), j = r / G;
+      const float *qr = q + (((size_t)s * Q + j) * HQ + h * G + r % G) * HEAD_DIM;
+      for (int d = 0; d < HEAD_DIM; d++) qt[d][lane] = qr[d] * scale;
+      seen[lane] = (float)vis[j];
+      lo = vis[j] < lo ? vis[j] : lo;
+      hi = vis[j] > hi ? vis[j] : hi;
+    }
+    for (int d = 0; d < HEAD_DIM; d++) o[d] = (vf){0};
+    m = (vf){0} + NEG_BIG;
+    l = (vf){0};
+    for (int t0 = 0; t0 < hi; t0 += KEYS) {
+      const float *krow[KEYS], *vrow[KEYS];
+      for (int i = 0; i < KEYS; i++) { /* positions past the end read the last one again, then are masked */
+        const int t = t0 + i < hi ? t0 + i : hi - 1;
+        const size_t at = ((size_t)table[t / block_size] * block_size + t % block_size) * ROW + h * HEAD_DIM;
+        krow[i] = kpool + at;
+        vrow[i] = vpool + at;
       }
-      const float *qs = q + (size_t)s * R * HEAD_DIM;
-      const int32_t *table = tables + (size_t)s * W;
-      float *o = out + (size_t)s * R * HEAD_DIM;
-
-      for (int t0 = 0; t0 < len; t0 += block_size) { /* pass 1: scores (positions a row cannot see: unused) */
-        const int b = t0 / block_size, n = len - t0 < block_size ? len - t0 : block_size;
-        const float *kb = kpool + (size_t)table[b] * block;
-        const float *next = t0 + block_size < len ? kpool + (size_t)table[b + 1] * block : NULL;
-        for (int i = 0; i < n; i++) {
-          PREFETCH_ROW(next, i);
-          const float *k = kb + (size_t)i * ROW;
-          for (int r = 0; r < R; r++) {
-            const float *qr = qs + (size_t)r * HEAD_DIM, *kh = k + ((r % HQ) / G) * HEAD_DIM;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < HEAD_DIM; d++) dot += qr[d] * kh[d];
-            scores[(size_t)r * len + t0 + i] = dot * scale;
-          }
+      vf sc[KEYS];
+      for (int i = 0; i < KEYS; i++) sc[i] = (vf){0};
+      for (int d = 0; d < HEAD_DIM; d++)
+        for (int i = 0; i < KEYS; i++) sc[i] += qt[d] * krow[i][d];
+      if (t0 + KEYS > lo)
+        for (int i = 0; i < KEYS; i++) {
+          const vi ok = ((vf){0} + (float)(t0 + i)) < seen;
+          sc[i] = (vf)(((vi)sc[i] & ok) | ((vi)((vf){0} + NEG_BIG) & ~ok));
         }
+      vf mx = m;
+      for (int i = 0; i < KEYS; i++) mx = vmax(mx, sc[i]);
+      const vf alpha = vexp(m - mx);
+      m = mx;
+      l *= alpha;
+      for (int i = 0; i < KEYS; i++) {
+        sc[i] = vexp(sc[i] - mx);
+        l += sc[i];
       }
-      for (int r = 0; r < R; r++) { /* softmax of each row over the positions it sees */
-        const int seen = vis[r / HQ];
-        float *sc = scores + (size_t)r * len, m = sc[0], sum = 0.f;
-        for (int t = 1; t < seen; t++) m = sc[t] > m ? sc[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < seen; t++) {
-          const float e = expf(sc[t] - m);
-          sc[t] = e;
-          sum += e;
-        }
-        const float inv = 1.f / sum;
-        for (int t = 0; t < seen; t++) sc[t] *= inv;
-        for (int t = seen; t < len; t++) sc[t] = 0.f;
-        for (int d = 0; d < HEAD_DIM; d++) o[(size_t)r * HEAD_DIM + d] = 0.f;
-      }
-      for (int t0 = 0; t0 < len; t0 += block_size) { /* pass 2: the weighted sum of the values */
-        const int b = t0 / block_size, n = len - t0 < block_size ? len - t0 : block_size;
-        const float *vb = vpool + (size_t)table[b] * block;
-        const float *next = t0 + block_size < len ? vpool + (size_t)table[b + 1] * block : NULL;
-        for (int i = 0; i < n; i++) {
-          PREFETCH_ROW(next, i);
-          const float *v = vb + (size_t)i * ROW;
-          for (int r = 0; r < R; r++) {
-            const float p = scores[(size_t)r * len + t0 + i], *vh = v + ((r % HQ) / G) * HEAD_DIM;
-            float *orow = o + (size_t)r * HEAD_DIM;
-#pragma omp simd
-            for (int d = 0; d < HEAD_DIM; d++) orow[d] += p * vh[d];
-          }
-        }
+      for (int d0 = 0; d0 < HEAD_DIM; d0 += 8) { /* 8 independent sums: the multiply-adds do not wait in line */
+        vf acc[8];
+        for (int e = 0; e < 8; e++) acc[e] = o[d0 + e] * alpha;
+        for (int i = 0; i < KEYS; i++)
+          for (int e = 0; e < 8; e++) acc[e] += sc[i] * vrow[i][d0 + e];
+        for (int e = 0; e < 8; e++) o[d0 + e] = acc[e];
       }
     }
-    free(scores);
+    const vf inv = 1.f / l;
+    for (int lane = 0; lane < n_rows; lane++) {
+      const int r = r0 + lane;
+      float *orow = out + (((size_t)s * Q + r / G) * HQ + h * G + r % G) * HEAD_DIM;
+      for (int d = 0; d < HEAD_DIM; d++) orow[d] = o[d][lane] * inv[lane];
+    }
   }
-  return failed ? -1 : 0;
+  return 0;
 }

@@ -79,6 +79,40 @@ def test_the_chunk_kernel_matches_the_reference(heads):
         cpu_kernels.paged_chunk(qc, k_pool, v_pool, tables, visible.flip(1))  # decreasing rows
 
 
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 16)], ids=["gqa 9/3", "mha", "gqa 8/2"])
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_a_prefill_chunk_through_the_kernel_matches_the_reference(heads, block_size):
+    """Long chunks after a cached prefix, as chunked prefill and prefix caching make them: query rows in tiles of
+    16 with a partial last tile (37 tokens x the group's heads), each token seeing its own prefix, and a chunk
+    that is its sequence's whole context (no cached prefix)."""
+    hq, hkv, d = heads
+    lens = [100, 37]
+    q, k_pool, v_pool, tables, _ = random_case(60 + hq + block_size, lens, hq, hkv, d, block_size)
+    n_q = 37
+    visible = torch.tensor([[n - n_q + 1 + j for j in range(n_q)] for n in lens], dtype=torch.int32)
+    qc = torch.randn(len(lens), n_q, hq, d, generator=torch.Generator().manual_seed(2))
+    got = cpu_kernels.paged_chunk(qc, k_pool, v_pool, tables, visible)
+    torch.testing.assert_close(got, chunk_reference(qc, k_pool, v_pool, tables, visible), rtol=1e-5, atol=1e-5)
+
+
+def test_the_engines_prefill_chunks_take_either_form_alike(force_forms):
+    """One step of two decodes and two prefill chunks (one after 40 cached positions, one fresh) through
+    `attention_with_cache`: the chunks read in place by the kernel give the copy + SDPA's result."""
+    from mini_engine.attention import AttentionMetadata, attention_with_cache
+
+    query_lens, context_lens = [1, 30, 1, 19], [9, 70, 33, 19]
+    q, k_pool, v_pool, tables, _ = random_case(7, context_lens)
+    meta = AttentionMetadata.build(query_lens, context_lens, block_tables=[t[:-(-c // 16)] for t, c in
+                                                                          zip(tables.tolist(), context_lens)],
+                                   block_size=16)
+    qs = torch.randn(sum(query_lens), 9, 64, generator=torch.Generator().manual_seed(3))
+    outs = {}
+    for form in (IN_PLACE, "copy"):
+        force_forms(paged_prefill=form)
+        outs[form] = attention_with_cache(qs, k_pool, v_pool, meta, "torch")
+    torch.testing.assert_close(outs[IN_PLACE], outs["copy"], rtol=1e-5, atol=1e-5)
+
+
 def test_no_sequences_and_one_sequence():
     q, k_pool, v_pool, tables, lens = random_case(0, [37])
     assert cpu_kernels.paged_decode(q[:0], k_pool, v_pool, tables[:0], lens[:0]).shape == (0, 9, 64)
@@ -162,8 +196,8 @@ def force_forms(monkeypatch):
     TUNER.choices.update(before)
 
 
-KERNELS = {"paged_decode": IN_PLACE, "paged_verify": IN_PLACE}
-COPIES = {"paged_decode": "1 at a time", "paged_verify": "copy"}
+KERNELS = {"paged_decode": IN_PLACE, "paged_verify": IN_PLACE, "paged_prefill": IN_PLACE}
+COPIES = {"paged_decode": "1 at a time", "paged_verify": "copy", "paged_prefill": "copy"}
 
 
 def test_a_compiled_graph_reaches_the_kernel_through_the_decode_operator(force_forms):
