@@ -22,8 +22,9 @@ copying a few sequences at a time keeps each copy in the CPU's cache until SDPA 
 positions: 1.71 ms four at a time against 2.14 ms all at once), but the copy and SDPA still cannot overlap.
 The C kernel, measured later over 30 layers' pools (so that it reads from memory): 0.08 / 0.75 ms, against
 0.17 / 1.1 ms for the contiguous cache's SDPA in the same run (without its prefetch of the next block, 1.6 ms
-at 1,024 positions). A speculative step's verify chunks choose the same way between a copy with SDPA and the
-kernel's chunk variant (`verify_form`).
+at 1,024 positions). Prefill chunks and a speculative step's verify chunks choose the same way between a copy
+with SDPA and the kernel's chunk variant (`prefill_form`, `verify_form`), which tiles 16 query rows into the
+lanes of a vector as FlashAttention tiles them into a GPU's threads: 2-6x faster than the copy with SDPA here.
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
 One source so far, csrc/paged_decode.c, with two kernels that read a paged KV pool in place through the block
 tables, where the PyTorch path copies each sequence's blocks out of the pool before SDPA: `paged_decode` (one
 query token per sequence, the CPU twin of the Triton kernel in kernels/paged_attention.py) and `paged_chunk`
-(a few query tokens per sequence, each seeing its own prefix: a speculative step's verify chunks). Whether they
-run is measured, like every other form (`attention.paged_decode_form`, `attention.verify_form`): on a machine
-where they lose, or without a C compiler, the PyTorch path runs.
+(several query tokens per sequence, each seeing its own prefix: a prefill chunk, or a speculative step's verify
+chunks; FlashAttention's loop with 16 query rows in the lanes of a vector). Whether they run is measured, like
+every other form (`attention.paged_decode_form`, `attention.prefill_form`, `attention.verify_form`): on a
+machine where they lose, or without a C compiler, the PyTorch path runs.
 
 The build:
 - `-O3 -march=native`: for the CPU it runs on; the cached library's name carries a digest of the source, the
@@ -177,9 +178,10 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
 
 def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                 visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Short chunks read in place from a paged pool (a speculative step's verify chunks): q [S, Q, Hq, D] fp32,
-    query j of sequence s attending to the first visible[s, j] positions (its own included), visible [S, Q]
-    int32, each >= 1 and at most the row's last entry; pools and block_tables as for `paged_decode`.
+    """Chunks read in place from a paged pool (prefill chunks, a speculative step's verify chunks):
+    q [S, Q, Hq, D] fp32, query j of sequence s attending to the first visible[s, j] positions (its own
+    included), visible [S, Q] int32, each >= 1 and at most the row's last entry; pools and block_tables as for
+    `paged_decode`.
     Returns [S, Q, Hq, D]."""
     if q.dim() != 4 or not paged_decode_supported(q, k_pool, v_pool):
         raise ValueError("paged_chunk needs q [S, Q, Hq, D], fp32 CPU tensors, contiguous pools, Hq a multiple of "

@@ -1,8 +1,9 @@
-/* Paged decode attention on a CPU: the C twin of kernels/paged_attention.py (Triton, for GPUs).
-
-   One new query token per sequence attends to that sequence's cached keys and values, read in place from the
-   paged pool through its block table. The PyTorch path copies each sequence's blocks out of the pool and runs
-   SDPA on the copy, which reads every cached key and value twice; this reads them once.
+/* Paged attention on a CPU, read in place from the paged pool through each sequence's block table: the C twin of
+   kernels/paged_attention.py (Triton, for GPUs). The PyTorch path copies each sequence's blocks out of the pool
+   and runs SDPA on the copy, which reads every cached key and value twice; these read them once.
+   - paged_decode_f32: one new query token per sequence (a decode step).
+   - paged_chunk_f32: several query tokens per sequence, each seeing its own prefix (a prefill chunk after a
+     cached prefix, a speculative step's verify chunks).
 
    Layouts (fp32, contiguous):
      q       [S, HQ, HEAD_DIM]                      query head j reads KV head j / (HQ / HKV) (GQA)
@@ -10,16 +11,18 @@
      tables  [S, W] int32                            block ids in position order; entries past a context unread
      lens    [S] int32                               context length of each sequence (>= 1)
      out     [S, HQ, HEAD_DIM]
+   (paged_chunk_f32's q and out have a Q axis after S; see there.)
 
    HQ, HKV and HEAD_DIM are compile-time constants (-D flags, one build per model shape): with them known, the
    compiler unrolls and vectorises the loops over a head's 64 values. Built with -fopenmp, the sequences are
    shared among the threads of PyTorch's own OpenMP runtime (the loader links the libgomp already loaded).
 
-   Two passes per sequence, each streaming the blocks once: scores for every position (q . k / sqrt(d)), then
-   softmax, then the weighted sum of the values. A block's rows hold every KV head side by side, so a sequence
-   reads whole rows. Blocks sit anywhere in the pool, where the hardware prefetcher cannot guess the next one:
-   the loop asks for the next block while it reads the current one (measured on a 2-core AMD EPYC, 16 sequences
-   of 1,024 positions: 1.60 ms a layer without the prefetch, 0.74 ms with it; the copy and SDPA took 1.87). */
+   paged_decode_f32 makes two passes per sequence, each streaming the blocks once: scores for every position (q . k
+   / sqrt(d)), then softmax, then the weighted sum of the values. A block's rows hold every KV head side by side,
+   so a sequence reads whole rows. Blocks sit anywhere in the pool, where the hardware prefetcher cannot guess the
+   next one: the loop asks for the next block while it reads the current one (measured on a 2-core AMD EPYC, 16
+   sequences of 1,024 positions: 1.60 ms a layer without the prefetch, 0.74 ms with it; the copy and SDPA took
+   1.87). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -124,10 +127,18 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
    arithmetic with no reduction across lanes. Keys and values are read 16 positions at a time, in place through
    the block table: each score is 64 fused multiply-adds of a query column by one broadcast key value, and each
    output column gathers 16 broadcast values. Work items are (sequence, KV head, tile of 16 rows), shared among
-   the threads, so a single long chunk still uses every core. */
+   the threads, so a single long chunk still uses every core, and the rows of a later chunk of positions are
+   asked for while the current one is read (PF chunks ahead).
+   Measured on a 2-core AMD EPYC (Zen 5), one layer of SmolLM2 (9 query heads, 3 KV heads of 64): a 32-token
+   chunk after 1,024 cached positions 0.28 ms, against 0.68 ms for the copy + SDPA (0.40 ms with every layer's
+   pool out of cache); a 512-token chunk over 1,024 positions 3.2 against 8.1 ms; 16 verify chunks of 5 tokens
+   over 300 positions 0.27 against 1.76 ms (0.57 / 0.88 ms out of cache with / without asking ahead). */
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 enum { LANES = 16, KEYS = 16 };
+#ifndef PF
+#define PF 1
+#endif
 #define NEG_BIG (-1e30f) /* "cannot see": finite, since -ffast-math assumes no infinities */
 
 static inline vf vmax(vf a, vf b) {
@@ -173,6 +184,13 @@ int paged_chunk_f32(const float *q, const float *kpool, const float *vpool, cons
         const size_t at = ((size_t)table[t / block_size] * block_size + t % block_size) * ROW + h * HEAD_DIM;
         krow[i] = kpool + at;
         vrow[i] = vpool + at;
+      }
+      for (int i = 0, t = t0 + PF * KEYS; i < KEYS && t < hi; i++, t++) { /* ask for a later chunk's rows now */
+        const size_t at = ((size_t)table[t / block_size] * block_size + t % block_size) * ROW + h * HEAD_DIM;
+        for (int c = 0; c < HEAD_DIM; c += 16) {
+          __builtin_prefetch(kpool + at + c);
+          __builtin_prefetch(vpool + at + c);
+        }
       }
       vf sc[KEYS];
       for (int i = 0; i < KEYS; i++) sc[i] = (vf){0};
