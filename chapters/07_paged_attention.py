@@ -352,15 +352,19 @@ plt.show()
 # context size: copy each sequence's blocks out of the pool and run SDPA on the copy (which reads the cached
 # keys and values twice), or a small C kernel (`mini_engine/csrc/paged_decode.c`) that reads them in place and
 # asks for the next block while it reads the current one, since the CPU's prefetcher cannot guess where that
-# block lies. Which won on this machine, for each (batch, context) size the steps above met:
+# block lies. A prefill chunk (many query tokens of one sequence, each seeing its own prefix) has the same
+# choice, with a second kernel in that file laid out as FlashAttention is: 16 query rows sit in the 16 lanes of a
+# vector register, so the online softmax is lane-wise arithmetic, and the keys and values stream past them 16
+# positions at a time. Which won on this machine, for each (batch, context) size the steps above met:
 
 # %%
 from collections import Counter
 
 from mini_engine.autotune import TUNER
 
-paged_forms = Counter(choice.form for key, choice in TUNER.report() if key[0] == "paged_decode")
-print("paged decode forms chosen here:", dict(paged_forms) or "none timed (a GPU reads the pool in place)")
+for op in ("paged_decode", "paged_prefill"):
+    forms = Counter(choice.form for key, choice in TUNER.report() if key[0] == op)
+    print(f"{op} forms chosen here:", dict(forms) or "none timed (a GPU reads the pool in place)")
 
 # %% [markdown]
 # ## 7. The other preemption: swapping to host memory
