@@ -146,12 +146,28 @@ static inline vf vmax(vf a, vf b) {
   return (vf)(((vi)a & m) | ((vi)b & ~m));
 }
 
-static inline vf vexp(vf x) { /* lane-wise expf: GCC vectorises the loop with glibc's libmvec */
-  float a[LANES] __attribute__((aligned(64)));
-  *(vf *)a = x;
-#pragma omp simd aligned(a : 64)
-  for (int k = 0; k < LANES; k++) a[k] = expf(a[k]);
-  return *(vf *)a;
+/* Lane-wise expf, inline: a call (glibc's vector expf) would make the compiler spill the 16 score vectors
+   around it, since a call may overwrite every vector register. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2,
+   a degree-7 polynomial in r, then 2^n put into the exponent bits. Arguments below -87 give about 1e-38, not 0,
+   which the sums cannot notice (every row's largest score contributes exp(0) = 1). */
+static inline vf vexp(vf x) {
+  const vf lo = (vf){0} - 87.f;
+  x = vmax(x, lo);
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vi n = __builtin_convertvector(fx, vi); /* truncates toward zero: step down where that rounded up */
+  vf nf = __builtin_convertvector(n, vf);
+  const vi up = nf > fx;
+  n += up;  /* -1 in the lanes that rounded up */
+  nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf p = (vf){0} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * (vf)((n + 127) << 23);
 }
 
 int paged_chunk_f32(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
