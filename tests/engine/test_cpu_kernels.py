@@ -214,8 +214,8 @@ def test_a_compiled_graph_reaches_the_kernel_through_the_decode_operator(force_f
 
 @pytest.mark.parametrize("speculative", [None, {"method": "ngram", "k": 4}], ids=["plain", "n-gram speculation"])
 def test_real_model_same_tokens_with_the_kernels_as_with_the_copy(real, chat_prompts, force_forms, speculative):
-    """The engine on the paged cache, every paged decode and verify chunk forced through the kernels, then
-    through the copy and SDPA: the same greedy tokens, and the same seeded samples."""
+    """The engine on the paged cache, every paged decode, prefill chunk and verify chunk forced through the
+    kernels, then through the copy and SDPA: the same greedy tokens, and the same seeded samples."""
     model, tok = real
     params = [me.SamplingParams(max_tokens=24), me.SamplingParams(max_tokens=24, temperature=0.8, seed=7),
               me.SamplingParams(max_tokens=24)]
@@ -226,4 +226,28 @@ def test_real_model_same_tokens_with_the_kernels_as_with_the_copy(real, chat_pro
         force_forms(**forms)
         llm = LLM.from_model(model, tok, block_size=16, max_num_seqs=3, max_model_len=128, speculative=speculative)
         outs[name] = [o.token_ids for o in llm.generate(chat_prompts, params, use_tqdm=False)]
+    assert outs["kernels"] == outs["copies"]
+
+
+def test_real_model_chunked_prefill_over_a_cached_prefix_same_tokens_either_way(real, chat_prompts, force_forms,
+                                                                                 monkeypatch):
+    """Prompts cut into 20-token prefill chunks, each attending to the chunks before it, and a second round of the
+    same prompts behind a shared cached prefix (prefix caching): the kernels give the copy's greedy tokens."""
+    import mini_engine.attention as attention
+
+    model, tok = real
+    chunk_queries = []  # query tokens per sequence of each paged_chunk call: the kernel did run
+    monkeypatch.setattr(attention, "paged_chunk", lambda q, *a: chunk_queries.append(q.shape[1]) or
+                        cpu_kernels.paged_chunk(q, *a))
+    prompts = chat_prompts + [chat_prompts[0] + chat_prompts[1][:7]]  # shares prompt 0's blocks
+    outs = {}
+    for name, forms in (("kernels", KERNELS), ("copies", COPIES)):
+        force_forms(**forms)
+        llm = LLM.from_model(model, tok, block_size=16, max_num_seqs=4, max_model_len=256, chunked_prefill_tokens=20)
+        first = llm.generate(prompts[:1], me.SamplingParams(max_tokens=8), use_tqdm=False)
+        rest = llm.generate(prompts, me.SamplingParams(max_tokens=16), use_tqdm=False)
+        assert rest[-1].num_cached_tokens > 0, "the last prompt should have found prompt 0's blocks cached"
+        outs[name] = [o.token_ids for o in first + rest]
+        if name == "kernels":
+            assert max(chunk_queries) == 20, "20-token prefill chunks should have gone through the kernel"
     assert outs["kernels"] == outs["copies"]
