@@ -18,19 +18,20 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata, _decode_sdpa, paged_decode_torch
+from .attention import IN_PLACE, AttentionMetadata, _decode_sdpa, paged_decode_torch, prefill_chunk_attention
 from .cpu_kernels import paged_decode, paged_decode_supported
 from .bench import Row, ServingWorkload, format_table, run_engine
 from .devices import synchronize
 from .kv_cache import ContiguousKVCache, PagedKVCache
 
 
-def decode_step_inputs(model, batch: int, context: int, block_size: int | None, seed: int = 0):
+def decode_step_inputs(model, batch: int, context: int, block_size: int | None, seed: int = 0, query_len: int = 1):
     """(cache, metadata) for one decode step of `batch` sequences at `context` positions each, the new token
-    included: the contiguous cache (block_size None), or a paged pool of exactly the blocks needed, handed
-    out in a shuffled order. The cache holds random keys and values: a step's cost does not depend on them."""
+    included (or `query_len` new tokens each: a prefill chunk's step): the contiguous cache (block_size None), or
+    a paged pool of exactly the blocks needed, handed out in a shuffled order. The cache holds random keys and
+    values: a step's cost does not depend on them."""
     g = torch.Generator().manual_seed(seed)
-    lens, ctx = [1] * batch, [context] * batch
+    lens, ctx = [query_len] * batch, [context] * batch
     if block_size is None:
         cache = ContiguousKVCache(model.config, batch, context, model.device, model.dtype)
         meta = AttentionMetadata.build(lens, ctx, list(range(batch)), device=model.device)
@@ -100,6 +101,22 @@ def time_paged_decode_forms(model, batch: int, context: int, block_size: int = 1
     copies = {name: t for name, t in medians.items() if name.startswith("copy")}
     return {"in place (C)": medians["in place (C)"], "copy + SDPA": min(copies.values()),
             "contiguous": medians["contiguous"]}
+
+
+def time_prefill_chunk_forms(model, chunk: int, context: int, block_size: int = 16, repeats: int = 7) -> dict:
+    """Median seconds of one layer's attention for one prefill chunk of `chunk` tokens whose context (cached
+    prefix and the chunk) is `context` positions, {"in place (C)": s, "copy + SDPA": s}, over every layer's pool
+    in turn as `time_paged_decode_forms` does. {} where the kernel cannot run."""
+    paged, meta = decode_step_inputs(model, 1, context, block_size, query_len=chunk)
+    c = model.config
+    q = torch.randn(chunk, c.num_heads, c.head_dim, device=model.device, dtype=model.dtype)
+    if not paged_decode_supported(q, *paged.layer(0)):
+        return {}
+    layers = range(c.num_layers)
+    forms = {name: (lambda form=form: [prefill_chunk_attention(q, *paged.layer(i), meta, 0, "torch", form)
+                                       for i in layers])
+             for name, form in (("in place (C)", IN_PLACE), ("copy + SDPA", "copy"))}
+    return {name: t / len(layers) for name, t in median_alternated(forms, repeats).items()}
 
 
 def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_len: int = 2048, low: int = 16,

@@ -7,6 +7,9 @@
 - Throughput on that workload: every request queued at once, each generating `output_len` tokens.
 - The chapter-04 serving workload (random prompts, nothing shared): prefix caching must cost nothing
   measurable there. Both engines run twice, alternated, and the faster run of each is kept.
+- On a CPU, one layer's attention for the cached request's chunk and for the uncached one's last full chunk,
+  through the C kernel that reads the paged pool in place and through the copy + SDPA it replaces
+  (`bench_paging.time_prefill_chunk_forms`).
 """
 from __future__ import annotations
 
@@ -99,6 +102,7 @@ def bench_prefix(requests: int, device: str, dtype: str, prefix_len: int = 1024,
                  low: int = 16, high: int = 256, tune_rows=tuple(1 << i for i in range(10)), progress: bool = True,
                  print_fn=print) -> dict:
     """All three measurements; returns {"ttft": (off, on), "throughput": (off, on), "serving": (off, on)}."""
+    from .bench_paging import time_prefill_chunk_forms
     from .hardware import describe_machine, tune_products
     from .loader import load_model
 
@@ -120,6 +124,11 @@ def bench_prefix(requests: int, device: str, dtype: str, prefix_len: int = 1024,
             if c not in best or row.seconds < best[c].seconds:
                 best[c] = row
     serving = (best[False], best[True])
+    # The cached request's chunk, and the uncached one's last full chunk (chunked prefill of 512 tokens).
+    total = prefix_len + question_len
+    chunk_shapes = dict.fromkeys([(question_len, total), (min(512, total), min(1024, total))])
+    chunk_forms = {shape: forms for shape in chunk_shapes
+                   if (forms := time_prefill_chunk_forms(model, *shape, block_size=block_size))}
 
     print_fn(describe_machine(device))
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} block_size={block_size} "
@@ -133,6 +142,13 @@ def bench_prefix(requests: int, device: str, dtype: str, prefix_len: int = 1024,
     predicted = predicted_ttft_ratio(model, prefix_len, question_len, block_size)
     print_fn(f"  TTFT p50 off / on: {measured:.1f}x measured; {predicted:.1f}x predicted by the FLOP ratio "
              "(formulas.prefix_cache_savings)")
+    if chunk_forms:
+        print_fn("one layer's attention for a prefill chunk over the paged cache (median over the 30 layers' pools): "
+                 "the C kernel reading the pool in place against the copy + SDPA it replaces")
+        for (n, ctx), t in chunk_forms.items():
+            kernel, copy = t["in place (C)"] * 1e3, t["copy + SDPA"] * 1e3
+            print_fn(f"  {n:4d} tokens over {ctx:5d} positions: in place {kernel:6.3f} ms, copy + SDPA {copy:6.3f} ms "
+                     f"({copy / kernel:.2f}x the kernel)")
     print_fn(f"Throughput, {requests} requests queued at once, {output_len} output tokens each:")
     for r in thru:
         print_fn(f"  caching {'on ' if r.caching else 'off'}: {r.tok_s:7.1f} output tok/s ({r.seconds:.2f} s), "
