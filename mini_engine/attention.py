@@ -198,7 +198,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # paged cache: [S, longest table] int32, padded with block 0
     verify: VerifyGroup | None = None  # the short multi-token chunks (speculative ones), cached steps only
     # paged cache: prefill chunk i's block table [1, W] and what each of its queries sees, visible [1, n] int32 (the
-    # C kernel's arguments), built with the step so that every layer passes the same tensors
+    # C kernel's arguments), built with the step so that every layer passes the same tensors; chunks of up to
+    # MAX_VERIFY_TOKENS go through `verify` instead
     chunk_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -246,7 +247,7 @@ class AttentionMetadata:
             tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
                                   device=device)
             chunk_tables = {i: (tables[i:i + 1], torch.arange(c - q + 1, c + 1, dtype=torch.int32, device=device)[None])
-                            for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q > 1}
+                            for i, (q, c) in enumerate(zip(query_lens, context_lens)) if q > MAX_VERIFY_TOKENS}
         if slot_mapping is not None:
             verify = VerifyGroup.build(query_lens, context_lens, slots, block_tables, device)
         logits_indices = None
@@ -389,7 +390,7 @@ def prefill_chunk_attention(q, k_cache, v_cache, meta: AttentionMetadata, i: int
     [n,Hq,D]. On a paged cache on a CPU, the C kernel that reads the pool in place (`cpu_kernels.paged_chunk`)
     competes with a copy of the context + SDPA (`prefill_form`); `form` forces one of the two."""
     n, ctx = meta.query_lens[i], meta.context_lens[i]
-    if meta.block_tables is not None and (form or prefill_form(q, k_cache, v_cache, meta, i, backend)) == IN_PLACE:
+    if i in meta.chunk_tables and (form or prefill_form(q, k_cache, v_cache, meta, i, backend)) == IN_PLACE:
         tables, visible = meta.chunk_tables[i]
         return paged_chunk(q.unsqueeze(0), k_cache, v_cache, tables, visible)[0]
     qs = q.transpose(0, 1).unsqueeze(0)  # [1,Hq,n,D]
@@ -400,9 +401,9 @@ def prefill_chunk_attention(q, k_cache, v_cache, meta: AttentionMetadata, i: int
 def prefill_form(q, k_cache, v_cache, meta: AttentionMetadata, i: int, backend: str,
                  tuner: Autotuner = TUNER) -> str:
     """"copy" or IN_PLACE for sequence i's prefill chunk, timed per (dtype, chunk length, context) bucket on a
-    paged cache on a CPU; "copy" anywhere else. On a 2-core AMD EPYC (Zen 5), one layer, SmolLM2's heads: a
-    32-token chunk after 1,024 cached positions 0.28 ms in place against 0.68 ms copied; a 512-token chunk over
-    1,024 positions 3.2 against 8.1 ms."""
+    paged cache on a CPU; "copy" anywhere else. On a 2-core AMD EPYC (Zen 5), one layer of SmolLM2 over the 30
+    layers' pools: a 32-token chunk after 1,024 cached positions 0.32 ms in place against 0.77 ms copied; a
+    512-token chunk over 1,024 positions 3.2 against 7.0 ms (`bench --workload prefix` prints both)."""
     if (backend != "torch" or q.device.type != "cpu" or counting_mode_active()
             or not paged_decode_supported(q, k_cache, v_cache)):
         return "copy"

@@ -104,7 +104,7 @@ def _paged_lib(num_heads: int, num_kv_heads: int, head_dim: int):
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.paged_decode_f32.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float]
     lib.paged_chunk_f32.argtypes = [p, p, p, p, p, p, i, i, i, i, ctypes.c_float]
-    lib.paged_decode_f32.restype = lib.paged_chunk_f32.restype = i
+    lib.paged_decode_f32.restype, lib.paged_chunk_f32.restype = i, None
     return lib
 
 
@@ -196,9 +196,7 @@ def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blo
     _check_tables(tables, visible, k_pool.shape[0], k_pool.shape[1])
     q = q.contiguous()
     out = torch.empty_like(q)
-    status = _paged_lib(q.shape[2], k_pool.shape[2], q.shape[3]).paged_chunk_f32(
+    _paged_lib(q.shape[2], k_pool.shape[2], q.shape[3]).paged_chunk_f32(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), visible.data_ptr(), out.data_ptr(),
         s, q.shape[1], k_pool.shape[1], w, q.shape[3] ** -0.5 if scale is None else scale)
-    if status != 0:
-        raise MemoryError("paged_chunk: the kernel could not allocate its scratch buffer")
     return out

@@ -170,11 +170,10 @@ static inline vf vexp(vf x) {
   return p * (vf)((n + 127) << 23);
 }
 
-int paged_chunk_f32(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
+void paged_chunk_f32(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
                     const int32_t *visible, float *out, int S, int Q, int block_size, int W, float scale) {
   const int rows = Q * G, tiles = (rows + LANES - 1) / LANES; /* row r of a KV head: token r / G, head r % G */
   const int items = S * HKV * tiles;
-  (void)W;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int item = 0; item < items; item++) {
     const int s = item / (HKV * tiles), h = item / tiles % HKV, r0 = item % tiles * LANES;
@@ -241,5 +240,4 @@ int paged_chunk_f32(const float *q, const float *kpool, const float *vpool, cons
       for (int d = 0; d < HEAD_DIM; d++) orow[d] = o[d][lane] * inv[lane];
     }
   }
-  return 0;
 }
