@@ -122,20 +122,32 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
    in j).  q [S, Q, HQ, HEAD_DIM], visible [S, Q] int32 (>= 1), out [S, Q, HQ, HEAD_DIM].
 
    FlashAttention's loop, laid out for a CPU's vector registers. The query rows that share a KV head (Q tokens x
-   G heads of a group) are taken 16 at a time, one row per lane of a 16-float vector: a score vector then holds
-   one key's score for 16 rows, and the online softmax (running max, rescale, running sum) is lane-wise
-   arithmetic with no reduction across lanes. Keys and values are read 16 positions at a time, in place through
-   the block table: each score is 64 fused multiply-adds of a query column by one broadcast key value, and each
-   output column gathers 16 broadcast values. Work items are (sequence, KV head, tile of 16 rows), shared among
-   the threads, so a single long chunk still uses every core, and the rows of a later chunk of positions are
-   asked for while the current one is read (PF chunks ahead).
-   Measured on a 2-core AMD EPYC (Zen 5), one layer of SmolLM2 (9 query heads, 3 KV heads of 64): a 32-token
-   chunk after 1,024 cached positions 0.28 ms, against 0.68 ms for the copy + SDPA (0.40 ms with every layer's
-   pool out of cache); a 512-token chunk over 1,024 positions 3.2 against 8.1 ms; 16 verify chunks of 5 tokens
-   over 300 positions 0.27 against 1.76 ms (0.57 / 0.88 ms out of cache with / without asking ahead). */
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-enum { LANES = 16, KEYS = 16 };
+   G heads of a group) are taken LANES at a time (16 with AVX-512, 8 with AVX2), one row per lane of a vector:
+   a score vector then holds one key's score for LANES rows, and the online softmax (running max, rescale,
+   running sum) is lane-wise arithmetic with no reduction across lanes. Keys and values are read LANES positions
+   at a time, in place through the block table: each score is HEAD_DIM fused multiply-adds of a query column by
+   one broadcast key value, and each output column gathers LANES broadcast values. Work items are (sequence, KV
+   head, tile of LANES rows), shared among the threads, so a single long chunk still uses every core, and the
+   rows of a later chunk of positions are asked for while the current one is read (PF chunks ahead).
+   Measured on a 2-core AMD EPYC (Zen 5), one layer of SmolLM2 (9 query heads, 3 KV heads of 64), every
+   layer's pool in turn (so that keys and values come from memory, as in a step): a 32-token chunk after 1,024
+   cached positions 0.32 ms, against 0.77 ms for the copy + SDPA; a 512-token chunk over 1,024 positions 3.2
+   against 7.0 ms. 16 verify chunks of 5 tokens over 300 positions, one pool: 0.25 against 1.78 ms. Asking
+   ahead took the verify chunks from 0.88 to 0.57 ms a layer out of cache. Built for AVX2 only (-march=znver3)
+   on the same CPU, one pool: 0.53 ms (the 32-token chunk), 6.3 ms (the 512-token one) and 0.44 ms (the verify
+   chunks), against 0.28, 3.3 and 0.25 for the AVX-512 build and 0.58, 7.1 and 1.38 for the copy + SDPA. */
+/* A vector of LANES floats (GCC's vector types): 16, one AVX-512 register, where the CPU has them; else 8, one
+   AVX2 register. A tile is LANES rows by KEYS = LANES positions, so its scores fill half the vector registers
+   either way: 16-float vectors on an AVX2 CPU would each take two of its 16 registers, and the scores alone
+   would spill (measured 10x slower). */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+enum { KEYS = LANES };
 #ifndef PF
 #define PF 1
 #endif
@@ -146,7 +158,7 @@ static inline vf vmax(vf a, vf b) {
   return (vf)(((vi)a & m) | ((vi)b & ~m));
 }
 
-/* Lane-wise expf, inline: a call (glibc's vector expf) would make the compiler spill the 16 score vectors
+/* Lane-wise expf, inline: a call (glibc's vector expf) would make the compiler spill the score vectors
    around it, since a call may overwrite every vector register. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2,
    a degree-7 polynomial in r, then 2^n put into the exponent bits. Arguments below -87 give about 1e-38, not 0,
    which the sums cannot notice (every row's largest score contributes exp(0) = 1). */
