@@ -404,14 +404,20 @@ def prefill_form(q, k_cache, v_cache, meta: AttentionMetadata, i: int, backend: 
     paged cache on a CPU; "copy" anywhere else. On a 2-core AMD EPYC (Zen 5), one layer of SmolLM2 over the 30
     layers' pools: a 32-token chunk after 1,024 cached positions 0.32 ms in place against 0.77 ms copied; a
     512-token chunk over 1,024 positions 3.2 against 7.0 ms (`bench --workload prefix` prints both)."""
+    key = (row_bucket(q.shape[0], 1 << 20), row_bucket(meta.context_lens[i], 1 << 20))
+    return _copy_or_in_place("paged_prefill", key, q, k_cache, v_cache, backend, tuner,
+                             lambda form: prefill_chunk_attention(q, k_cache, v_cache, meta, i, backend, form))
+
+
+def _copy_or_in_place(op: str, key: tuple, q, k_cache, v_cache, backend: str, tuner: Autotuner, run) -> str:
+    """"copy" or IN_PLACE for a chunk op on a paged cache, timed by `tuner` per (dtype, *key, pool shape) with
+    `run(form)` running each form; "copy" wherever the C kernel cannot run (not the torch backend, not a CPU,
+    not fp32, no compiler) or FLOPs are being counted."""
     if (backend != "torch" or q.device.type != "cpu" or counting_mode_active()
             or not paged_decode_supported(q, k_cache, v_cache)):
         return "copy"
-    key = (str(q.dtype), row_bucket(q.shape[0], 1 << 20), row_bucket(meta.context_lens[i], 1 << 20),
-           k_cache.shape[1:])
-    return tuner.choose("paged_prefill", key, lambda: {
-        name: (lambda name=name: prefill_chunk_attention(q, k_cache, v_cache, meta, i, backend, name))
-        for name in ("copy", IN_PLACE)})
+    return tuner.choose(op, (str(q.dtype), *key, k_cache.shape[1:]),
+                        lambda: {form: (lambda form=form: run(form)) for form in ("copy", IN_PLACE)})
 
 
 def decode_attention(q, k_cache, v_cache, group: DecodeGroup, backend: str = "torch"):
@@ -474,14 +480,9 @@ def verify_attention(q, k_cache, v_cache, group: VerifyGroup, backend: str = "to
 def verify_form(q, k_cache, v_cache, group: VerifyGroup, backend: str, tuner: Autotuner = TUNER) -> str:
     """"copy" (the sequences' blocks copied out of the pool, then SDPA) or IN_PLACE (the C kernel), timed per
     (dtype, chunks, chunk length, context) bucket on a paged cache on a CPU; "copy" anywhere else."""
-    if (backend != "torch" or q.device.type != "cpu" or counting_mode_active()
-            or not paged_decode_supported(q, k_cache, v_cache)):
-        return "copy"
-    key = (str(q.dtype), row_bucket(len(group.seqs)), group.query_len, row_bucket(group.max_context, 1 << 20),
-           k_cache.shape[1:])
-    return tuner.choose("paged_verify", key, lambda: {
-        name: (lambda name=name: verify_attention(q, k_cache, v_cache, group, backend, name))
-        for name in ("copy", IN_PLACE)})
+    key = (row_bucket(len(group.seqs)), group.query_len, row_bucket(group.max_context, 1 << 20))
+    return _copy_or_in_place("paged_verify", key, q, k_cache, v_cache, backend, tuner,
+                             lambda form: verify_attention(q, k_cache, v_cache, group, backend, form))
 
 
 def _decode_sdpa(q, k, v, mask, backend: str):

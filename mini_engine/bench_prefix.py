@@ -143,8 +143,9 @@ def bench_prefix(requests: int, device: str, dtype: str, prefix_len: int = 1024,
     print_fn(f"  TTFT p50 off / on: {measured:.1f}x measured; {predicted:.1f}x predicted by the FLOP ratio "
              "(formulas.prefix_cache_savings)")
     if chunk_forms:
-        print_fn("one layer's attention for a prefill chunk over the paged cache (median over the 30 layers' pools): "
-                 "the C kernel reading the pool in place against the copy + SDPA it replaces")
+        print_fn(f"one layer's attention for a prefill chunk over the paged cache (median over the "
+                 f"{model.config.num_layers} layers' pools): the C kernel reading the pool in place against the "
+                 "copy + SDPA it replaces")
         for (n, ctx), t in chunk_forms.items():
             kernel, copy = t["in place (C)"] * 1e3, t["copy + SDPA"] * 1e3
             print_fn(f"  {n:4d} tokens over {ctx:5d} positions: in place {kernel:6.3f} ms, copy + SDPA {copy:6.3f} ms "

@@ -156,8 +156,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     q [S, Hq, D] fp32; k_pool/v_pool [num_blocks, block_size, Hkv, D] fp32 (one layer's); block_tables [S, W]
     int32 covering each context; context_lens [S] int32, each >= 1. Returns [S, Hq, D]."""
     if q.dim() != 3 or not paged_decode_supported(q, k_pool, v_pool):
-        raise ValueError("paged_decode needs q [S, Hq, D], fp32 CPU tensors, contiguous pools, Hq a multiple of Hkv "
-                         "and a C compiler (check paged_decode_supported first)")
+        raise ValueError("paged_decode needs q [S, Hq, D], fp32 CPU tensors, contiguous pools, Hq a multiple of Hkv, "
+                         "a head size that is a multiple of 8 and a C compiler (check paged_decode_supported first)")
     fn = _paged_lib(q.shape[1], k_pool.shape[2], q.shape[2]).paged_decode_f32
     s, w = block_tables.shape
     if q.shape[0] != s or context_lens.shape != (s,):
@@ -185,7 +185,8 @@ def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blo
     Returns [S, Q, Hq, D]."""
     if q.dim() != 4 or not paged_decode_supported(q, k_pool, v_pool):
         raise ValueError("paged_chunk needs q [S, Q, Hq, D], fp32 CPU tensors, contiguous pools, Hq a multiple of "
-                         "Hkv and a C compiler (check paged_decode_supported first)")
+                         "Hkv, a head size that is a multiple of 8 and a C compiler (check paged_decode_supported "
+                         "first)")
     s, w = block_tables.shape
     if q.shape[0] != s or visible.shape != q.shape[:2]:
         raise ValueError(f"q [S, Q, ...], block_tables [S, W] and visible [S, Q] must agree: {tuple(q.shape)}, "

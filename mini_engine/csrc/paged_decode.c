@@ -182,6 +182,11 @@ static inline vf vexp(vf x) {
   return p * (vf)((n + 127) << 23);
 }
 
+/* Where position t of a sequence keeps KV head h's values in a pool: its block's row, then the head. */
+static inline size_t head_row(const int32_t *table, int t, int block_size, int h) {
+  return ((size_t)table[t / block_size] * block_size + t % block_size) * ROW + (size_t)h * HEAD_DIM;
+}
+
 void paged_chunk_f32(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
                     const int32_t *visible, float *out, int S, int Q, int block_size, int W, float scale) {
   const int rows = Q * G, tiles = (rows + LANES - 1) / LANES; /* row r of a KV head: token r / G, head r % G */
@@ -207,13 +212,12 @@ void paged_chunk_f32(const float *q, const float *kpool, const float *vpool, con
     for (int t0 = 0; t0 < hi; t0 += KEYS) {
       const float *krow[KEYS], *vrow[KEYS];
       for (int i = 0; i < KEYS; i++) { /* positions past the end read the last one again, then are masked */
-        const int t = t0 + i < hi ? t0 + i : hi - 1;
-        const size_t at = ((size_t)table[t / block_size] * block_size + t % block_size) * ROW + h * HEAD_DIM;
+        const size_t at = head_row(table, t0 + i < hi ? t0 + i : hi - 1, block_size, h);
         krow[i] = kpool + at;
         vrow[i] = vpool + at;
       }
       for (int i = 0, t = t0 + PF * KEYS; i < KEYS && t < hi; i++, t++) { /* ask for a later chunk's rows now */
-        const size_t at = ((size_t)table[t / block_size] * block_size + t % block_size) * ROW + h * HEAD_DIM;
+        const size_t at = head_row(table, t, block_size, h);
         for (int c = 0; c < HEAD_DIM; c += 16) {
           __builtin_prefetch(kpool + at + c);
           __builtin_prefetch(vpool + at + c);
