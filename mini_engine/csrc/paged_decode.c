@@ -122,36 +122,61 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
    in j).  q [S, Q, HQ, HEAD_DIM], visible [S, Q] int32 (>= 1), out [S, Q, HQ, HEAD_DIM].
 
    FlashAttention's loop, laid out for a CPU's vector registers. The query rows that share a KV head (Q tokens x
-   G heads of a group) are taken LANES at a time (16 with AVX-512, 8 with AVX2), one row per lane of a vector:
-   a score vector then holds one key's score for LANES rows, and the online softmax (running max, rescale,
-   running sum) is lane-wise arithmetic with no reduction across lanes. Keys and values are read LANES positions
-   at a time, in place through the block table: each score is HEAD_DIM fused multiply-adds of a query column by
-   one broadcast key value, and each output column gathers LANES broadcast values. Work items are (sequence, KV
-   head, tile of LANES rows), shared among the threads, so a single long chunk still uses every core, and the
-   rows of a later chunk of positions are asked for while the current one is read (PF chunks ahead).
+   G heads of a group) sit one row per lane of a vector (16 lanes with AVX-512, 8 with AVX2): a score vector
+   then holds one key's score for a vector's rows, and the online softmax (running max, rescale, running sum) is
+   lane-wise arithmetic with no reduction across lanes. Keys and values are read KEYS = 16 positions at a time,
+   in place through the block table: each score is HEAD_DIM fused multiply-adds of a query column by one
+   broadcast key value, and each output column gathers broadcast values. Work items are (sequence, KV head, tile
+   of TILE rows), shared among the threads, so a single long chunk still uses every core, and the rows of a later
+   chunk of positions are asked for while the current one is read (PF chunks ahead).
    Measured on a 2-core AMD EPYC (Zen 5), one layer of SmolLM2 (9 query heads, 3 KV heads of 64), every
    layer's pool in turn (so that keys and values come from memory, as in a step): a 32-token chunk after 1,024
    cached positions 0.32 ms, against 0.77 ms for the copy + SDPA; a 512-token chunk over 1,024 positions 3.2
    against 7.0 ms. 16 verify chunks of 5 tokens over 300 positions, one pool: 0.25 against 1.78 ms. Asking
    ahead took the verify chunks from 0.88 to 0.57 ms a layer out of cache. Built for AVX2 only (-march=znver3)
    on the same CPU, one pool: 0.53 ms (the 32-token chunk), 6.3 ms (the 512-token one) and 0.44 ms (the verify
-   chunks), against 0.28, 3.3 and 0.25 for the AVX-512 build and 0.58, 7.1 and 1.38 for the copy + SDPA. */
+   chunks), against 0.28, 3.3 and 0.25 for the AVX-512 build and 0.58, 7.1 and 1.38 for the copy + SDPA
+   (those AVX2 figures are from before the two-vector tiles below).
+   On a 2-core AMD EPYC of the Zen 3 generation (AVX2 only), one pool (in cache): the 32-token chunk 0.92 ms
+   with two-vector tiles against 1.26 ms with the one-vector tiles that AVX-512 uses, the 512-token chunk 11.0
+   against 13.7 ms. */
 /* A vector of LANES floats (GCC's vector types): 16, one AVX-512 register, where the CPU has them; else 8, one
-   AVX2 register. A tile is LANES rows by KEYS = LANES positions, so its scores fill half the vector registers
-   either way: 16-float vectors on an AVX2 CPU would each take two of its 16 registers, and the scores alone
-   would spill (measured 10x slower). */
+   AVX2 register. A tile is RT vectors of query rows (TILE = RT x LANES rows), and the register file decides the
+   blocking. AVX-512's 32 registers hold a tile's 16 score vectors (16 keys) at once, so RT = 1. AVX2 has 16,
+   so there a tile is two 8-row vectors: its scores are summed KB = 4 keys at a time (8 sums, the two query
+   vectors and a broadcast key in registers) and its outputs PC = 4 columns at a time (8 sums, the two score
+   vectors and a broadcast value). Each broadcast then feeds two multiply-adds instead of one, and the loads per
+   multiply-add, which bound this loop on AVX2, drop from about 1.1 to 0.75. (16-float vectors on an AVX2 CPU
+   would each take two of its 16 registers and spill: measured 10x slower.) */
+#ifndef LANES /* -D flags may set all four: the tests build the AVX-512 layout on any CPU, to check its logic */
 #ifdef __AVX512F__
 #define LANES 16
+#define RT 1  /* row vectors per tile */
+#define KB 16 /* keys per score pass */
+#define PC 8  /* output columns per pass */
 #else
 #define LANES 8
+#define RT 2
+#define KB 4
+#define PC 4
+#endif
 #endif
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
-enum { KEYS = LANES };
+enum { KEYS = 16, TILE = RT * LANES };
+_Static_assert(KEYS % KB == 0 && HEAD_DIM % PC == 0, "the score and output passes must divide their loops");
 #ifndef PF
 #define PF 1
 #endif
 #define NEG_BIG (-1e30f) /* "cannot see": finite, since -ffast-math assumes no infinities */
+
+/* Keep x in a vector register: reused by several multiply-adds, it is loaded once rather than folded into each
+   as a memory operand (GCC's choice, which costs a load per multiply-add). */
+#if defined(__AVX512F__) || (defined(__AVX__) && LANES == 8)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define IN_REGISTER(x) ((void)0)
+#endif
 
 static inline vf vmax(vf a, vf b) {
   const vi m = a > b;
@@ -189,71 +214,121 @@ static inline size_t head_row(const int32_t *table, int t, int block_size, int h
 
 void paged_chunk_f32(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
                     const int32_t *visible, float *out, int S, int Q, int block_size, int W, float scale) {
-  const int rows = Q * G, tiles = (rows + LANES - 1) / LANES; /* row r of a KV head: token r / G, head r % G */
+  const int rows = Q * G, tiles = (rows + TILE - 1) / TILE; /* row r of a KV head: token r / G, head r % G */
   const int items = S * HKV * tiles;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int item = 0; item < items; item++) {
-    const int s = item / (HKV * tiles), h = item / tiles % HKV, r0 = item % tiles * LANES;
-    const int n_rows = rows - r0 < LANES ? rows - r0 : LANES;
+    const int s = item / (HKV * tiles), h = item / tiles % HKV, r0 = item % tiles * TILE;
+    const int n_rows = rows - r0 < TILE ? rows - r0 : TILE;
     const int32_t *vis = visible + (size_t)s * Q, *table = tables + (size_t)s * W;
-    vf qt[HEAD_DIM], o[HEAD_DIM], seen, m, l;
+    vf qt[RT][HEAD_DIM], o[RT][HEAD_DIM], seen[RT], m[RT], l[RT];
     int lo = 1 << 30, hi = 0; /* fewest and most positions a row of the tile sees */
-    for (int lane = 0; lane < LANES; lane++) { /* lanes past the last row repeat it; their results are dropped */
-      const int r = r0 + (lane < n_rows ? lane : n_rows - 1), j = r / G;
+    for (int x = 0; x < TILE; x++) { /* lanes past the last row repeat it; their results are dropped */
+      const int r = r0 + (x < n_rows ? x : n_rows - 1), j = r / G, v = x / LANES, lane = x % LANES;
       const float *qr = q + (((size_t)s * Q + j) * HQ + h * G + r % G) * HEAD_DIM;
-      for (int d = 0; d < HEAD_DIM; d++) qt[d][lane] = qr[d] * scale;
-      seen[lane] = (float)vis[j];
+      for (int d = 0; d < HEAD_DIM; d++) qt[v][d][lane] = qr[d] * scale;
+      seen[v][lane] = (float)vis[j];
       lo = vis[j] < lo ? vis[j] : lo;
       hi = vis[j] > hi ? vis[j] : hi;
     }
-    for (int d = 0; d < HEAD_DIM; d++) o[d] = (vf){0};
-    m = (vf){0} + NEG_BIG;
-    l = (vf){0};
-    for (int t0 = 0; t0 < hi; t0 += KEYS) {
+    for (int v = 0; v < RT; v++) {
+      for (int d = 0; d < HEAD_DIM; d++) o[v][d] = (vf){0};
+      m[v] = (vf){0} + NEG_BIG;
+      l[v] = (vf){0};
+    }
+    /* The positions' rows, walked through the block table (no division per position: on Zen 3 an integer
+       division costs as much as a score's multiply-adds). ring[c] holds the KEYS rows of a chunk: the one in
+       hand, and the next PF, whose rows were asked for when their slot was filled. Positions past `hi` repeat
+       the last row. */
+    const size_t last = head_row(table, hi - 1, block_size, h);
+    int blk = 0, off = 0, walked = 0; /* the walk's next position: row off of the table's block blk */
+    size_t ring[PF + 1][KEYS];
+    for (int t0 = -(PF + 1) * KEYS, c = 0; t0 < hi; t0 += KEYS, c = c == PF ? 0 : c + 1) {
       const float *krow[KEYS], *vrow[KEYS];
-      for (int i = 0; i < KEYS; i++) { /* positions past the end read the last one again, then are masked */
-        const size_t at = head_row(table, t0 + i < hi ? t0 + i : hi - 1, block_size, h);
-        krow[i] = kpool + at;
-        vrow[i] = vpool + at;
-      }
-      for (int i = 0, t = t0 + PF * KEYS; i < KEYS && t < hi; i++, t++) { /* ask for a later chunk's rows now */
-        const size_t at = head_row(table, t, block_size, h);
-        for (int c = 0; c < HEAD_DIM; c += 16) {
-          __builtin_prefetch(kpool + at + c);
-          __builtin_prefetch(vpool + at + c);
-        }
-      }
-      vf sc[KEYS];
-      for (int i = 0; i < KEYS; i++) sc[i] = (vf){0};
-      for (int d = 0; d < HEAD_DIM; d++)
-        for (int i = 0; i < KEYS; i++) sc[i] += qt[d] * krow[i][d];
-      if (t0 + KEYS > lo)
+      if (t0 >= 0)
         for (int i = 0; i < KEYS; i++) {
-          const vi ok = ((vf){0} + (float)(t0 + i)) < seen;
-          sc[i] = (vf)(((vi)sc[i] & ok) | ((vi)((vf){0} + NEG_BIG) & ~ok));
+          krow[i] = kpool + ring[c][i];
+          vrow[i] = vpool + ring[c][i];
         }
-      vf mx = m;
-      for (int i = 0; i < KEYS; i++) mx = vmax(mx, sc[i]);
-      const vf alpha = vexp(m - mx);
-      m = mx;
-      l *= alpha;
-      for (int i = 0; i < KEYS; i++) {
-        sc[i] = vexp(sc[i] - mx);
-        l += sc[i];
+      for (int i = 0; i < KEYS; i++, walked++) { /* refill this slot with the chunk PF + 1 ahead */
+        if (walked >= hi) {
+          ring[c][i] = last;
+          continue;
+        }
+        const size_t at = ((size_t)table[blk] * block_size + off) * ROW + (size_t)h * HEAD_DIM;
+        ring[c][i] = at;
+        if (t0 >= -KEYS) /* rows of the first chunks are asked for by their first reads */
+          for (int e = 0; e < HEAD_DIM; e += 16) {
+            __builtin_prefetch(kpool + at + e);
+            __builtin_prefetch(vpool + at + e);
+          }
+        if (++off == block_size) {
+          off = 0;
+          blk++;
+        }
       }
-      for (int d0 = 0; d0 < HEAD_DIM; d0 += 8) { /* 8 independent sums: the multiply-adds do not wait in line */
-        vf acc[8];
-        for (int e = 0; e < 8; e++) acc[e] = o[d0 + e] * alpha;
-        for (int i = 0; i < KEYS; i++)
-          for (int e = 0; e < 8; e++) acc[e] += sc[i] * vrow[i][d0 + e];
-        for (int e = 0; e < 8; e++) o[d0 + e] = acc[e];
+      if (t0 < 0)
+        continue;
+      vf sc[RT][KEYS];
+      for (int i0 = 0; i0 < KEYS; i0 += KB) {
+        vf acc[RT][KB];
+        for (int v = 0; v < RT; v++)
+          for (int i = 0; i < KB; i++) acc[v][i] = (vf){0};
+        for (int d = 0; d < HEAD_DIM; d++) {
+          vf qd[RT];
+          for (int v = 0; v < RT; v++) {
+            qd[v] = qt[v][d];
+            IN_REGISTER(qd[v]);
+          }
+          for (int i = 0; i < KB; i++) {
+            const float k = krow[i0 + i][d];
+            for (int v = 0; v < RT; v++) acc[v][i] += qd[v] * k;
+          }
+        }
+        for (int v = 0; v < RT; v++)
+          for (int i = 0; i < KB; i++) sc[v][i0 + i] = acc[v][i];
+      }
+      vf alpha[RT];
+      for (int v = 0; v < RT; v++) {
+        if (t0 + KEYS > lo)
+          for (int i = 0; i < KEYS; i++) {
+            const vi ok = ((vf){0} + (float)(t0 + i)) < seen[v];
+            sc[v][i] = (vf)(((vi)sc[v][i] & ok) | ((vi)((vf){0} + NEG_BIG) & ~ok));
+          }
+        vf mx = m[v];
+        for (int i = 0; i < KEYS; i++) mx = vmax(mx, sc[v][i]);
+        alpha[v] = vexp(m[v] - mx);
+        m[v] = mx;
+        l[v] *= alpha[v];
+        for (int i = 0; i < KEYS; i++) {
+          sc[v][i] = vexp(sc[v][i] - mx);
+          l[v] += sc[v][i];
+        }
+      }
+      for (int d0 = 0; d0 < HEAD_DIM; d0 += PC) { /* RT x PC independent sums: the multiply-adds do not queue */
+        vf acc[RT][PC];
+        for (int v = 0; v < RT; v++)
+          for (int e = 0; e < PC; e++) acc[v][e] = o[v][d0 + e] * alpha[v];
+        for (int i = 0; i < KEYS; i++) {
+          vf p[RT];
+          for (int v = 0; v < RT; v++) {
+            p[v] = sc[v][i];
+            IN_REGISTER(p[v]);
+          }
+          for (int e = 0; e < PC; e++) {
+            const float x = vrow[i][d0 + e];
+            for (int v = 0; v < RT; v++) acc[v][e] += p[v] * x;
+          }
+        }
+        for (int v = 0; v < RT; v++)
+          for (int e = 0; e < PC; e++) o[v][d0 + e] = acc[v][e];
       }
     }
-    const vf inv = 1.f / l;
-    for (int lane = 0; lane < n_rows; lane++) {
-      const int r = r0 + lane;
+    for (int x = 0; x < n_rows; x++) {
+      const int r = r0 + x, v = x / LANES, lane = x % LANES;
       float *orow = out + (((size_t)s * Q + r / G) * HQ + h * G + r % G) * HEAD_DIM;
-      for (int d = 0; d < HEAD_DIM; d++) orow[d] = o[d][lane] * inv[lane];
+      const float inv = 1.f / l[v][lane];
+      for (int d = 0; d < HEAD_DIM; d++) orow[d] = o[v][d][lane] * inv;
     }
   }
 }
