@@ -92,12 +92,15 @@ def build(name: str, defines: dict[str, int]) -> Path:
 
 
 @functools.cache
-def _paged_lib(num_heads: int, num_kv_heads: int, head_dim: int):
-    """csrc/paged_decode.c built for this shape and loaded, or None (no compiler, or the build failed: said once)."""
+def _paged_lib(num_heads: int, num_kv_heads: int, head_dim: int, layout: tuple = ()):
+    """csrc/paged_decode.c built for this shape and loaded, or None (no compiler, or the build failed: said once).
+    layout: ((name, value), ...) fixing the chunk kernel's vector layout (LANES, RT, KB, PC) instead of the one
+    this CPU's registers pick, so that tests check every layout's logic on any CPU."""
     if compiler() is None:
         return None
     try:
-        lib = ctypes.CDLL(str(build("paged_decode", {"HQ": num_heads, "HKV": num_kv_heads, "HEAD_DIM": head_dim})))
+        defines = {"HQ": num_heads, "HKV": num_kv_heads, "HEAD_DIM": head_dim, **dict(layout)}
+        lib = ctypes.CDLL(str(build("paged_decode", defines)))
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         warnings.warn(f"the C paged-attention kernels could not be built; the PyTorch path runs instead ({e})")
         return None

@@ -95,6 +95,23 @@ def test_a_prefill_chunk_through_the_kernel_matches_the_reference(heads, block_s
     torch.testing.assert_close(got, chunk_reference(qc, k_pool, v_pool, tables, visible), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", [{"LANES": 16, "RT": 1, "KB": 16, "PC": 8}, {"LANES": 8, "RT": 2, "KB": 4, "PC": 4}],
+                         ids=["AVX-512 layout", "AVX2 layout"])
+def test_each_vector_layout_of_the_chunk_kernel_matches_the_reference(layout, monkeypatch):
+    """The chunk kernel picks its tiles by the CPU's registers (one 16-row vector with AVX-512, two 8-row vectors
+    with AVX2); a machine runs only its own. Both are built here, whatever the CPU (GCC lowers a vector wider than
+    the registers into several), and checked on chunks with partial tiles and a partial last block."""
+    build_for = cpu_kernels._paged_lib
+    monkeypatch.setattr(cpu_kernels, "_paged_lib", lambda hq, hkv, d: build_for(hq, hkv, d, tuple(layout.items())))
+    for block_size in (16, 4):
+        q, k_pool, v_pool, tables, _ = random_case(80 + block_size, [100, 37], block_size=block_size)
+        visible = torch.tensor([[n - 37 + 1 + j for j in range(37)] for n in (100, 37)], dtype=torch.int32)
+        qc = torch.randn(2, 37, 9, 64, generator=torch.Generator().manual_seed(3))
+        got = cpu_kernels.paged_chunk(qc, k_pool, v_pool, tables, visible)
+        torch.testing.assert_close(got, chunk_reference(qc, k_pool, v_pool, tables, visible), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"layout {layout}, block_size {block_size}: {m}")
+
+
 def test_the_engines_prefill_chunks_take_either_form_alike(force_forms):
     """One step of two decodes and two prefill chunks (one after 40 cached positions, one fresh) through
     `attention_with_cache`: the chunks read in place by the kernel give the copy + SDPA's result."""
