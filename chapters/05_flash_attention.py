@@ -640,7 +640,10 @@ plt.show()
 # query rows in them: one vector holds one key's score for 16 rows. The running max, the rescaling and the
 # running sum of section 2 are then lane-wise arithmetic, with no sum across lanes. Keys and values stream past
 # in tiles of 16 positions, read where the block table says they are, and work is shared among the cores as
-# (KV head, tile of 16 query rows). Below it does causal attention for one SmolLM2 layer (9 query heads sharing
+# (KV head, tile of 16 query rows). A CPU with AVX2 only has 8 lanes and 16 registers instead of 32: there a
+# tile is two 8-row vectors, so each key or value loaded feeds two multiply-adds, and the sums are taken a few
+# columns at a time so that they stay in registers. The blocking is chosen when the kernel is compiled for the
+# CPU, as a GPU kernel's tile sizes are chosen for its GPU. Below it does causal attention for one SmolLM2 layer (9 query heads sharing
 # 3 KV heads), beside SDPA, which is given the keys and values already laid out contiguously, so no copy counts
 # against it.
 

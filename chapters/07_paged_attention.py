@@ -353,9 +353,9 @@ plt.show()
 # keys and values twice), or a small C kernel (`mini_engine/csrc/paged_decode.c`) that reads them in place and
 # asks for the next block while it reads the current one, since the CPU's prefetcher cannot guess where that
 # block lies. A prefill chunk (many query tokens of one sequence, each seeing its own prefix) has the same
-# choice, with a second kernel in that file laid out as FlashAttention is: 16 query rows sit in the 16 lanes of a
-# vector register, so the online softmax is lane-wise arithmetic, and the keys and values stream past them 16
-# positions at a time. Which won on this machine, for each (batch, context) size the steps above met:
+# choice, with a second kernel in that file laid out as FlashAttention is: 16 query rows sit in the lanes of
+# vector registers (one AVX-512 register, or two AVX2 ones), so the online softmax is lane-wise arithmetic, and
+# the keys and values stream past them 16 positions at a time. Which won on this machine, for each (batch, context) size the steps above met:
 
 # %%
 from collections import Counter
