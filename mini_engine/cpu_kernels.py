@@ -204,3 +204,50 @@ def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blo
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), visible.data_ptr(), out.data_ptr(),
         s, q.shape[1], k_pool.shape[1], w, q.shape[3] ** -0.5 if scale is None else scale)
     return out
+
+
+@functools.cache
+def _int4_lib():
+    """csrc/int4_gemm.c built and loaded, or None (no compiler, not an x86 CPU with AVX2, or the build failed)."""
+    if compiler() is None or b"avx2" not in _cpu_signature():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build("int4_gemm", {})))
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        warnings.warn(f"the C int4 kernel could not be built; torch's int4 forms run instead ({e})")
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.int4_gemm_f32.argtypes = [p, p, p, p, i, i, i, i, i]
+    lib.int4_gemm_f32.restype = i
+    return lib
+
+
+def int4_gemm_supported(n: int, k: int, group_size: int, block_n: int, halves: bool) -> bool:
+    """Whether `int4_gemm` takes a weight of [n, k] in torch's packed layout with rows in blocks of `block_n`
+    (`halves`: byte j of a block holds rows j and j + block_n / 2) and groups of `group_size`, on this machine."""
+    return (halves and block_n in (32, 64) and n % block_n == 0 and k % group_size == 0 and group_size > 0
+            and _int4_lib() is not None)
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, group_size: int,
+              block_n: int) -> torch.Tensor:
+    """y = x W^T for fp32 x [M, K] and an int4 weight W [n, K] kept as torch's packed CPU kernel keeps it:
+    `packed`, its codes in blocks of `block_n` rows ("halves" layout), and `scales`, [K / group_size, n, 2]
+    bf16 scales and zeros (w = (q - 8) * scale + zero). Returns [M, n] fp32. Check `int4_gemm_supported` first."""
+    m, k = x.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"int4_gemm needs fp32 CPU activations, got {x.dtype} on {x.device}")
+    if packed.numel() != n * k // 2 or scales.shape != (k // group_size, n, 2) or scales.dtype != torch.bfloat16:
+        raise ValueError(f"int4_gemm: packed must hold {n} x {k} codes ({n * k // 2} bytes, got {packed.numel()}) "
+                         f"and scales be bf16 [{k // group_size}, {n}, 2], got {scales.dtype} {tuple(scales.shape)}")
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return y
+    status = _int4_lib().int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(), y.data_ptr(),
+                                       m, n, k, group_size, block_n)
+    if status == -2:
+        raise MemoryError("int4_gemm: the kernel could not allocate its scratch buffer")
+    if status != 0:
+        raise ValueError(f"int4_gemm does not take block_n={block_n}, n={n}, k={k}, group_size={group_size}")
+    return y

@@ -82,6 +82,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
 
 QUANTIZATIONS = ("int4", "int8")
@@ -375,8 +376,30 @@ def _int8pack_bf16(x, qweight, scales, meta):
     return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scales).to(x.dtype)
 
 
+def _c_int4(x, qweight, scales, meta):
+    if torch.compiler.is_compiling():  # a graph calls the kernel through an operator it cannot look into
+        return torch.ops.mini_engine.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size,
+                                               meta.layout.block_n)
+    return cpu_kernels.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
+
+
+def _register_int4_op():
+    """`torch.ops.mini_engine.int4_gemm`: the C kernel inside a torch.compile graph, opaque to the compiler."""
+    try:
+        lib = torch.library.Library("mini_engine", "FRAGMENT")
+        lib.define("int4_gemm(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) -> Tensor")
+        lib.impl("int4_gemm", cpu_kernels.int4_gemm, "CPU")
+        torch.library.register_fake("mini_engine::int4_gemm", lib=lib)(
+            lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
+    except (RuntimeError, AttributeError):  # an older torch, or defined twice (a reloaded module)
+        return None
+    return lib
+
+
+_INT4_OP = _register_int4_op()
+
 FORMS = {"dequant": _dequant, "dequant_bf16": _dequant_bf16, "int4pack": _int4pack, "int8pack": _int8pack,
-         "int8pack_bf16": _int8pack_bf16}
+         "int8pack_bf16": _int8pack_bf16, "c_int4": _c_int4}
 
 
 def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
@@ -386,6 +409,9 @@ def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
         names.append("dequant_bf16")
     if meta.kind == "int4" and meta.layout is not None:
         names.append("int4pack")
+        if (dtype == torch.float32 and _INT4_OP is not None and cpu_kernels.int4_gemm_supported(
+                meta.out_features, meta.in_features, meta.group_size, meta.layout.block_n, meta.layout.halves)):
+            names.append("c_int4")
     if meta.kind == "int8" and int8_kernel_available():
         names += ["int8pack"] + (["int8pack_bf16"] if dtype != torch.bfloat16 else [])
     return names

@@ -128,6 +128,62 @@ def test_each_form_equals_the_dequantized_reference(kind, form, dtype, rows):
     torch.testing.assert_close(layer(x).float(), got.float(), rtol=0, atol=tol)
 
 
+def pack_halves(codes: torch.Tensor, block_n: int) -> torch.Tensor:
+    """Codes [N, K] in torch's "halves" CPU layout with rows in blocks of `block_n` (the inverse of
+    CPUInt4Layout.unpack): a CPU packs one of the two block sizes, the C kernel reads both."""
+    n, k = codes.shape
+    blocks = codes.view(n // block_n, block_n, k).transpose(1, 2)           # [blocks, K, block_n]
+    half = block_n // 2
+    return (blocks[..., :half] | (blocks[..., half:] << 4)).contiguous().view(-1)
+
+
+C_INT4 = pytest.mark.skipif(not quant.cpu_kernels.int4_gemm_supported(64, 64, 32, 32, True),
+                            reason="the C int4 kernel needs a C compiler and an x86 CPU with AVX2")
+
+
+@C_INT4
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("shape", [(64, 96), (192, 576)], ids=["64x96", "192x576"])
+def test_the_c_int4_kernel_equals_the_dequantized_reference(shape, rows, block_n):
+    """fp32 activations against the int4 weight (bf16 scales and zeros), read in torch's packed layout with
+    either block size: fp32 arithmetic, so within fp32 rounding of the float64 reference."""
+    gen = torch.Generator().manual_seed(rows + block_n)
+    n, k = shape
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
+    zeros = torch.randn(n, k // 32, generator=gen) * 0.05
+    sz = quant.to_scales_and_zeros(scales.to(quant.SCALE_DTYPE), zeros.to(quant.SCALE_DTYPE))
+    s, z = quant.from_scales_and_zeros(sz)
+    x = torch.randn(rows, k, generator=gen)
+    expected = quant.int4_matmul_reference(x.double(), q, s.double(), z.double(), 32)
+    got = quant.cpu_kernels.int4_gemm(x, pack_halves(q, block_n), sz, n, 32, block_n)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"block_n {block_n}, {rows} rows of {shape}: {m}")
+
+
+@C_INT4
+def test_the_c_int4_form_in_a_layer_a_graph_and_on_bad_input():
+    """The layer's `c_int4` form (the layout this torch writes), the same through torch.compile (the operator
+    `mini_engine::int4_gemm`, one graph), and inputs the kernel cannot take refused by name."""
+    needs_int4_kernel()
+    layer = quant.Int4Linear.from_float(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)), 32)
+    assert "c_int4" in quant.candidate_forms(layer.meta, torch.float32)
+    assert "c_int4" not in quant.candidate_forms(layer.meta, torch.bfloat16)
+    layer.tuner = Autotuner(forced={"int4_product": "c_int4"})
+    x = torch.randn(3, 96)
+    expected = quant.FORMS["dequant"](x, layer.qweight, layer.scales, layer.meta)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(lambda x: layer(x) * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(x), 2 * expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fp32"):
+        quant.cpu_kernels.int4_gemm(x.bfloat16(), layer.qweight, layer.scales, 64, 32, layer.layout.block_n)
+    with pytest.raises(ValueError, match="scales"):
+        quant.cpu_kernels.int4_gemm(x, layer.qweight, layer.scales[:1], 64, 32, layer.layout.block_n)
+    assert not quant.cpu_kernels.int4_gemm_supported(48, 96, 32, 32, True)   # not whole blocks of rows
+    assert not quant.cpu_kernels.int4_gemm_supported(64, 96, 32, 32, False)  # the pairs layout
+
+
 def test_tuned_layer_and_flop_counter():
     """Unpinned, a layer times its forms once per row bucket and dtype; a FLOP counter sees a plain product."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -230,6 +286,14 @@ def check_quality(model, real, tok, prompts, reference, name):
 def test_int4_model_quality(int4, real, quality_prompts, reference):
     needs_int4_kernel()
     check_quality(int4, real, real[1], quality_prompts, reference, "int4 (Q4_1 repacked, int8 head)")
+
+
+@C_INT4
+def test_int4_model_quality_with_the_c_kernel(int4, real, quality_prompts, reference):
+    """The same model with its int4 products in the C kernel (fp32 activations, where torch's take bf16)."""
+    needs_int4_kernel()
+    model = pin_forms(copy.deepcopy(int4), Autotuner(forced={"int4_product": "c_int4", "int8_product": "int8pack_bf16"}))
+    check_quality(model, real, real[1], quality_prompts, reference, "int4 through the C kernel (int8 head)")
 
 
 def test_int8_model_quality(real, quality_prompts, reference):
