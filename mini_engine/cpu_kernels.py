@@ -1,12 +1,16 @@
 """C kernels for the CPU, built on first use by the machine's C compiler and called through ctypes.
 
-One source so far, csrc/paged_decode.c, with two kernels that read a paged KV pool in place through the block
-tables, where the PyTorch path copies each sequence's blocks out of the pool before SDPA: `paged_decode` (one
-query token per sequence, the CPU twin of the Triton kernel in kernels/paged_attention.py) and `paged_chunk`
-(several query tokens per sequence, each seeing its own prefix: a prefill chunk, or a speculative step's verify
-chunks; FlashAttention's loop with 16 query rows in the lanes of a vector). Whether they run is measured, like
-every other form (`attention.paged_decode_form`, `attention.prefill_form`, `attention.verify_form`): on a
-machine where they lose, or without a C compiler, the PyTorch path runs.
+Two sources:
+- csrc/paged_decode.c, two kernels that read a paged KV pool in place through the block tables, where the
+  PyTorch path copies each sequence's blocks out of the pool before SDPA: `paged_decode` (one query token per
+  sequence, the CPU twin of the Triton kernel in kernels/paged_attention.py) and `paged_chunk` (several query
+  tokens per sequence, each seeing its own prefix: a prefill chunk, or a speculative step's verify chunks;
+  FlashAttention's loop with 16 query rows in the lanes of vectors).
+- csrc/int4_gemm.c, `int4_gemm`: an int4 weight-only product with fp32 activations, reading the packed layout
+  torch's own int4 kernel keeps (x86 CPUs with AVX2).
+Whether they run is measured, like every other form (`attention.paged_decode_form`, `attention.prefill_form`,
+`attention.verify_form`, the "int4_product" op of `quant.choose_form`): on a machine where they lose, or
+without a C compiler, the PyTorch forms run.
 
 The build:
 - `-O3 -march=native`: for the CPU it runs on; the cached library's name carries a digest of the source, the
@@ -17,7 +21,8 @@ The build:
   lose its denormals (tests/engine/test_cpu_kernels.py checks they survive).
 - `-fopenmp`: the library asks for `libgomp.so.1`, the name under which PyTorch's wheel has already loaded its
   own OpenMP runtime, so the kernel's threads are PyTorch's threads (one team, `torch.set_num_threads`).
-- The model's head counts and head size are compile-time constants (`-D`): one build per model shape.
+- The model's head counts and head size are compile-time constants of paged_decode.c (`-D`): one build per
+  model shape.
 
 Built libraries go to $MINI_ENGINE_CACHE, or $XDG_CACHE_HOME/mini_engine (~/.cache/mini_engine). Set
 MINI_ENGINE_C_KERNELS=0 to never build or use them.

@@ -37,7 +37,11 @@ ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack"
 - `int8pack` / `int8pack_bf16`: torch's `_weight_int8pack_mm` on the activations as they are / cast to bf16
   (its fp32 path was 10x slower than its bf16 one here);
 - `dequant_bf16`: dequantize to bf16 and F.linear in bf16 (for many rows, where a bf16 GEMM beats the int4
-  kernel).
+  kernel);
+- `c_int4`: this project's C kernel (`cpu_kernels.int4_gemm`, csrc/int4_gemm.c) on the same packed codes, with
+  fp32 activations (exact products of the int4 weights, where `int4pack` rounds x to bf16), on x86 CPUs with
+  AVX2. Per group of 32 columns it sums q x over the codes converted to floats, then applies the scale and
+  zero once: y += s * sum(q x) + (z - 8 s) * sum(x). A graph reaches it through `mini_engine::int4_gemm`.
 On a GPU an int4 layer runs the Triton W4A16 kernel (`kernels.quant_matmul`) on the portable layout.
 
 Measured on the 2-core AMD EPYC (AVX-512, AVX-512 BF16) of this project's CI, torch 2.13, one thread (the
