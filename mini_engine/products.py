@@ -79,13 +79,27 @@ def onednn_available() -> bool:
         return False
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU. Its bf16 packing needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT: on an AVX2-only AMD EPYC (Zen 3) it raised "bf16 path needs the cpu support ...", so the
+    packed form is offered for bf16 only where a probe packs."""
+    if dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
+        return False
+    try:
+        _onednn_pack(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
 def candidate_forms(rows: int, dtype: torch.dtype, packed: bool = True) -> list[str]:
-    """The forms that apply to `rows` rows of `dtype`, the plain one first; `packed=False`: the forms a
-    torch.compile graph can call, which leaves out the packed forms unless `packed_product` reaches them."""
+    """The forms that apply to `rows` rows of `dtype` on this machine, the plain one first; `packed=False`: the
+    forms a torch.compile graph can call, which leaves out the packed forms unless `packed_product` reaches them."""
     names = ["linear", "two_row" if rows == 1 else "transposed"]
     if dtype != torch.float32:
         names += [n + "_fp32" for n in names]
-    if (packed or _PACKED_OP is not None) and dtype in (torch.float32, torch.bfloat16) and onednn_available():
+    if (packed or _PACKED_OP is not None) and onednn_packs(dtype):
         names += list(PACKERS)
     return names
 

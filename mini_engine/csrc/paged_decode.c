@@ -168,6 +168,7 @@ _Static_assert(KEYS % KB == 0 && HEAD_DIM % PC == 0, "the score and output passe
 #ifndef PF
 #define PF 1
 #endif
+enum { RING = PF > 0 ? PF : 1 }; /* chunks whose rows are known: the one in hand and PF - 1 more */
 #define NEG_BIG (-1e30f) /* "cannot see": finite, since -ffast-math assumes no infinities */
 
 /* Keep x in a vector register: reused by several multiply-adds, it is loaded once rather than folded into each
@@ -237,27 +238,27 @@ void paged_chunk_f32(const float *q, const float *kpool, const float *vpool, con
       l[v] = (vf){0};
     }
     /* The positions' rows, walked through the block table (no division per position: on Zen 3 an integer
-       division costs as much as a score's multiply-adds). ring[c] holds the KEYS rows of a chunk: the one in
-       hand, and the next PF, whose rows were asked for when their slot was filled. Positions past `hi` repeat
-       the last row. */
+       division costs as much as a score's multiply-adds). The ring holds the rows of the chunk in hand and of
+       the next RING - 1; as a chunk is taken, its slot is refilled with the chunk RING ahead, whose rows are
+       asked for then. Positions past `hi` repeat the last row. */
     const size_t last = head_row(table, hi - 1, block_size, h);
     int blk = 0, off = 0, walked = 0; /* the walk's next position: row off of the table's block blk */
-    size_t ring[PF + 1][KEYS];
-    for (int t0 = -(PF + 1) * KEYS, c = 0; t0 < hi; t0 += KEYS, c = c == PF ? 0 : c + 1) {
+    size_t ring[RING][KEYS];
+    for (int t0 = -RING * KEYS, c = 0; t0 < hi; t0 += KEYS, c = c == RING - 1 ? 0 : c + 1) {
       const float *krow[KEYS], *vrow[KEYS];
       if (t0 >= 0)
         for (int i = 0; i < KEYS; i++) {
           krow[i] = kpool + ring[c][i];
           vrow[i] = vpool + ring[c][i];
         }
-      for (int i = 0; i < KEYS; i++, walked++) { /* refill this slot with the chunk PF + 1 ahead */
+      for (int i = 0; i < KEYS; i++, walked++) { /* refill this slot with the chunk RING ahead */
         if (walked >= hi) {
           ring[c][i] = last;
           continue;
         }
         const size_t at = ((size_t)table[blk] * block_size + off) * ROW + (size_t)h * HEAD_DIM;
         ring[c][i] = at;
-        if (t0 >= -KEYS) /* rows of the first chunks are asked for by their first reads */
+        if (PF > 0 && t0 >= 0) /* the first chunks' rows are asked for by their first reads */
           for (int e = 0; e < HEAD_DIM; e += 16) {
             __builtin_prefetch(kpool + at + e);
             __builtin_prefetch(vpool + at + e);
