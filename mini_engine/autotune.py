@@ -16,9 +16,17 @@ it to time one form against another, tests to reach every form.
 A process can hand its choices to another one on the same machine: `TUNER.save(path)` writes them as JSON, and a
 process started with MINI_ENGINE_TUNED=path begins with them (a server started from a notebook that has already
 tuned, say), so it does not time the same cases again. Cases the file lacks are timed as usual.
+
+The process's tuner also keeps what it timed in a file per machine (`machine_store`, beside the built C kernels in
+$MINI_ENGINE_CACHE or ~/.cache/mini_engine), so the next chapter, test or server on this machine starts with
+those choices instead of timing the same cases again (each chapter spent 20-30 s doing so). The file's name
+is a digest of what a choice depends on: the CPU's model and flags, torch's version, the thread count, the C
+kernel settings and this package's source; change any of them and the forms are timed anew. Set
+MINI_ENGINE_TUNE_CACHE=0 to time every case in every process, or delete the file to time them once more.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -64,6 +72,7 @@ class Autotuner:
     choices: dict[tuple, Choice] = field(default_factory=dict)
     timings_run: int = 0     # how many cases were timed: a cached case is never timed again
     clock: Callable[[], float] = time.perf_counter
+    store: Path | None = None  # where timed choices are kept for later processes (`machine_store`); None: nowhere
 
     def choose(self, op: str, key: tuple, make_candidates: Callable[[], dict[str, Callable[[], object]]]) -> str:
         """The form to use for (`op`, `key`). On the first call for a key, `make_candidates()` builds a dict
@@ -72,7 +81,22 @@ class Autotuner:
         choice = self.choices.get((op, *key))
         if choice is None:
             choice = self.choices[(op, *key)] = self._decide(op, make_candidates())
+            if self.store is not None and choice.times_ms:  # a forced form is not a fact about the machine
+                self._keep()
         return choice.form
+
+    def _keep(self) -> None:
+        """Merge this tuner's timed choices into `store` (another process may have added its own meanwhile)."""
+        try:
+            self.store.parent.mkdir(parents=True, exist_ok=True)
+            rows = {json.dumps(r["case"]): r for r in _read_rows(self.store)} if self.store.exists() else {}
+            rows.update({json.dumps(r["case"]): r for r in self._rows() if r["times_ms"]})
+            tmp = self.store.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(list(rows.values())))
+            os.replace(tmp, self.store)  # atomic: a reader never sees half a file
+        except (OSError, ValueError, TypeError, KeyError) as e:  # keeping is a convenience: never fail a product
+            warnings.warn(f"could not keep tuned choices in {self.store} ({e}); they are timed again next time")
+            self.store = None
 
     def _decide(self, op: str, candidates: dict[str, Callable[[], object]]) -> Choice:
         if op in self.forced:
@@ -107,14 +131,16 @@ class Autotuner:
 
     def save(self, path) -> None:
         """Write every decided case to `path` (JSON): MINI_ENGINE_TUNED=path starts another process with them."""
-        rows = [{"case": list(case), "form": c.form, "times_ms": c.times_ms} for case, c in self.choices.items()]
-        Path(path).write_text(json.dumps(rows))
+        Path(path).write_text(json.dumps(self._rows()))
+
+    def _rows(self) -> list[dict]:
+        return [{"case": list(case), "form": c.form, "times_ms": c.times_ms} for case, c in self.choices.items()]
 
     def load(self, path) -> int:
         """Take the cases `save` wrote to `path` that this tuner has not decided and whose op is not forced;
         returns how many. The file must come from this machine: a choice is a fact about the CPU that timed it."""
         taken = 0
-        for row in json.loads(Path(path).read_text()):
+        for row in _read_rows(path):
             case = _as_tuple(row["case"])
             if case[0] not in self.forced and case not in self.choices:
                 self.choices[case] = Choice(row["form"], dict(row["times_ms"]))
@@ -133,20 +159,44 @@ def counting_mode_active() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
+def _read_rows(path) -> list[dict]:
+    rows = json.loads(Path(path).read_text())
+    if not isinstance(rows, list):
+        raise ValueError(f"{path} does not hold a list of tuned cases")
+    return rows
+
+
+def machine_store() -> Path | None:
+    """The file where the process's tuner keeps its timed choices on this machine, named by a digest of what
+    they depend on; None when MINI_ENGINE_TUNE_CACHE=0."""
+    if os.environ.get("MINI_ENGINE_TUNE_CACHE", "1") == "0":
+        return None
+    from .cpu_kernels import _cpu_signature, cache_dir
+    package = Path(__file__).parent
+    digest = hashlib.sha256(_cpu_signature())
+    for part in (torch.__version__, str(torch.get_num_threads()), os.environ.get("MINI_ENGINE_C_KERNELS", "1"),
+                 os.environ.get("CC", "")):
+        digest.update(b"\0" + part.encode())
+    for source in sorted([*package.glob("*.py"), *package.glob("csrc/*.c")]):
+        digest.update(b"\0" + source.read_bytes())
+    return cache_dir() / f"tuned-{digest.hexdigest()[:16]}.json"
+
+
 def _as_tuple(value):
     """JSON lists back into the tuples a case is made of (shapes inside it included)."""
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
 def tuner_from_env() -> Autotuner:
-    """The process's tuner: MINI_ENGINE_FORMS pins forms, MINI_ENGINE_TUNED names a file of choices to start from."""
-    tuner = Autotuner(forced_from_env())
-    path = os.environ.get("MINI_ENGINE_TUNED")
-    if path:
-        try:
-            tuner.load(path)
-        except (OSError, ValueError, KeyError, TypeError) as e:  # tuning anew is slower, never wrong
-            warnings.warn(f"MINI_ENGINE_TUNED={path!r} could not be read ({e}); forms will be timed as met")
+    """The process's tuner: MINI_ENGINE_FORMS pins forms, MINI_ENGINE_TUNED names a file of choices to start from,
+    and the machine's store (`machine_store`) adds what earlier processes timed here and keeps what this one times."""
+    tuner = Autotuner(forced_from_env(), store=machine_store())
+    for path, name in ((os.environ.get("MINI_ENGINE_TUNED"), "MINI_ENGINE_TUNED"), (tuner.store, "the tuning store")):
+        if path and (name == "MINI_ENGINE_TUNED" or Path(path).exists()):
+            try:
+                tuner.load(path)
+            except (OSError, ValueError, KeyError, TypeError) as e:  # tuning anew is slower, never wrong
+                warnings.warn(f"{name}={str(path)!r} could not be read ({e}); forms will be timed as met")
     return tuner
 
 

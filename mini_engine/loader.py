@@ -99,24 +99,43 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _dequantize(t) -> torch.Tensor:
+    """A GGUF tensor as fp32 [rows, row]. Q4_1 and Q8_0 (all this model holds) in torch, computed as the gguf
+    package computes them (d * q + m and d * q in fp32, so the same floats: tests/engine/test_loader.py), a few
+    times faster than its numpy; any other type through the gguf package."""
+    from .quant import split_q4_1, split_q8_0
+    shape = (int(np.prod(t.shape[1:], dtype=np.int64)), t.shape[0])
+    if t.tensor_type == 3:  # Q4_1
+        codes, d, m = split_q4_1(np.array(t.data), shape)  # a copy: torch takes no read-only map
+        groups = codes.view(*shape[:1], -1, 32).float()
+        return (groups * d.float()[..., None] + m.float()[..., None]).view(shape)
+    if t.tensor_type == 8:  # Q8_0
+        q, d = split_q8_0(np.array(t.data), shape)
+        return (q.view(*shape[:1], -1, 32).float() * d.float()[..., None]).view(shape)
+    if t.tensor_type == 0:  # F32
+        return torch.from_numpy(np.array(t.data, dtype=np.float32)).view(shape)
+    import gguf
+    return torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)).view(shape)
+
+
 def _read_gguf(path: Path, keep_q4_1: bool = False):
     """(config, float weights, tokenizer, q4_1): with keep_q4_1, q4_1 maps each Q4_1 weight's key to its own
     (codes, d, m) (`quant.split_q4_1`), rows already in the model's order."""
-    import gguf
-
+    from .gguf_file import read_gguf
     from .quant import split_q4_1
 
-    reader = gguf.GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items()
+    gguf_file = read_gguf(path)
+    fields = gguf_file.metadata
+    meta = {k: v for k, v in fields.items()
             if not k.startswith("tokenizer.ggml.") or k.endswith("_id") or k.endswith(".pre")}
     arch = meta["general.architecture"]
     if arch != "llama":
         raise ValueError(f"{path.name}: architecture {arch!r} is not supported (only 'llama')")
     heads, kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
     hidden = meta[f"{arch}.embedding_length"]
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in gguf_file.tensors}
     config = ModelConfig(
-        vocab_size=meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=meta.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"]),
         hidden_size=hidden, intermediate_size=meta[f"{arch}.feed_forward_length"],
         num_layers=meta[f"{arch}.block_count"], num_heads=heads, num_kv_heads=kv_heads,
         head_dim=meta.get(f"{arch}.rope.dimension_count", hidden // heads),
@@ -127,10 +146,10 @@ def _read_gguf(path: Path, keep_q4_1: bool = False):
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
     )
     weights, q4_1 = {}, {}
-    for t in reader.tensors:
+    for t in gguf_file.tensors:
         shape = [int(s) for s in reversed(t.shape)]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        raw = t.data if keep_q4_1 and t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else None
+        w = _dequantize(t).reshape(shape)
+        raw = t.data if keep_q4_1 and t.tensor_type == 3 else None  # Q4_1
         parts = t.name.split(".")  # blk.{i}.{kind}.weight or {kind}.weight
         if parts[0] == "blk":
             kind = parts[2]
@@ -141,14 +160,13 @@ def _read_gguf(path: Path, keep_q4_1: bool = False):
             key = f"layers.{parts[1]}.{_GGUF_NAMES[kind]}"
         else:
             key = _GGUF_NAMES[parts[0]]
-        weights[key] = torch.from_numpy(np.array(w, dtype=np.float32))
+        weights[key] = w.contiguous()
         if raw is not None:
             q4_1[key] = split_q4_1(np.array(raw), tuple(shape))
     tokenizer = Tokenizer(
         backend=bpe_from_gguf_metadata(
-            tokens=reader.fields["tokenizer.ggml.tokens"].contents(),
-            merges=reader.fields["tokenizer.ggml.merges"].contents(),
-            token_types=reader.fields["tokenizer.ggml.token_type"].contents(),
+            tokens=fields["tokenizer.ggml.tokens"], merges=fields["tokenizer.ggml.merges"],
+            token_types=fields["tokenizer.ggml.token_type"],
             pre=meta.get("tokenizer.ggml.pre", "gpt2")),
         chat_template=meta.get("tokenizer.chat_template"),
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)

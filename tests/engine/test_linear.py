@@ -1,6 +1,8 @@
 """The weight products: every form the autotuner can choose computes F.linear's result, and the tuner's
 choice is deterministic once made, can be forced, and never trades the plain form for a slower one.
 (Which form wins is a measurement, printed by the bench; tests only check that every choice is correct.)"""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -187,6 +189,7 @@ def test_choices_saved_by_one_tuner_start_another_without_timing(tmp_path, monke
     """MINI_ENGINE_TUNED: a process (a server started from a notebook) begins with another's choices; a case
     the file lacks is timed as usual, and a forced op keeps its forced form."""
     import mini_engine.autotune as autotune
+    monkeypatch.setenv("MINI_ENGINE_TUNE_CACHE", "0")  # only the file named here, not the machine's store
     tuner = Autotuner(repeats=2)
     w = torch.randn(32, 16)
     form = choose_form(w, 5, tuner)
@@ -204,6 +207,38 @@ def test_choices_saved_by_one_tuner_start_another_without_timing(tmp_path, monke
     monkeypatch.setenv("MINI_ENGINE_TUNED", str(tmp_path / "missing.json"))
     with pytest.warns(UserWarning, match="MINI_ENGINE_TUNED"):
         autotune.tuner_from_env()
+
+
+def test_the_process_tuner_keeps_its_timed_choices_for_the_next_process_on_this_machine(tmp_path, monkeypatch):
+    """The machine's store: what one process timed, the next starts with; a forced form is not kept; another
+    thread count is another machine; MINI_ENGINE_TUNE_CACHE=0 keeps nothing."""
+    import mini_engine.autotune as autotune
+    monkeypatch.setenv("MINI_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.delenv("MINI_ENGINE_TUNED", raising=False)
+    monkeypatch.delenv("MINI_ENGINE_FORMS", raising=False)
+    first = autotune.tuner_from_env()
+    assert first.store is not None and first.store.parent == tmp_path and not first.store.exists()
+    w = torch.randn(32, 16)
+    form = choose_form(w, 5, first)
+    assert first.timings_run == 1 and first.store.exists(), "a timed choice must be written to the machine's store"
+    second = autotune.tuner_from_env()
+    assert choose_form(w, 5, second) == form and second.timings_run == 0, "the next process must not time it again"
+    choose_form(w, 9, second)  # a bucket the store lacks: timed, and merged with what the file held
+    third = autotune.tuner_from_env()
+    assert choose_form(w, 5, third) == form and choose_form(w, 9, third) and third.timings_run == 0
+    monkeypatch.setenv("MINI_ENGINE_FORMS", "product=linear")
+    forced = autotune.tuner_from_env()
+    choose_form(torch.randn(64, 16), 5, forced)
+    monkeypatch.delenv("MINI_ENGINE_FORMS")
+    assert len(json.loads(first.store.read_text())) == 2, "a forced form says nothing about the machine: not kept"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert autotune.machine_store() != first.store, "another thread count must time its own forms"
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("MINI_ENGINE_TUNE_CACHE", "0")
+    assert autotune.tuner_from_env().store is None
 
 
 def test_flop_counters_see_the_product_the_model_means():
