@@ -44,11 +44,12 @@ bench: $(STAMP)
 
 # Notebooks run first without MPLBACKEND=Agg (their kernels use the inline backend), then the test
 # suite (its conftest sets Agg). Both always run; exit 5 (no notebooks collected) is not a failure.
-# -rs prints why a test was skipped (no GPU; no Chromium, with the command that installs it).
+# -rs prints why a test was skipped (no GPU; no Chromium, with the command that installs it); --durations the
+# slowest cells and tests, to keep CI within its time budget.
 test: $(STAMP)
 	status=0; \
-	$(OFFLINE) $(NBVAL) chapters labs || [ $$? -eq 5 ] || status=1; \
-	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs tests --impl=solutions || status=1; \
+	$(OFFLINE) $(NBVAL) --durations=15 chapters labs || [ $$? -eq 5 ] || status=1; \
+	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 tests --impl=solutions || status=1; \
 	exit $$status
 
 # The chapters, executed, as static HTML pages with their outputs: build/site/index.html
