@@ -80,15 +80,54 @@ def run_mini(model, rung: str, prompt: list[int], new_tokens: int, print_fn=prin
     return row
 
 
-def load_hf(device: str, dtype: torch.dtype):
-    """transformers' own GGUF loader on the same file: the reference every rung is compared with."""
+def load_hf(device: str, dtype: torch.dtype, model=None):
+    """HF transformers' Llama (its modeling code, its `generate`): the reference every rung is compared with.
+    With `model` (float weights), HF's model is built holding the same weights: they are the floats
+    transformers' own GGUF loader gives (tests/engine/test_hf_equivalence.py checks every tensor), and building
+    takes a second where that loader, which parses the file and converts its tokenizer, took 15-25 s on a
+    2-core CPU. Without `model`, transformers loads the embedded GGUF itself."""
     import transformers
 
+    transformers.logging.set_verbosity_error()
+    if model is not None and model.quantization is None:
+        return hf_from_model(model).to(device=device, dtype=dtype).eval()
     from .loader import embedded_gguf_path
     path = embedded_gguf_path()
-    transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return hf.to(device).eval()
+
+
+def hf_from_model(model):
+    """transformers' LlamaForCausalLM with `model`'s config and weights (fp32, on the CPU): the fused q/k/v and
+    gate/up products split back into HF's separate ones."""
+    import transformers
+
+    c = model.config
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+    weights = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
+    if not c.tie_word_embeddings:
+        weights["lm_head.weight"] = model.lm_head.weight
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        weights.update(zip([p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                           layer.self_attn.qkv_proj.weight.split([q, kv, kv])))
+        weights.update(zip([p + f"mlp.{n}_proj.weight" for n in ("gate", "up")],
+                           layer.mlp.gate_up_proj.weight.chunk(2)))
+        weights[p + "self_attn.o_proj.weight"] = layer.self_attn.o_proj.weight
+        weights[p + "mlp.down_proj.weight"] = layer.mlp.down_proj.weight
+        weights[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+        weights[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+    hf = transformers.LlamaForCausalLM(config)
+    hf.load_state_dict({k: w.detach().float().cpu() for k, w in weights.items()}, strict=not c.tie_word_embeddings)
+    if c.tie_word_embeddings:
+        hf.tie_weights()
+    return hf
 
 
 def run_hf(hf, prompt: list[int], new_tokens: int, use_cache: bool) -> Row:
@@ -186,7 +225,7 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     rows = []
     if with_hf:
         try:
-            hf = load_hf(device, getattr(torch, hf_dtype) if hf_dtype else model.dtype)
+            hf = load_hf(device, getattr(torch, hf_dtype) if hf_dtype else model.dtype, model)
         except ImportError:
             print_fn("transformers is not installed: HF rows skipped (pip install -e '.[dev]')")
         else:
@@ -393,7 +432,7 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     rows = []
     if with_hf:
         try:
-            hf = load_hf(device, model.dtype)
+            hf = load_hf(device, model.dtype, model)
         except ImportError:
             print_fn("transformers is not installed: HF row skipped (pip install -e '.[dev]')")
         else:

@@ -538,7 +538,7 @@ def bench_ladder(device: str = "cpu", dtype: str = "float32", requests: int | No
         if rung == "hf":
             try:
                 from .bench import load_hf
-                hf = load_hf(device, model.dtype)
+                hf = load_hf(device, model.dtype, model)
             except ImportError:
                 print_fn("transformers is not installed: HF row skipped (pip install -e '.[dev]')")
                 continue

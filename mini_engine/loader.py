@@ -74,7 +74,7 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
         config, weights, tokenizer, q4_1 = _read_gguf(path, keep_q4_1=quantization == "int4" and group_size == 32)
     else:
         raise ValueError(f"name_or_path {str(path)!r} is neither a .gguf file nor an HF checkpoint folder")
-    model = LlamaModel(config, attention_backend=backend)
+    model = LlamaModel.empty(config, attention_backend=backend)  # no random initialisation: all is loaded
     model.load_weights(weights)
     del weights
     if quantization is not None:

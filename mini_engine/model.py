@@ -104,8 +104,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.attention_backend = attention_backend
@@ -113,6 +112,22 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    @classmethod
+    def empty(cls, config: ModelConfig, attention_backend: str = "torch") -> "LlamaModel":
+        """A model on the CPU whose weights are uninitialised memory, for a loader that fills every one of them
+        (`load_weights` checks it does): nn.Linear's random initialisation costs about a second for SmolLM2.
+        Built on the meta device, then given storage; the RoPE tables are computed again, as they are no weights."""
+        with torch.device("meta"):
+            model = cls(config, attention_backend)
+        model = model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty gives each module a parameter of its own
+        model.rope_cos, model.rope_sin = rope_tables(config)
+        return model
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     # Read off the final norm's weight, a float parameter whatever the products' weights are stored as (a
     # quantized model's embedding and LM head hold integer codes: see quant.py).

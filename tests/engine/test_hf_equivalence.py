@@ -96,3 +96,20 @@ def test_tokenizer_and_chat_template_match_hf(real, hf_real):
         assert ids == hf_tok.encode(text, add_special_tokens=False), text
         assert tok.decode(ids, skip_special_tokens=False) == text
         assert tok.decode(ids, skip_special_tokens=False) == hf_tok.decode(ids)
+
+
+def test_the_benches_hf_model_holds_the_weights_transformers_loads(real, hf_real, chat_prompts):
+    """bench.load_hf(..., model) builds HF's model from ours instead of running transformers' GGUF loader (a
+    second against 15-25 s): it must hold exactly the tensors that loader gives, and compute the same logits."""
+    from mini_engine.bench import load_hf
+    model, _ = real
+    ref, _ = hf_real
+    built = load_hf("cpu", torch.float32, model)
+    want, got = ref.state_dict(), built.state_dict()
+    assert sorted(got) == sorted(want), "the built model's parameters are not named as transformers names them"
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), f"{name} differs from what transformers' GGUF loader gives"
+    assert built.config.rope_parameters["rope_theta"] == ref.config.rope_parameters["rope_theta"]
+    ids = torch.tensor([chat_prompts[0]])
+    with torch.no_grad():
+        assert torch.equal(built(ids).logits, ref(ids).logits)
