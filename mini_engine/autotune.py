@@ -79,7 +79,9 @@ class Autotuner:
         from each form (the plain one first) to a zero-argument call running it on representative inputs,
         and they are timed; later calls only look the choice up."""
         choice = self.choices.get((op, *key))
-        if choice is None:
+        # A forced op takes its forced form even where a form was decided before it was forced (a test pins forms
+        # after earlier tests tuned, or the machine's store held the case).
+        if choice is None or (op in self.forced and choice.form != self.forced[op]):
             choice = self.choices[(op, *key)] = self._decide(op, make_candidates())
             if self.store is not None and choice.times_ms:  # a forced form is not a fact about the machine
                 self._keep()

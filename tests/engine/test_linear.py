@@ -230,6 +230,8 @@ def test_the_process_tuner_keeps_its_timed_choices_for_the_next_process_on_this_
     forced = autotune.tuner_from_env()
     choose_form(torch.randn(64, 16), 5, forced)
     monkeypatch.delenv("MINI_ENGINE_FORMS")
+    third.forced = {"product": "transposed"}
+    assert choose_form(w, 5, third) == "transposed", "a form forced after the case was decided must win"
     assert len(json.loads(first.store.read_text())) == 2, "a forced form says nothing about the machine: not kept"
     threads = torch.get_num_threads()
     try:
