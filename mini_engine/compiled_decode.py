@@ -15,7 +15,8 @@ The pieces that make the model's code traceable as one graph:
   slots or the paged cache's block tables padded to the most blocks a sequence may hold, and a mask over the
   key positions a row may read (`DecodeGroup.from_tensors`). One graph serves every context length.
 - the cache write is one indexed store into the cache's base tensor (`kv_cache._store`), not a store through
-  per-layer views, which the compiler would keep consistent by copying the whole cache at every layer.
+  per-layer views, which the compiler would keep consistent by copying the whole cache at every layer; the
+  layer's index is a tensor, so that all layers share one generated kernel rather than one each.
 - the product forms are the tuned ones (`products`), a packed form reached through a custom operator.
 - on a CPU the attention itself runs as the eager steps run it, through the custom operator
   `mini_engine::decode_attention` (see `attention._decode_attention_op` for the measurements that chose this):
