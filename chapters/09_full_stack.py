@@ -91,7 +91,7 @@ print(f"device: {device}, dtype: {dtype}; product forms tuned in {time.perf_coun
 # Greedy decoding, and EOS ends a request: every rung must produce the same tokens, which the ladder checks.
 
 # %%
-size = pick(cpu={"requests": 6, "batch": 3, "sample": 1, "cap": 48},
+size = pick(cpu={"requests": 6, "batch": 3, "sample": 1, "cap": 32},
             gpu={"requests": 64, "batch": 16, "sample": 2, "cap": None}, device=device)
 work = LadderWorkload.build(tok, size["requests"], size["cap"])
 print(work.describe())
