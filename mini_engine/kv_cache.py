@@ -113,7 +113,7 @@ def _layer_ids(num_layers: int, device) -> list[torch.Tensor]:
     return [torch.tensor(i, device=device) for i in range(num_layers)]
 
 
-def _store(data: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *where) -> None:
+def _store(data: torch.Tensor, layer: torch.Tensor | int, k: torch.Tensor, v: torch.Tensor, *where) -> None:
     """Inside a compiled graph: write a layer's new keys and values (k/v [T,Hkv,D]) with ONE indexed store into
     the cache's base tensor, at data[layer, K or V, *where] (where: each token's row, as index tensors [T] and
     slices).
@@ -123,10 +123,11 @@ def _store(data: torch.Tensor, layer: torch.Tensor, k: torch.Tensor, v: torch.Te
     `layer` is a 0-d tensor, one per layer (`_layer_ids`), so a graph input: with the index as a Python int, the
     layer's offset into the cache was a constant of the generated code, and every layer's store kernel differed
     from the others by that number alone, and Inductor compiled 30 copies of it. With the index an input, one
-    kernel serves every layer: on a 2-core EPYC (Zen 3) a cold compile of the fp32 decode step went from 100 s to
-    65 s (108 C++ files to 21 for it and the engine's two paged buckets, whose compile went from 160 s to 113 s),
-    and the compiled step runs as fast as before."""
+    kernel serves every layer. On a 2-core EPYC (Zen 3), a cold compile of the fp32 decode step generated 35 C++
+    files in 74-81 s with an int, and 6 in 57-63 s with a tensor; the compiled step runs as fast
+    (`benchmarks/bench_compile.py`, which compiles it both ways: an int `layer` is the way this replaced)."""
     t = k.shape[0]
     kv = torch.arange(2, device=k.device)[:, None].expand(2, t)  # K then V, for each token
-    data[(layer.expand(2, t), kv, *(w if isinstance(w, slice) else w.expand(2, t) for w in where))] = \
+    index = layer.expand(2, t) if isinstance(layer, torch.Tensor) else torch.full_like(kv, layer)
+    data[(index, kv, *(w if isinstance(w, slice) else w.expand(2, t) for w in where))] = \
         torch.stack([k, v])
