@@ -178,6 +178,45 @@ def test_one_lucky_round_does_not_crown_a_form():
     assert tuner.choose("op", ("busy",), lambda: {"plain": plain, "alt": alt}) == "plain"
 
 
+@pytest.mark.parametrize("slow", ["plain", "alt"])
+def test_a_hopeless_form_is_timed_twice_and_never_chosen(slow):
+    """A form 10x slower than the other in its warm-up and first round is not timed again (a bf16 product's
+    native forms on a CPU without bf16 instructions); the choice is the one full timing would make."""
+    clock = FakeClock()
+    tuner = Autotuner(repeats=5, clock=clock)
+    calls = {"plain": 0, "alt": 0}
+
+    def form(name):
+        def run():
+            calls[name] += 1
+            clock.now += 10.0 if name == slow else 1.0
+        return run
+    got = tuner.choose("op", ("case",), lambda: {"plain": form("plain"), "alt": form("alt")})
+    fast = "alt" if slow == "plain" else "plain"
+    assert got == fast, f"the slow {slow} form was chosen"
+    assert calls[slow] == 2, f"the hopeless form ran {calls[slow]} times: warm-up and one round are enough"
+    assert calls[fast] == 6, "the other form is timed as always: warm-up and five rounds"
+    assert tuner.choices[("op", "case")].times_ms == pytest.approx({slow: 10_000.0, fast: 1000.0})
+
+
+def test_a_form_slow_only_at_its_warm_up_is_timed_in_full():
+    """The first call may pay for allocation or packing: slow there but not in the first round is no reason to
+    stop timing a form, and it wins as usual."""
+    clock = FakeClock()
+    tuner = Autotuner(repeats=5, clock=clock)
+    alt_costs = iter([20.0])
+    calls = []
+
+    def plain():
+        clock.now += 1.0
+
+    def alt():
+        calls.append(1)
+        clock.now += next(alt_costs, 0.5)
+    assert tuner.choose("op", ("warm",), lambda: {"plain": plain, "alt": alt}) == "alt"
+    assert len(calls) == 6
+
+
 def test_forms_can_be_forced_from_the_environment():
     assert forced_from_env("product=linear, attention=fp32") == {"product": "linear", "attention": "fp32"}
     assert forced_from_env("") == {}
