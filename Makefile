@@ -42,6 +42,11 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m mini_engine bench
 
+# The test suite runs in TEST_WORKERS processes (pytest-xdist), a test file to a worker, so that one worker's
+# single-threaded work (compiling, starting servers, browsers and venvs) overlaps the other's; tests/conftest.py
+# splits the cores between them. `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 2
+
 # Notebooks run first without MPLBACKEND=Agg (their kernels use the inline backend), then the test
 # suite (its conftest sets Agg). Both always run; exit 5 (no notebooks collected) is not a failure.
 # -rs prints why a test was skipped (no GPU; no Chromium, with the command that installs it); --durations the
@@ -49,7 +54,8 @@ bench: $(STAMP)
 test: $(STAMP)
 	status=0; \
 	$(OFFLINE) $(NBVAL) --durations=15 chapters labs || [ $$? -eq 5 ] || status=1; \
-	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 tests --impl=solutions || status=1; \
+	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile tests \
+		--impl=solutions || status=1; \
 	exit $$status
 
 # The chapters, executed, as static HTML pages with their outputs: build/site/index.html

@@ -11,6 +11,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # when triton is first imported: it must be set here, before any test module imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`make test` runs two workers), the cores are split between the workers: two processes
+# each running as many threads as there are cores would make every OpenMP barrier wait on a descheduled thread.
+# Set before mini_engine is imported, since the tuner's store is named by the thread count it times with.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_addoption(parser):
