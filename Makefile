@@ -42,10 +42,14 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m mini_engine bench
 
-# The test suite runs in TEST_WORKERS processes (pytest-xdist), a test file to a worker, so that one worker's
-# single-threaded work (compiling, starting servers, browsers and venvs) overlaps the other's; tests/conftest.py
-# splits the cores between them. `make test TEST_WORKERS=0` runs it in one process.
+# Notebooks and tests run in TEST_WORKERS processes (pytest-xdist), a notebook or test file to a worker, so that
+# one worker's single-threaded work (compiling, starting kernels, servers, browsers and venvs) overlaps the
+# other's. Each worker gets its share of the cores as threads (tests/conftest.py does the same for the tests):
+# more threads than cores would make every OpenMP barrier wait on a descheduled thread.
+# `make test TEST_WORKERS=0` runs each part in one process with every core.
 TEST_WORKERS ?= 2
+WORKER_THREADS ?= $(shell $(PYTHON) -c 'import os; n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+	else os.cpu_count(); print(max(1, n // max(1, $(TEST_WORKERS))))')
 
 # Notebooks run first without MPLBACKEND=Agg (their kernels use the inline backend), then the test
 # suite (its conftest sets Agg). Both always run; exit 5 (no notebooks collected) is not a failure.
@@ -53,7 +57,8 @@ TEST_WORKERS ?= 2
 # slowest cells and tests, to keep CI within its time budget.
 test: $(STAMP)
 	status=0; \
-	$(OFFLINE) $(NBVAL) --durations=15 chapters labs || [ $$? -eq 5 ] || status=1; \
+	OMP_NUM_THREADS=$(WORKER_THREADS) $(OFFLINE) $(NBVAL) --durations=15 -n $(TEST_WORKERS) --dist loadscope \
+		chapters labs || [ $$? -eq 5 ] || status=1; \
 	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile tests \
 		--impl=solutions || status=1; \
 	exit $$status

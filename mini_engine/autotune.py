@@ -88,6 +88,12 @@ class Autotuner:
                 self._keep()
         return choice.form
 
+    def __deepcopy__(self, memo):
+        # A tuner holds facts about the machine, not about a model: a copied model (copy.deepcopy(model), then
+        # .to(torch.bfloat16)) keeps deciding in the same tuner, where `hardware.tuned_forms` and later models
+        # see its choices, rather than tuning into a private copy.
+        return self
+
     def _keep(self) -> None:
         """Merge this tuner's timed choices into `store` (another process may have added its own meanwhile)."""
         try:

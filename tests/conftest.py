@@ -13,10 +13,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Under pytest-xdist (`make test` runs two workers), the cores are split between the workers: two processes
 # each running as many threads as there are cores would make every OpenMP barrier wait on a descheduled thread.
-# Set before mini_engine is imported, since the tuner's store is named by the thread count it times with.
+# OMP_NUM_THREADS carries the share to what a test starts (a server, a Jupyter kernel, the CLI). Set before
+# mini_engine is imported, since the tuner's store is named by the thread count it times with.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    share = max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
 
 
 def pytest_addoption(parser):
@@ -43,3 +46,9 @@ def plain_forms(monkeypatch):
     yield
     TUNER.choices.clear()
     TUNER.choices.update(before)
+
+
+def pytest_collection_modifyitems(items):
+    # The slow files first: pytest-xdist hands out files in this order, and a minutes-long file started last
+    # would leave the other worker idle at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -26,6 +26,7 @@ def test_workload_shares_the_system_prompt_mixes_kinds_and_never_repeats_a_promp
     assert len(set(work.max_tokens)) > 2
 
 
+@pytest.mark.slow
 def test_ladder_runs_every_rung_and_compares_outputs(tmp_path):
     # The paged engines run one request at a time (paged_max_num_seqs=1), so a compiled engine step compiles one
     # batch-size bucket, not several.

@@ -67,6 +67,7 @@ def test_a_copied_layer_uses_its_own_weight():
         twin.weight.mul_(3.0)
     torch.testing.assert_close(twin(x), F.linear(x, twin.weight), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert twin.tuner is layer.tuner, "a copied layer must decide in its original's tuner, not in a private copy"
 
 
 def test_a_packed_form_this_machine_cannot_run_is_left_out(monkeypatch):
