@@ -59,7 +59,7 @@ test: $(STAMP)
 	status=0; \
 	OMP_NUM_THREADS=$(WORKER_THREADS) $(OFFLINE) $(NBVAL) --durations=15 -n $(TEST_WORKERS) --dist loadscope \
 		chapters labs || [ $$? -eq 5 ] || status=1; \
-	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile tests \
+	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests \
 		--impl=solutions || status=1; \
 	exit $$status
 

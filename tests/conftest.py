@@ -49,6 +49,6 @@ def plain_forms(monkeypatch):
 
 
 def pytest_collection_modifyitems(items):
-    # The slow files first: pytest-xdist hands out files in this order, and a minutes-long file started last
-    # would leave the other worker idle at the end.
+    # The slow files first: pytest-xdist hands out files in this order (`make test` turns off its own order, most
+    # tests first), and a minutes-long file started last would leave the other worker idle at the end.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
