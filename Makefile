@@ -48,8 +48,9 @@ bench: $(STAMP)
 # more threads than cores would make every OpenMP barrier wait on a descheduled thread.
 # `make test TEST_WORKERS=0` runs each part in one process with every core.
 TEST_WORKERS ?= 2
-WORKER_THREADS ?= $(shell $(PYTHON) -c 'import os; n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-	else os.cpu_count(); print(max(1, n // max(1, $(TEST_WORKERS))))')
+WORKER_THREADS ?= $(shell $(PYTHON) -c 'import os; \
+	n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(); \
+	print(max(1, n // max(1, $(TEST_WORKERS))))')
 
 # Notebooks run first without MPLBACKEND=Agg (their kernels use the inline backend), then the test
 # suite (its conftest sets Agg). Both always run; exit 5 (no notebooks collected) is not a failure.
@@ -59,8 +60,8 @@ test: $(STAMP)
 	status=0; \
 	OMP_NUM_THREADS=$(WORKER_THREADS) $(OFFLINE) $(NBVAL) --durations=15 -n $(TEST_WORKERS) --dist loadscope \
 		chapters labs || [ $$? -eq 5 ] || status=1; \
-	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests \
-		--impl=solutions || status=1; \
+	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder tests --impl=solutions || status=1; \
 	exit $$status
 
 # The chapters, executed, as static HTML pages with their outputs: build/site/index.html
