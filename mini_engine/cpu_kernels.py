@@ -1,15 +1,17 @@
 """C kernels for the CPU, built on first use by the machine's C compiler and called through ctypes.
 
-Two sources:
-- csrc/paged_decode.c, two kernels that read a paged KV pool in place through the block tables, where the
-  PyTorch path copies each sequence's blocks out of the pool before SDPA: `paged_decode` (one query token per
-  sequence, the CPU twin of the Triton kernel in kernels/paged_attention.py) and `paged_chunk` (several query
-  tokens per sequence, each seeing its own prefix: a prefill chunk, or a speculative step's verify chunks;
-  FlashAttention's loop with 16 query rows in the lanes of vectors).
+Three sources:
+- csrc/paged_decode.c, kernels that read the KV cache in place, where the PyTorch path copies each sequence's
+  keys and values out before SDPA: `paged_decode` (one query token per sequence through the block tables, the
+  CPU twin of the Triton kernel in kernels/paged_attention.py), `contiguous_decode` (the same on the
+  contiguous cache) and `paged_chunk` (several query tokens per sequence, each seeing its own prefix: a prefill
+  chunk, or a speculative step's verify chunks; FlashAttention's loop with 16 query rows in the lanes of vectors).
 - csrc/int4_gemm.c, `int4_gemm`: an int4 weight-only product with fp32 activations, reading the packed layout
   torch's own int4 kernel keeps (x86 CPUs with AVX2).
-Whether they run is measured, like every other form (`attention.paged_decode_form`, `attention.prefill_form`,
-`attention.verify_form`, the "int4_product" op of `quant.choose_form`): on a machine where they lose, or
+- csrc/int8_gemm.c, `int8_gemm`: the int8 one (per-row scales) with fp32 activations, for the int4 model's head.
+Whether they run is measured, like every other form (`attention.paged_decode_form`,
+`attention.contiguous_decode_form`, `attention.prefill_form`, `attention.verify_form`, the "int4_product" and
+"int8_product" ops of `quant.choose_form`): on a machine where they lose, or
 without a C compiler, the PyTorch forms run.
 
 The build:
@@ -112,7 +114,8 @@ def _paged_lib(num_heads: int, num_kv_heads: int, head_dim: int, layout: tuple =
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.paged_decode_f32.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float]
     lib.paged_chunk_f32.argtypes = [p, p, p, p, p, p, i, i, i, i, ctypes.c_float]
-    lib.paged_decode_f32.restype, lib.paged_chunk_f32.restype = i, None
+    lib.contiguous_decode_f32.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float]
+    lib.paged_decode_f32.restype, lib.paged_chunk_f32.restype, lib.contiguous_decode_f32.restype = i, None, i
     return lib
 
 
@@ -184,6 +187,43 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     return out
 
 
+def contiguous_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `contiguous_decode` can run q [S, Hq, D] against one layer of the contiguous cache, k/v
+    [num_slots, Hkv, max_len, D]: as `paged_decode_supported`, with the KV heads on the cache's second axis."""
+    return (q.device.type == "cpu" and q.dim() == 3 and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and q.shape[1] % k_cache.shape[1] == 0 and q.shape[2] == k_cache.shape[3]
+            and q.shape[2] % 8 == 0 and _paged_lib(q.shape[1], k_cache.shape[1], q.shape[2]) is not None)
+
+
+def contiguous_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Decode attention read in place from one layer of the contiguous cache: q [S, Hq, D] fp32, k/v_cache
+    [num_slots, Hkv, max_len, D] fp32, sequence s reading the first context_lens[s] positions of slot slots[s]
+    (both [S] int32). Returns [S, Hq, D]. Check `contiguous_decode_supported` first."""
+    if not contiguous_decode_supported(q, k_cache, v_cache):
+        raise ValueError("contiguous_decode needs q [S, Hq, D] and caches [slots, Hkv, max_len, D], fp32 CPU "
+                         "tensors, contiguous caches, Hq a multiple of Hkv, a head size that is a multiple of 8 and "
+                         "a C compiler (check contiguous_decode_supported first)")
+    s = q.shape[0]
+    if slots.shape != (s,) or context_lens.shape != (s,):
+        raise ValueError(f"q, slots and context_lens must have one row per sequence: {s}, {tuple(slots.shape)}, "
+                         f"{tuple(context_lens.shape)}")
+    if s == 0:
+        return torch.empty_like(q)
+    lens, slots, q = context_lens.to(torch.int32).contiguous(), slots.to(torch.int32).contiguous(), q.contiguous()
+    out = torch.empty_like(q)
+    status = _paged_lib(q.shape[1], k_cache.shape[1], q.shape[2]).contiguous_decode_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lens.data_ptr(), out.data_ptr(), s,
+        k_cache.shape[0], k_cache.shape[2], q.shape[2] ** -0.5 if scale is None else scale)
+    if status == -2:  # the kernel checks before it reads: a slot or length that would read outside the cache
+        raise ValueError(f"slots must lie in [0, {k_cache.shape[0]}) and context_lens in [1, {k_cache.shape[2]}], "
+                         f"got {slots.tolist()} and {lens.tolist()}")
+    if status != 0:
+        raise MemoryError("contiguous_decode: the kernel could not allocate its scratch buffer")
+    return out
+
+
 def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                 visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Chunks read in place from a paged pool (prefill chunks, a speculative step's verify chunks):
@@ -212,18 +252,19 @@ def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blo
 
 
 @functools.cache
-def _int4_lib():
-    """csrc/int4_gemm.c built and loaded, or None (no compiler, not an x86 CPU with AVX2, or the build failed)."""
+def _gemm_lib(name: str):
+    """csrc/<name>.c ("int4_gemm" or "int8_gemm") built and loaded, or None (no compiler, not an x86 CPU with
+    AVX2, or the build failed: said once)."""
     if compiler() is None or b"avx2" not in _cpu_signature():
         return None
     try:
-        lib = ctypes.CDLL(str(build("int4_gemm", {})))
+        lib = ctypes.CDLL(str(build(name, {})))
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        warnings.warn(f"the C int4 kernel could not be built; torch's int4 forms run instead ({e})")
+        warnings.warn(f"the C {name} kernel could not be built; torch's forms run instead ({e})")
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.int4_gemm_f32.argtypes = [p, p, p, p, i, i, i, i, i]
-    lib.int4_gemm_f32.restype = i
+    fn = getattr(lib, f"{name}_f32")
+    fn.argtypes, fn.restype = ([p, p, p, p, i, i, i, i, i] if name == "int4_gemm" else [p, p, p, p, i, i, i]), i
     return lib
 
 
@@ -231,7 +272,7 @@ def int4_gemm_supported(n: int, k: int, group_size: int, block_n: int, halves: b
     """Whether `int4_gemm` takes a weight of [n, k] in torch's packed layout with rows in blocks of `block_n`
     (`halves`: byte j of a block holds rows j and j + block_n / 2) and groups of `group_size`, on this machine."""
     return (halves and block_n in (32, 64) and n % block_n == 0 and k % group_size == 0 and group_size > 0
-            and _int4_lib() is not None)
+            and _gemm_lib("int4_gemm") is not None)
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, group_size: int,
@@ -249,10 +290,36 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: in
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
-    status = _int4_lib().int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(), y.data_ptr(),
+    status = _gemm_lib("int4_gemm").int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(), y.data_ptr(),
                                        m, n, k, group_size, block_n)
     if status == -2:
         raise MemoryError("int4_gemm: the kernel could not allocate its scratch buffer")
     if status != 0:
         raise ValueError(f"int4_gemm does not take block_n={block_n}, n={n}, k={k}, group_size={group_size}")
+    return y
+
+
+def int8_gemm_supported(n: int, k: int) -> bool:
+    """Whether `int8_gemm` takes an int8 weight of [n, k] on this machine."""
+    return n % 4 == 0 and k % 8 == 0 and _gemm_lib("int8_gemm") is not None
+
+
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for fp32 x [M, K] and an int8 weight W = q * scales[:, None]: q [N, K] int8 (row-major, as
+    `_weight_int8pack_mm` reads it), scales [N] bf16. Returns [M, N] fp32. Check `int8_gemm_supported` first."""
+    m, k = x.shape
+    n = q.shape[0]
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"int8_gemm needs fp32 CPU activations, got {x.dtype} on {x.device}")
+    if q.dtype != torch.int8 or q.shape != (n, k) or scales.shape != (n,) or scales.dtype != torch.bfloat16:
+        raise ValueError(f"int8_gemm: q must be int8 [N, {k}] and scales bf16 [N], got {q.dtype} "
+                         f"{tuple(q.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return y
+    status = _gemm_lib("int8_gemm").int8_gemm_f32(x.data_ptr(), q.contiguous().data_ptr(),
+                                                  scales.contiguous().data_ptr(), y.data_ptr(), m, n, k)
+    if status != 0:
+        raise ValueError(f"int8_gemm does not take n={n}, k={k} (n must be a multiple of 4, k of 8)")
     return y

@@ -419,3 +419,30 @@ def test_a_quantized_draft_is_named_in_the_speculative_config():
         SpeculativeConfig.parse({"method": "draft", "model": "smollm2-135m", "quantization": "int2"})
     with pytest.raises(ValueError, match="applies when speculative\\['model'\\] is a name or path"):
         SpeculativeConfig.parse({"method": "draft", "model": object(), "quantization": "int4"})
+
+
+C_INT8 = pytest.mark.skipif(not quant.cpu_kernels.int8_gemm_supported(64, 64),
+                            reason="the C int8 kernel needs a C compiler and an x86 CPU with AVX2")
+
+
+@C_INT8
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_the_c_int8_form_equals_the_dequantized_reference_in_a_layer_and_a_graph(rows):
+    """The `c_int8` form (fp32 activations, the layer's own int8 rows and bf16 scales) within fp32 rounding of
+    the float64 product, eagerly and through torch.compile (`mini_engine::int8_gemm`); bad input refused by name."""
+    gen = torch.Generator().manual_seed(rows)
+    layer = quant.Int8Linear.from_float(torch.randn(200, 96, generator=gen))
+    assert "c_int8" in quant.candidate_forms(layer.meta, torch.float32)
+    assert "c_int8" not in quant.candidate_forms(layer.meta, torch.bfloat16)
+    layer.tuner = Autotuner(forced={"int8_product": "c_int8"})
+    x = torch.randn(rows, 96, generator=gen)
+    expected = torch.nn.functional.linear(x.double(), layer.qweight.double() * layer.scales.double()[:, None]).float()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(lambda x: layer(x) * 2, fullgraph=True, dynamic=False)  # a graph per row count
+    torch.testing.assert_close(compiled(x), 2 * expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fp32"):
+        quant.cpu_kernels.int8_gemm(x.bfloat16(), layer.qweight, layer.scales)
+    with pytest.raises(ValueError, match="scales"):
+        quant.cpu_kernels.int8_gemm(x, layer.qweight, layer.scales.float())
+    assert not quant.cpu_kernels.int8_gemm_supported(198, 96)  # rows in fours
+    assert not quant.cpu_kernels.int8_gemm_supported(200, 92)  # columns in eights
