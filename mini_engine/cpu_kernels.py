@@ -9,6 +9,8 @@ Three sources:
 - csrc/int4_gemm.c, `int4_gemm`: an int4 weight-only product with fp32 activations, reading the packed layout
   torch's own int4 kernel keeps (x86 CPUs with AVX2).
 - csrc/int8_gemm.c, `int8_gemm`: the int8 one (per-row scales) with fp32 activations, for the int4 model's head.
+The two products are also PyTorch operators written in C++ (csrc/torch_ops.cpp, `load_torch_ops`), which
+torch.compile graphs call without going through Python.
 Whether they run is measured, like every other form (`attention.paged_decode_form`,
 `attention.contiguous_decode_form`, `attention.prefill_form`, `attention.verify_form`, the "int4_product" and
 "int8_product" ops of `quant.choose_form`): on a machine where they lose, or
@@ -60,6 +62,13 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def cxx_compiler() -> str | None:
+    """The C++ compiler (for `build_torch_ops`): $CXX, else c++ or g++ on the PATH; None as for `compiler`."""
+    if compiler() is None:
+        return None
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
 def _cpu_signature() -> bytes:
     """This CPU's model name and feature flags: what -march=native compiled for."""
     try:
@@ -77,24 +86,53 @@ def build(name: str, defines: dict[str, int]) -> Path:
         raise RuntimeError("no C compiler (or MINI_ENGINE_C_KERNELS=0)")
     source = SOURCE_DIR / f"{name}.c"
     flags = [*COMPILE_FLAGS, *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
-    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join([cc, *flags, *LINK_FLAGS]).encode(),
-                                        _cpu_signature()])).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{digest}.so"
+    out = _library_path(name, source.read_bytes(), " ".join([cc, *flags, *LINK_FLAGS]).encode())
+    # Linked without -ffast-math: see the module's notes.
+    return _compile_and_link(out, [([cc, *flags], source)], [cc, *LINK_FLAGS], ["-lm"])
+
+
+def build_torch_ops() -> Path:
+    """csrc/torch_ops.cpp and the two product kernels it calls (int4_gemm.c, int8_gemm.c) linked into one library
+    of PyTorch operators, built once per source, flags, compilers, CPU and PyTorch version; its path. The C++
+    file is compiled against the headers PyTorch's wheel ships, with its C++ ABI. Raises RuntimeError when a
+    step fails."""
+    cc, cxx = compiler(), cxx_compiler()
+    if cc is None or cxx is None:
+        raise RuntimeError("no C and C++ compilers (or MINI_ENGINE_C_KERNELS=0)")
+    root = Path(torch.__file__).parent
+    cxx_flags = [cxx, "-O2", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                 f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    sources = [SOURCE_DIR / "int4_gemm.c", SOURCE_DIR / "int8_gemm.c", SOURCE_DIR / "torch_ops.cpp"]
+    link = [cxx, *LINK_FLAGS, f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}"]
+    out = _library_path("torch_ops", *(p.read_bytes() for p in sources),
+                        " ".join([cc, *COMPILE_FLAGS, *cxx_flags, *link, torch.__version__]).encode())
+    return _compile_and_link(out, [([cc, *COMPILE_FLAGS], sources[0]), ([cc, *COMPILE_FLAGS], sources[1]),
+                                   (cxx_flags, sources[2])], link, ["-lc10", "-ltorch_cpu"])
+
+
+def _library_path(name: str, *parts: bytes) -> Path:
+    """Where the library built from `parts` (sources, command lines) for this CPU is cached."""
+    digest = hashlib.sha256(b"\0".join([*parts, _cpu_signature()])).hexdigest()[:16]
+    return cache_dir() / f"{name}-{digest}.so"
+
+
+def _compile_and_link(out: Path, compiles: list[tuple[list[str], Path]], link: list[str], libs: list[str]) -> Path:
+    """Each (command, source) compiled to an object, then `link` makes them `out` (unless it exists)."""
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    obj, tmp = out.with_suffix(f".{os.getpid()}.o"), out.with_suffix(f".{os.getpid()}.tmp")
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    objects = [out.with_suffix(f".{os.getpid()}.{i}.o") for i in range(len(compiles))]
     try:
-        compile_ = [cc, *flags, "-c", str(source), "-o", str(obj)]
-        link = [cc, *LINK_FLAGS, str(obj), "-o", str(tmp), "-lm"]  # without -ffast-math: see the module's notes
-        for cmd in (compile_, link):
+        commands = [[*cmd, "-c", str(src), "-o", str(obj)] for (cmd, src), obj in zip(compiles, objects)]
+        for cmd in [*commands, [*link, *map(str, objects), "-o", str(tmp), *libs]]:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
         os.replace(tmp, out)  # atomic: another process building the same library at once is harmless
     finally:
-        obj.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
+        for path in [*objects, tmp]:
+            path.unlink(missing_ok=True)
     return out
 
 
@@ -266,6 +304,24 @@ def _gemm_lib(name: str):
     fn = getattr(lib, f"{name}_f32")
     fn.argtypes, fn.restype = ([p, p, p, p, i, i, i, i, i] if name == "int4_gemm" else [p, p, p, p, i, i, i]), i
     return lib
+
+
+@functools.cache
+def load_torch_ops() -> bool:
+    """csrc/torch_ops.cpp built (`build_torch_ops`) and loaded: whether `torch.ops.mini_engine_cpp` holds the
+    int4 and int8 product operators. False without compilers, on a CPU without AVX2, or when the build fails
+    (said once); the graphs then call the Python-registered operators."""
+    if cxx_compiler() is None or b"avx2" not in _cpu_signature():
+        return False
+    try:
+        torch.ops.load_library(str(build_torch_ops()))
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        warnings.warn(f"the C++ operators could not be built; graphs call the kernels through Python instead ({e})")
+        return False
+    torch.library.register_fake("mini_engine_cpp::int4_gemm")(
+        lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("mini_engine_cpp::int8_gemm")(lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
+    return True
 
 
 def int4_gemm_supported(n: int, k: int, group_size: int, block_n: int, halves: bool) -> bool:

@@ -383,16 +383,22 @@ def _int8pack_bf16(x, qweight, scales, meta):
     return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scales).to(x.dtype)
 
 
+@torch._dynamo.assume_constant_result
+def _cpp_ops() -> bool:
+    """Run (not traced) while a graph is compiled: whether the C++ operators are loaded (built on first use)."""
+    return cpu_kernels.load_torch_ops()
+
+
 def _c_int4(x, qweight, scales, meta):
     if torch.compiler.is_compiling():  # a graph calls the kernel through an operator it cannot look into
-        return torch.ops.mini_engine.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size,
-                                               meta.layout.block_n)
+        ops = torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine
+        return ops.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
     return cpu_kernels.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
 
 
 def _c_int8(x, qweight, scales, meta):
     if torch.compiler.is_compiling():
-        return torch.ops.mini_engine.int8_gemm(x, qweight, scales)
+        return (torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine).int8_gemm(x, qweight, scales)
     return cpu_kernels.int8_gemm(x, qweight, scales)
 
 

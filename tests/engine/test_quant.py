@@ -446,3 +446,33 @@ def test_the_c_int8_form_equals_the_dequantized_reference_in_a_layer_and_a_graph
         quant.cpu_kernels.int8_gemm(x, layer.qweight, layer.scales.float())
     assert not quant.cpu_kernels.int8_gemm_supported(198, 96)  # rows in fours
     assert not quant.cpu_kernels.int8_gemm_supported(200, 92)  # columns in eights
+
+
+@C_INT4
+def test_the_cpp_operators_equal_the_kernels_and_a_graph_takes_either_route(monkeypatch):
+    """torch.ops.mini_engine_cpp (csrc/torch_ops.cpp, what graphs call) gives the ctypes wrappers' results bit
+    for bit and refuses bad input by name; a graph compiled without it (no C++ compiler) calls the
+    Python-registered operators, with the same result."""
+    if not quant.cpu_kernels.load_torch_ops():
+        pytest.skip("the C++ operators could not be built here (no C++ compiler or PyTorch headers)")
+    gen = torch.Generator().manual_seed(3)
+    int4 = quant.Int4Linear.from_float(torch.randn(64, 96, generator=gen), 32)
+    int8 = quant.Int8Linear.from_float(torch.randn(200, 96, generator=gen))
+    x = torch.randn(3, 96, generator=gen)
+    ops, kernels = torch.ops.mini_engine_cpp, quant.cpu_kernels
+    block_n = int4.layout.block_n
+    assert torch.equal(ops.int4_gemm(x, int4.qweight, int4.scales, 64, 32, block_n),
+                       kernels.int4_gemm(x, int4.qweight, int4.scales, 64, 32, block_n))
+    assert torch.equal(ops.int8_gemm(x, int8.qweight, int8.scales), kernels.int8_gemm(x, int8.qweight, int8.scales))
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.int8_gemm(x.bfloat16(), int8.qweight, int8.scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.int4_gemm(x, int4.qweight, int4.scales[:1], 64, 32, block_n)
+    int4.tuner = Autotuner(forced={"int4_product": "c_int4"})
+    results = []
+    for cpp in (True, False):
+        monkeypatch.setattr(quant, "_cpp_ops", lambda cpp=cpp: cpp)
+        torch._dynamo.reset()
+        results.append(torch.compile(lambda x: int4(x) * 2, fullgraph=True)(x))
+    assert torch.equal(results[0], results[1])
+    torch._dynamo.reset()
