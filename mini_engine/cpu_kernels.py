@@ -92,8 +92,8 @@ def build(name: str, defines: dict[str, int]) -> Path:
 
 
 def build_torch_ops() -> Path:
-    """csrc/torch_ops.cpp and the two product kernels it calls (int4_gemm.c, int8_gemm.c) linked into one library
-    of PyTorch operators, built once per source, flags, compilers, CPU and PyTorch version; its path. The C++
+    """csrc/torch_ops.cpp and the kernels it calls (int4_gemm.c, int8_gemm.c, contiguous_decode.c) linked into one
+    library of PyTorch operators, built once per source, flags, compilers, CPU and PyTorch version; its path. The C++
     file is compiled against the headers PyTorch's wheel ships, with its C++ ABI. Raises RuntimeError when a
     step fails."""
     cc, cxx = compiler(), cxx_compiler()
@@ -102,12 +102,12 @@ def build_torch_ops() -> Path:
     root = Path(torch.__file__).parent
     cxx_flags = [cxx, "-O2", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                  f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
-    sources = [SOURCE_DIR / "int4_gemm.c", SOURCE_DIR / "int8_gemm.c", SOURCE_DIR / "torch_ops.cpp"]
+    sources = [SOURCE_DIR / f"{name}.c" for name in _ARGTYPES] + [SOURCE_DIR / "torch_ops.cpp"]
     link = [cxx, *LINK_FLAGS, f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}"]
     out = _library_path("torch_ops", *(p.read_bytes() for p in sources),
                         " ".join([cc, *COMPILE_FLAGS, *cxx_flags, *link, torch.__version__]).encode())
-    return _compile_and_link(out, [([cc, *COMPILE_FLAGS], sources[0]), ([cc, *COMPILE_FLAGS], sources[1]),
-                                   (cxx_flags, sources[2])], link, ["-lc10", "-ltorch_cpu"])
+    compiles = [([cc, *COMPILE_FLAGS], source) for source in sources[:-1]] + [(cxx_flags, sources[-1])]
+    return _compile_and_link(out, compiles, link, ["-lc10", "-ltorch_cpu", "-lm"])
 
 
 def _library_path(name: str, *parts: bytes) -> Path:
@@ -152,8 +152,7 @@ def _paged_lib(num_heads: int, num_kv_heads: int, head_dim: int, layout: tuple =
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.paged_decode_f32.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float]
     lib.paged_chunk_f32.argtypes = [p, p, p, p, p, p, i, i, i, i, ctypes.c_float]
-    lib.contiguous_decode_f32.argtypes = [p, p, p, p, p, p, i, i, i, ctypes.c_float]
-    lib.paged_decode_f32.restype, lib.paged_chunk_f32.restype, lib.contiguous_decode_f32.restype = i, None, i
+    lib.paged_decode_f32.restype, lib.paged_chunk_f32.restype = i, None
     return lib
 
 
@@ -227,11 +226,12 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
 
 def contiguous_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether `contiguous_decode` can run q [S, Hq, D] against one layer of the contiguous cache, k/v
-    [num_slots, Hkv, max_len, D]: as `paged_decode_supported`, with the KV heads on the cache's second axis."""
+    [num_slots, Hkv, max_len, D]: fp32 CPU tensors, contiguous caches, GQA with whole groups, and a kernel that
+    built on this machine."""
     return (q.device.type == "cpu" and q.dim() == 3 and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
             and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.is_contiguous()
             and v_cache.is_contiguous() and q.shape[1] % k_cache.shape[1] == 0 and q.shape[2] == k_cache.shape[3]
-            and q.shape[2] % 8 == 0 and _paged_lib(q.shape[1], k_cache.shape[1], q.shape[2]) is not None)
+            and _lib("contiguous_decode") is not None)
 
 
 def contiguous_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -241,8 +241,8 @@ def contiguous_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     (both [S] int32). Returns [S, Hq, D]. Check `contiguous_decode_supported` first."""
     if not contiguous_decode_supported(q, k_cache, v_cache):
         raise ValueError("contiguous_decode needs q [S, Hq, D] and caches [slots, Hkv, max_len, D], fp32 CPU "
-                         "tensors, contiguous caches, Hq a multiple of Hkv, a head size that is a multiple of 8 and "
-                         "a C compiler (check contiguous_decode_supported first)")
+                         "tensors, contiguous caches, Hq a multiple of Hkv and a C compiler (check "
+                         "contiguous_decode_supported first)")
     s = q.shape[0]
     if slots.shape != (s,) or context_lens.shape != (s,):
         raise ValueError(f"q, slots and context_lens must have one row per sequence: {s}, {tuple(slots.shape)}, "
@@ -251,9 +251,10 @@ def contiguous_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return torch.empty_like(q)
     lens, slots, q = context_lens.to(torch.int32).contiguous(), slots.to(torch.int32).contiguous(), q.contiguous()
     out = torch.empty_like(q)
-    status = _paged_lib(q.shape[1], k_cache.shape[1], q.shape[2]).contiguous_decode_f32(
+    status = _lib("contiguous_decode").contiguous_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lens.data_ptr(), out.data_ptr(), s,
-        k_cache.shape[0], k_cache.shape[2], q.shape[2] ** -0.5 if scale is None else scale)
+        k_cache.shape[0], k_cache.shape[2], q.shape[1], k_cache.shape[1], q.shape[2],
+        q.shape[2] ** -0.5 if scale is None else scale)
     if status == -2:  # the kernel checks before it reads: a slot or length that would read outside the cache
         raise ValueError(f"slots must lie in [0, {k_cache.shape[0]}) and context_lens in [1, {k_cache.shape[2]}], "
                          f"got {slots.tolist()} and {lens.tolist()}")
@@ -289,27 +290,32 @@ def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blo
     return out
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int
+# The kernels built without -D constants: source name -> the argument types of its <name>_f32 (which returns int).
+_ARGTYPES = {"int4_gemm": [_P, _P, _P, _P, _I, _I, _I, _I, _I], "int8_gemm": [_P, _P, _P, _P, _I, _I, _I],
+             "contiguous_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]}
+
+
 @functools.cache
-def _gemm_lib(name: str):
-    """csrc/<name>.c ("int4_gemm" or "int8_gemm") built and loaded, or None (no compiler, not an x86 CPU with
-    AVX2, or the build failed: said once)."""
+def _lib(name: str):
+    """csrc/<name>.c (a key of _ARGTYPES) built and loaded, or None (no compiler, not an x86 CPU with AVX2, or
+    the build failed: said once)."""
     if compiler() is None or b"avx2" not in _cpu_signature():
         return None
     try:
         lib = ctypes.CDLL(str(build(name, {})))
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        warnings.warn(f"the C {name} kernel could not be built; torch's forms run instead ({e})")
+        warnings.warn(f"the C {name} kernel could not be built; the PyTorch forms run instead ({e})")
         return None
-    p, i = ctypes.c_void_p, ctypes.c_int
     fn = getattr(lib, f"{name}_f32")
-    fn.argtypes, fn.restype = ([p, p, p, p, i, i, i, i, i] if name == "int4_gemm" else [p, p, p, p, i, i, i]), i
+    fn.argtypes, fn.restype = _ARGTYPES[name], _I
     return lib
 
 
 @functools.cache
 def load_torch_ops() -> bool:
     """csrc/torch_ops.cpp built (`build_torch_ops`) and loaded: whether `torch.ops.mini_engine_cpp` holds the
-    int4 and int8 product operators. False without compilers, on a CPU without AVX2, or when the build fails
+    int4 and int8 products and the contiguous cache's decode attention. False without compilers, on a CPU without AVX2, or when the build fails
     (said once); the graphs then call the Python-registered operators."""
     if cxx_compiler() is None or b"avx2" not in _cpu_signature():
         return False
@@ -321,6 +327,7 @@ def load_torch_ops() -> bool:
     torch.library.register_fake("mini_engine_cpp::int4_gemm")(
         lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("mini_engine_cpp::int8_gemm")(lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("mini_engine_cpp::contiguous_decode")(lambda q, *caches_and_lens: torch.empty_like(q))
     return True
 
 
@@ -328,7 +335,7 @@ def int4_gemm_supported(n: int, k: int, group_size: int, block_n: int, halves: b
     """Whether `int4_gemm` takes a weight of [n, k] in torch's packed layout with rows in blocks of `block_n`
     (`halves`: byte j of a block holds rows j and j + block_n / 2) and groups of `group_size`, on this machine."""
     return (halves and block_n in (32, 64) and n % block_n == 0 and k % group_size == 0 and group_size > 0
-            and _gemm_lib("int4_gemm") is not None)
+            and _lib("int4_gemm") is not None)
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, group_size: int,
@@ -346,7 +353,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: in
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
-    status = _gemm_lib("int4_gemm").int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(), y.data_ptr(),
+    status = _lib("int4_gemm").int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(), y.data_ptr(),
                                        m, n, k, group_size, block_n)
     if status == -2:
         raise MemoryError("int4_gemm: the kernel could not allocate its scratch buffer")
@@ -357,7 +364,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: in
 
 def int8_gemm_supported(n: int, k: int) -> bool:
     """Whether `int8_gemm` takes an int8 weight of [n, k] on this machine."""
-    return n % 4 == 0 and k % 8 == 0 and _gemm_lib("int8_gemm") is not None
+    return n % 4 == 0 and k % 8 == 0 and _lib("int8_gemm") is not None
 
 
 def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -374,7 +381,7 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
-    status = _gemm_lib("int8_gemm").int8_gemm_f32(x.data_ptr(), q.contiguous().data_ptr(),
+    status = _lib("int8_gemm").int8_gemm_f32(x.data_ptr(), q.contiguous().data_ptr(),
                                                   scales.contiguous().data_ptr(), y.data_ptr(), m, n, k)
     if status != 0:
         raise ValueError(f"int8_gemm does not take n={n}, k={k} (n must be a multiple of 4, k of 8)")

@@ -2,7 +2,6 @@
    kernels/paged_attention.py (Triton, for GPUs). The PyTorch path copies each sequence's blocks out of the pool
    and runs SDPA on the copy, which reads every cached key and value twice; these read them once.
    - paged_decode_f32: one new query token per sequence (a decode step).
-   - contiguous_decode_f32: the same for the contiguous cache (one slot of max_len positions per sequence).
    - paged_chunk_f32: several query tokens per sequence, each seeing its own prefix (a prefill chunk after a
      cached prefix, a speculative step's verify chunks).
 
@@ -112,79 +111,6 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
       }
       for (int j = 0; j < HQ; j++)
         for (int d = 0; d < HEAD_DIM; d++) o[j * HEAD_DIM + d] *= inv[j];
-    }
-    free(scores);
-  }
-  return failed ? -1 : 0;
-}
-
-/* Decode attention on the contiguous cache (`kv_cache.ContiguousKVCache`), read in place: the cache of one layer
-   is [num_slots, HKV, max_len, HEAD_DIM] (each KV head's positions side by side), and sequence s reads the first
-   lens[s] positions of slot slots[s]. q and out as for paged_decode_f32.
-
-   Work items are (sequence, KV head): the G query heads that share a KV head read its keys and values once,
-   one pass for the scores, one for the weighted sum. The PyTorch path slices the cache and calls SDPA, whose
-   fixed cost dominates a short decode: on a 2-core AMD EPYC (Zen 3), one layer of SmolLM2 at one sequence of
-   about 100 positions, about 60 us in SDPA alone, where the work is about 0.1 MFLOP.
-   Returns 0; -1 when a scratch buffer could not be allocated (out is then incomplete); -2, before reading
-   anything, when a slot lies outside [0, num_slots) or a length outside [1, max_len]. Checked here, in one
-   pass over S entries, because the same check in PyTorch ops cost more than the attention itself. */
-int contiguous_decode_f32(const float *q, const float *kc, const float *vc, const int32_t *slots,
-                          const int32_t *lens, float *out, int S, int num_slots, int max_len, float scale) {
-  for (int s = 0; s < S; s++)
-    if (slots[s] < 0 || slots[s] >= num_slots || lens[s] < 1 || lens[s] > max_len) return -2;
-  const size_t head = (size_t)max_len * HEAD_DIM;
-  int failed = 0;
-#pragma omp parallel reduction(| : failed)
-  {
-    int cap = 0;
-    float *scores = NULL; /* [G][len] */
-#pragma omp for schedule(static)
-    for (int item = 0; item < S * HKV; item++) {
-      const int s = item / HKV, h = item % HKV, len = lens[s];
-      if (len > cap) {
-        free(scores);
-        cap = len;
-        scores = malloc(sizeof(float) * (size_t)cap * G);
-        if (!scores) { cap = 0; failed = 1; continue; }
-      }
-      const float *kh = kc + ((size_t)slots[s] * HKV + h) * head, *vh = vc + ((size_t)slots[s] * HKV + h) * head;
-      const float *qh = q + ((size_t)s * HQ + (size_t)h * G) * HEAD_DIM;
-      float *o = out + ((size_t)s * HQ + (size_t)h * G) * HEAD_DIM;
-      for (int t = 0; t < len; t++) { /* pass 1: scores */
-        const float *k = kh + (size_t)t * HEAD_DIM;
-        for (int g = 0; g < G; g++) {
-          const float *qg = qh + g * HEAD_DIM;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int d = 0; d < HEAD_DIM; d++) dot += qg[d] * k[d];
-          scores[(size_t)g * len + t] = dot * scale;
-        }
-      }
-      float inv[G];
-      for (int g = 0; g < G; g++) { /* softmax, max subtracted */
-        float *sc = scores + (size_t)g * len, m = sc[0], sum = 0.f;
-        for (int t = 1; t < len; t++) m = sc[t] > m ? sc[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < len; t++) {
-          const float e = expf(sc[t] - m);
-          sc[t] = e;
-          sum += e;
-        }
-        inv[g] = 1.f / sum;
-        for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = 0.f;
-      }
-      for (int t = 0; t < len; t++) { /* pass 2: the weighted sum of the values */
-        const float *v = vh + (size_t)t * HEAD_DIM;
-        for (int g = 0; g < G; g++) {
-          const float p = scores[(size_t)g * len + t];
-          float *og = o + g * HEAD_DIM;
-#pragma omp simd
-          for (int d = 0; d < HEAD_DIM; d++) og[d] += p * v[d];
-        }
-      }
-      for (int g = 0; g < G; g++)
-        for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] *= inv[g];
     }
     free(scores);
   }

@@ -327,3 +327,15 @@ def test_real_model_same_tokens_on_the_contiguous_cache_with_the_kernel_as_with_
         force_forms(contiguous_decode=form)
         outs[form] = generate_batch(model, chat_prompts[:3], 16)
     assert outs[IN_PLACE] == outs["sdpa"]
+
+
+def test_the_cpp_operator_reads_the_contiguous_cache_as_the_ctypes_kernel_does():
+    """`mini_engine_cpp::contiguous_decode` (what compiled steps call; slots and lengths of any integer dtype)
+    gives the ctypes wrapper's result bit for bit, and refuses a slot outside the cache before reading it."""
+    if not cpu_kernels.load_torch_ops():
+        pytest.skip("the C++ operators could not be built here (no C++ compiler or PyTorch headers)")
+    q, k_cache, v_cache, slots, lens = contiguous_case(9, [1, 80, 37], [4, 0, 5])
+    got = torch.ops.mini_engine_cpp.contiguous_decode(q, k_cache, v_cache, slots.long(), lens.long())
+    assert torch.equal(got, cpu_kernels.contiguous_decode(q, k_cache, v_cache, slots, lens))
+    with pytest.raises(RuntimeError, match="slots must lie in"):
+        torch.ops.mini_engine_cpp.contiguous_decode(q, k_cache, v_cache, slots + 6, lens)
