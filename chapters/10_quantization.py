@@ -251,8 +251,9 @@ for name, w in grids.items():
 # weights are stored (with fp32 activations they cast them to bf16 for the packed kernels anyway: `load_model(...,
 # dtype="float32", quantization="int4")` is what `python -m mini_engine bench --quantization int4` runs). Their
 # products run torch's packed int4 / int8 kernels, chosen per row count by the autotuner as the float products
-# are. With fp32 activations on an x86 CPU with AVX2, the int4 products have one more candidate: the project's
-# C kernel (`mini_engine/csrc/int4_gemm.c`), which reads the same packed codes and keeps x in fp32.
+# are. With fp32 activations on an x86 CPU with AVX2, the int4 and int8 products have one more candidate each:
+# the project's C kernels (`mini_engine/csrc/int4_gemm.c`, `int8_gemm.c`), which read the same codes and keep x
+# in fp32. A compiled decode step calls them as C++ operators (`csrc/torch_ops.cpp`), with no Python per call.
 #
 # Speed: decode tok/s of one stream (tokens after the first, greedy) and the serving engine's tok/s for 16
 # requests at once (prefill included). Quality: perplexity on the course's fixed text (`quality.PERPLEXITY_TEXT`)
