@@ -111,8 +111,9 @@ def build_torch_ops() -> Path:
 
 
 def _library_path(name: str, *parts: bytes) -> Path:
-    """Where the library built from `parts` (sources, command lines) for this CPU is cached."""
-    digest = hashlib.sha256(b"\0".join([*parts, _cpu_signature()])).hexdigest()[:16]
+    """Where the library built from `parts` (sources, command lines), csrc's headers and this CPU is cached."""
+    headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]
+    digest = hashlib.sha256(b"\0".join([*parts, *headers, _cpu_signature()])).hexdigest()[:16]
     return cache_dir() / f"{name}-{digest}.so"
 
 

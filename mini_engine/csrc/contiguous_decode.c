@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "softmax_row.h"
+
 /* Work items are (sequence, KV head): the G query heads that share a KV head read its keys and values once, one
    pass for the scores, one for the weighted sum. The PyTorch path slices the cache and calls SDPA, whose fixed
    cost dominates a short decode: on a 2-core AMD EPYC (Zen 3), one layer of SmolLM2 at one sequence of about
@@ -57,16 +59,8 @@ int contiguous_decode_f32(const float *q, const float *kc, const float *vc, cons
         }
       }
       float inv[G]; /* G is small (query heads per KV head) */
-      for (int g = 0; g < G; g++) { /* softmax, max subtracted */
-        float *sc = scores + (size_t)g * len, m = sc[0], sum = 0.f;
-        for (int t = 1; t < len; t++) m = sc[t] > m ? sc[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < len; t++) {
-          const float e = expf(sc[t] - m);
-          sc[t] = e;
-          sum += e;
-        }
-        inv[g] = 1.f / sum;
+      for (int g = 0; g < G; g++) { /* softmax of each head's row */
+        inv[g] = softmax_row(scores + (size_t)g * len, len);
         for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = 0.f;
       }
       for (int t = 0; t < len; t++) { /* pass 2: the weighted sum of the values */

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "softmax_row.h"
+
 #ifndef HQ
 #error "compile with -DHQ=<query heads> -DHKV=<kv heads> -DHEAD_DIM=<head dim>"
 #endif
@@ -82,16 +84,8 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
         }
       }
       float inv[HQ];
-      for (int j = 0; j < HQ; j++) { /* softmax of each head's row, max subtracted */
-        float *sc = scores + (size_t)j * len, m = sc[0], sum = 0.f;
-        for (int t = 1; t < len; t++) m = sc[t] > m ? sc[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < len; t++) {
-          const float e = expf(sc[t] - m);
-          sc[t] = e;
-          sum += e;
-        }
-        inv[j] = 1.f / sum;
+      for (int j = 0; j < HQ; j++) { /* softmax of each head's row */
+        inv[j] = softmax_row(scores + (size_t)j * len, len);
         for (int d = 0; d < HEAD_DIM; d++) o[j * HEAD_DIM + d] = 0.f;
       }
       for (int t0 = 0; t0 < len; t0 += block_size) { /* pass 2: the weighted sum of the values */
