@@ -316,8 +316,8 @@ def _lib(name: str):
 @functools.cache
 def load_torch_ops() -> bool:
     """csrc/torch_ops.cpp built (`build_torch_ops`) and loaded: whether `torch.ops.mini_engine_cpp` holds the
-    int4 and int8 products and the contiguous cache's decode attention. False without compilers, on a CPU without AVX2, or when the build fails
-    (said once); the graphs then call the Python-registered operators."""
+    int4 and int8 products and the contiguous cache's decode attention. False without compilers, on a CPU
+    without AVX2, or when the build fails (said once); the graphs then call the Python-registered operators."""
     if cxx_compiler() is None or b"avx2" not in _cpu_signature():
         return False
     try:
@@ -354,8 +354,8 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: in
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
-    status = _lib("int4_gemm").int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(), y.data_ptr(),
-                                       m, n, k, group_size, block_n)
+    status = _lib("int4_gemm").int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(),
+                                             y.data_ptr(), m, n, k, group_size, block_n)
     if status == -2:
         raise MemoryError("int4_gemm: the kernel could not allocate its scratch buffer")
     if status != 0:
