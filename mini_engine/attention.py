@@ -106,8 +106,10 @@ class DecodeGroup:
         if not seqs:
             return None
         group_slots, lens = [slots[i] for i in seqs], [context_lens[i] for i in seqs]
-        kernel_inputs = {"slot_ids": torch.tensor(group_slots, dtype=torch.int32, device=device),
-                         "context_lens": torch.tensor(lens, dtype=torch.int32, device=device)}
+        kernel_inputs = {}  # for the CPU's C kernel only (`contiguous_decode_form`)
+        if torch.device(device).type == "cpu":
+            kernel_inputs = {"slot_ids": torch.tensor(group_slots, dtype=torch.int32),
+                             "context_lens": torch.tensor(lens, dtype=torch.int32)}
         lo, hi = min(group_slots), max(group_slots) + 1
         rows = None
         if group_slots == list(range(lo, hi)):  # the scheduler's usual order: a view of the cache, no copy

@@ -1,15 +1,16 @@
 """C kernels for the CPU, built on first use by the machine's C compiler and called through ctypes.
 
-Three sources:
-- csrc/paged_decode.c, kernels that read the KV cache in place, where the PyTorch path copies each sequence's
-  keys and values out before SDPA: `paged_decode` (one query token per sequence through the block tables, the
-  CPU twin of the Triton kernel in kernels/paged_attention.py), `contiguous_decode` (the same on the
-  contiguous cache) and `paged_chunk` (several query tokens per sequence, each seeing its own prefix: a prefill
-  chunk, or a speculative step's verify chunks; FlashAttention's loop with 16 query rows in the lanes of vectors).
+Four sources:
+- csrc/paged_decode.c, two kernels that read a paged KV pool in place through the block tables, where the
+  PyTorch path copies each sequence's blocks out of the pool before SDPA: `paged_decode` (one query token per
+  sequence, the CPU twin of the Triton kernel in kernels/paged_attention.py) and `paged_chunk` (several query
+  tokens per sequence, each seeing its own prefix: a prefill chunk, or a speculative step's verify chunks;
+  FlashAttention's loop with 16 query rows in the lanes of vectors).
+- csrc/contiguous_decode.c, `contiguous_decode`: decode attention read in place from the contiguous cache.
 - csrc/int4_gemm.c, `int4_gemm`: an int4 weight-only product with fp32 activations, reading the packed layout
   torch's own int4 kernel keeps (x86 CPUs with AVX2).
 - csrc/int8_gemm.c, `int8_gemm`: the int8 one (per-row scales) with fp32 activations, for the int4 model's head.
-The two products are also PyTorch operators written in C++ (csrc/torch_ops.cpp, `load_torch_ops`), which
+Those three are also PyTorch operators written in C++ (csrc/torch_ops.cpp, `load_torch_ops`), which
 torch.compile graphs call without going through Python.
 Whether they run is measured, like every other form (`attention.paged_decode_form`,
 `attention.contiguous_decode_form`, `attention.prefill_form`, `attention.verify_form`, the "int4_product" and
@@ -383,7 +384,7 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
     if m == 0:
         return y
     status = _lib("int8_gemm").int8_gemm_f32(x.data_ptr(), q.contiguous().data_ptr(),
-                                                  scales.contiguous().data_ptr(), y.data_ptr(), m, n, k)
+                                             scales.contiguous().data_ptr(), y.data_ptr(), m, n, k)
     if status != 0:
         raise ValueError(f"int8_gemm does not take n={n}, k={k} (n must be a multiple of 4, k of 8)")
     return y

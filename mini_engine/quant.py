@@ -41,9 +41,10 @@ ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack"
 - `c_int4`: this project's C kernel (`cpu_kernels.int4_gemm`, csrc/int4_gemm.c) on the same packed codes, with
   fp32 activations (exact products of the int4 weights, where `int4pack` rounds x to bf16), on x86 CPUs with
   AVX2. Per group of 32 columns it sums q x over the codes converted to floats, then applies the scale and
-  zero once: y += s * sum(q x) + (z - 8 s) * sum(x). A graph reaches it through `mini_engine::int4_gemm`.
+  zero once: y += s * sum(q x) + (z - 8 s) * sum(x). A graph reaches it through the C++ operator
+  `mini_engine_cpp::int4_gemm` (csrc/torch_ops.cpp), or `mini_engine::int4_gemm` where that cannot be built.
 - `c_int8`: the same for int8 weights (`cpu_kernels.int8_gemm`, csrc/int8_gemm.c), fp32 activations, each row's
-  scale applied once to its sum; a graph reaches it through `mini_engine::int8_gemm`. For the int4 model's head
+  scale applied once to its sum; a graph reaches it as `c_int4` does (`int8_gemm`). For the int4 model's head
   at one row, on an AVX2-only AMD EPYC (Zen 3): 2.3-2.7 ms against 3.1-3.5 ms for `int8pack_bf16`.
 On a GPU an int4 layer runs the Triton W4A16 kernel (`kernels.quant_matmul`) on the portable layout.
 

@@ -6,8 +6,8 @@
 // (`mini_engine::int4_gemm`, quant.py) make each call box its arguments into Python objects, run the ctypes
 // wrapper and come back: on a 2-core AMD EPYC (Zen 3), 47.6 us a call against 24.3 us for the kernel itself, on
 // each of the 120 int4 products of a decode step (and about 70 us against 12 us for each layer's attention).
-// Registered here, a call costs the dispatcher's few microseconds and no Python. Built on first use by cpu_kernels.load_torch_ops; where it cannot be built, the
-// Python-registered operators run instead.
+// Registered here, a call costs the dispatcher's few microseconds and no Python. Built on first use by
+// cpu_kernels.load_torch_ops; where it cannot be built, the Python-registered operators run instead.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -54,8 +54,8 @@ at::Tensor int4_gemm(const at::Tensor &x, const at::Tensor &packed, const at::Te
 at::Tensor int8_gemm(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scales) {
   check_activations(x, "int8_gemm");
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.size(1) == k && scales.scalar_type() == at::kBFloat16 &&
-                  scales.numel() == n,
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.size(1) == k &&
+                  scales.scalar_type() == at::kBFloat16 && scales.numel() == n,
               "int8_gemm: q must be int8 [N, ", k, "] and scales bf16 [N]");
   const at::Tensor qc = q.contiguous(), sc = scales.contiguous(), xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
@@ -76,7 +76,8 @@ at::Tensor contiguous_decode(const at::Tensor &q, const at::Tensor &k_cache, con
   const int64_t s = q.size(0);
   TORCH_CHECK(slots.numel() == s && context_lens.numel() == s,
               "contiguous_decode: slots and context_lens need one entry per sequence");
-  const at::Tensor qc = q.contiguous(), sl = slots.to(at::kInt).contiguous(), lens = context_lens.to(at::kInt).contiguous();
+  const at::Tensor qc = q.contiguous(), sl = slots.to(at::kInt).contiguous(),
+                   lens = context_lens.to(at::kInt).contiguous();
   at::Tensor out = at::empty_like(qc);
   if (s == 0) return out;
   const int status = contiguous_decode_f32(
