@@ -180,9 +180,11 @@ def main(argv=None) -> None:
                    help="run each decode step as one compiled graph (compiles first: about a minute on a CPU)")
     b = sub.add_parser("bench", parents=[common], help="benchmark table: mini_engine rungs vs HF transformers")
     b.add_argument("--rung", action="append",
-                   choices=["naive", "cached", "compiled", "static", "dynamic", "continuous", "compiled-engine"],
+                   choices=["naive", "cached", "compiled", "static", "dynamic", "continuous", "compiled-engine",
+                            "compiled-engine-max-autotune"],
                    help="repeatable; default: naive, cached and compiled (one stream), or the three policies "
-                        "(serving); compiled-engine: continuous with compiled decode steps (serving, by name)")
+                        "(serving); compiled-engine: continuous with compiled decode steps, -max-autotune: with Inductor's "
+                        "own weight products too (serving, by name)")
     b.add_argument("--ladder", action="store_true",
                    help="one workload (a shared system prompt, input-grounded and open requests, mixed lengths) up "
                         "every rung: HF batched generate, naive, cached, compiled, continuous batching, paged, + prefix "

@@ -26,7 +26,7 @@ from .metrics import TokenTimer, percentile
 from .sampling import SamplingParams
 
 SINGLE_STREAM_RUNGS = ("naive", "cached", "compiled")
-SERVING_RUNGS = ("continuous", "static", "dynamic", "compiled-engine")
+SERVING_RUNGS = ("continuous", "static", "dynamic", "compiled-engine", "compiled-engine-max-autotune")
 DEFAULT_SERVING_RUNGS = SERVING_RUNGS[:3]  # compiled-engine compiles for minutes: asked for by name
 
 BENCH_PROMPT = [{"role": "user", "content": "Explain, step by step, how a bicycle stays upright while moving."}]
@@ -369,11 +369,13 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
 
 def run_serving_rung(model, tok, rung: str, work: ServingWorkload, batch: int, progress: bool = False,
                      print_fn=print, name: str | None = None, **engine_kwargs) -> Row:
-    """A serving rung: a scheduling policy, or `compiled-engine` (continuous, compile=True)."""
+    """A serving rung: a scheduling policy, or `compiled-engine` (continuous, compile=True), or
+    `compiled-engine-max-autotune` (continuous, compile="max-autotune")."""
     name = name or f"mini_engine {rung}"
-    if rung != "compiled-engine":
+    compile = {"compiled-engine": True, "compiled-engine-max-autotune": "max-autotune"}.get(rung)
+    if compile is None:
         return run_engine(model, tok, rung, work, batch, name=name, progress=progress, **engine_kwargs)
-    row = run_engine(model, tok, "continuous", work, batch, name=name, progress=progress, compile=True,
+    row = run_engine(model, tok, "continuous", work, batch, name=name, progress=progress, compile=compile,
                      **engine_kwargs)
     print_fn(f"{name}: compiling the decode graphs (one per batch-size bucket up to {batch}) "
              f"took {row.compile_s:.1f} s before its run (not in its row)")
@@ -458,9 +460,9 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
              f"{kv_cache} KV cache; ratio vs first row")
     print_fn(format_table(rows, rows[0] if rows else None))
     by_name = {r.system: r for r in rows}
-    eager, compiled = by_name.get("mini_engine continuous"), by_name.get("mini_engine compiled-engine")
-    if eager and compiled:
-        print_fn(f"mini_engine compiled-engine / continuous: {compiled.tok_s / eager.tok_s:.2f}x "
+    eager = by_name.get("mini_engine continuous")
+    for compiled in (r for r in float_rows if r.compile_s is not None and eager):
+        print_fn(f"{compiled.system} / continuous: {compiled.tok_s / eager.tok_s:.2f}x "
                  f"(compile {compiled.compile_s:.1f} s, once, not in the rate)")
     if eager:  # a faster rung counts only if it said the same thing: greedy tokens, request by request
         for r in float_rows:

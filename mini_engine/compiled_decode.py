@@ -39,6 +39,14 @@ is ever offered to another). Compiling takes about twice as long. It pays where 
 for the int4 model (quant.py), whose 121 products take about 7 ms per token on one core of the CI machine,
 the Python wrapper and the guards cost about 2 ms more per step: `bench --quantization int4` measured the
 C++ wrapper at 116.4 tok/s against 97.9 with the Python one (one thread, load average 2, same run).
+
+`LLM(compile="max-autotune")` (the serving engine's only) also hands the weight products to Inductor. At a
+batch of 16 rows on a CPU, the products are most of a decode step, and neither a graph nor the tuned eager forms
+change them. Under max-autotune with freezing (`_MAX_AUTOTUNE_CPU`), the weights are constants of the graph,
+packed at compile time for Inductor's generated C++ GEMM, and Inductor times that GEMM against ATen's for each
+product shape, keeping the faster. The graph then takes the plain product (`products._inductor_writes_products`).
+Costs: compiling takes two to three times as long (about 45 s a bucket on a 2-core CPU, cold), and each bucket's
+graph holds its own packed copy of the weights.
 """
 from __future__ import annotations
 
@@ -80,11 +88,41 @@ def _compiled(device_type: str):
     return torch.compile(decode_graph, fullgraph=True, dynamic=False, mode=mode)
 
 
+# compile="max-autotune" on a CPU: Inductor writes the weight products itself. With freezing, the weights become
+# constants of the graph, packed once at compile time into the blocked layout of its generated C++ GEMM
+# (`CppMicroGemmFP32Vec` for fp32); max_autotune times that GEMM against ATen's for every product shape and
+# keeps the faster. Passed to torch.compile as `options`, freezing was not applied (torch 2.13: the weights
+# were packed again at every call, 2x slower than eager), so the settings are patched in around each call:
+# a graph is compiled inside its first call.
+_MAX_AUTOTUNE_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+@functools.cache
+def _compiled_max_autotune(device_type: str):
+    # A fresh copy of decode_graph's code: Dynamo keeps graphs per code object, and these must never be
+    # offered to a call of the plain compile (or the reverse). On a GPU: torch.compile's own mode (Triton
+    # GEMM templates, then CUDA graphs).
+    fn = types.FunctionType(decode_graph.__code__.replace(), decode_graph.__globals__, decode_graph.__name__,
+                            decode_graph.__defaults__)
+    mode = "max-autotune" if device_type == "cuda" else None
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
 def _run_graph(model, kv_cache, backend: str, *args, mode: bool | str = True, **kwargs) -> torch.Tensor:
-    """decode_graph(model, kv_cache, backend, *args, **kwargs), compiled (mode="cpp": with the C++ wrapper)."""
+    """decode_graph(model, kv_cache, backend, *args, **kwargs), compiled (mode="cpp": with the C++ wrapper;
+    "max-autotune": with Inductor's own weight products, see _MAX_AUTOTUNE_CPU)."""
+    from torch._inductor import config as inductor_config
+
     limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-    step = _compiled_cpp(model) if mode == "cpp" else _compiled(model.device.type)
-    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit):
+    settings = {}
+    if mode == "max-autotune":
+        step = _compiled_max_autotune(model.device.type)
+        if model.device.type == "cpu":
+            settings = _MAX_AUTOTUNE_CPU
+    else:
+        step = _compiled_cpp(model) if mode == "cpp" else _compiled(model.device.type)
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit), \
+            inductor_config.patch(settings):
         return step(model, kv_cache, backend, *args, **kwargs)
 
 
@@ -149,8 +187,8 @@ class CompiledDecode:
     milliseconds): the one-time cost, reported apart from any rate."""
 
     def __init__(self, model, kv_cache, backend: str, max_num_seqs: int, scratch: int,
-                 block_size: int | None = None, max_model_len: int | None = None):
-        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+                 block_size: int | None = None, max_model_len: int | None = None, mode: bool | str = True):
+        self.model, self.kv_cache, self.backend, self.mode = model, kv_cache, backend, mode
         self.buckets = decode_buckets(max_num_seqs)
         self.scratch, self.block_size = scratch, block_size
         self.paged = block_size is not None
@@ -195,7 +233,8 @@ class CompiledDecode:
             kwargs["slots"] = where
         first = size not in self.compiled_buckets
         t0 = time.perf_counter()
-        logits = _run_graph(self.model, self.kv_cache, self.backend, ids, pos, where, lens, **kwargs)
+        logits = _run_graph(self.model, self.kv_cache, self.backend, ids, pos, where, lens, mode=self.mode,
+                            **kwargs)
         if first:
             self.compiled_buckets.add(size)
             self.compile_seconds += time.perf_counter() - t0

@@ -192,7 +192,7 @@ class LLMEngine:
         # Before the KV cache is allocated: a draft model with another vocabulary fails fast.
         self.proposer = self._make_proposer(c.speculative) if c.speculative else None
         # compile=True: one more block (or slot) than the scheduler manages, for the compiled step's padded rows.
-        scratch = int(c.compile)
+        scratch = int(bool(c.compile))
         if c.kv_cache == "paged":
             blocks = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
             cache = PagedKVCache(model.config, c.num_kv_blocks + scratch, c.block_size, model.device, model.dtype)
@@ -204,7 +204,8 @@ class LLMEngine:
         if c.compile:
             compiled = CompiledDecode(model, cache, c.attention_backend, c.max_num_seqs,
                                       scratch=c.num_kv_blocks if blocks else c.max_num_seqs,
-                                      block_size=c.block_size if blocks else None, max_model_len=c.max_model_len)
+                                      block_size=c.block_size if blocks else None, max_model_len=c.max_model_len,
+                                      mode=c.compile)
         self.runner = ModelRunner(model, cache, c.attention_backend, blocks, compiled)
         policy = make_policy(c.scheduling, c.max_num_seqs, c.dynamic_bucket_width, c.dynamic_timeout_s)
         self.scheduler = Scheduler(policy, c.max_num_seqs, c.max_model_len, c.chunked_prefill_tokens, blocks)
@@ -240,7 +241,8 @@ class LLMEngine:
         compiled = ""
         if self.runner.compiled is not None:
             buckets = ", ".join(map(str, self.runner.compiled.buckets))
-            compiled = f", compiled decode steps (batch buckets {buckets})"
+            how = " (max-autotune)" if c.compile == "max-autotune" else ""
+            compiled = f", compiled decode steps{how} (batch buckets {buckets})"
         weights = f", {c.quantization} weights" if c.quantization else ""
         return (f"LLMEngine(scheduling={c.scheduling}, {cache}, chunked prefill {chunking}, "
                 f"attention={c.attention_backend}{spec}{compiled}, {c.device} {c.dtype}{weights})")
@@ -557,7 +559,7 @@ class LLM:
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool | None = None, chunked_prefill_tokens: int | None = 512,
                  scheduling: str = "continuous", speculative: dict | None = None, attention_backend: str = "auto",
-                 compile: bool = False, quantization: str | None = None, **engine_kwargs):
+                 compile: bool | str = False, quantization: str | None = None, **engine_kwargs):
         from .loader import load_model
 
         config = EngineConfig(  # checked before the weights load

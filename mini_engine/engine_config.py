@@ -111,12 +111,15 @@ class EngineConfig:
     dynamic_bucket_width: int = 64      # scheduling="dynamic": prompt-length bucket, in tokens
     dynamic_timeout_s: float = 0.05     # scheduling="dynamic": longest wait for a bucket to fill
     record_trace: bool = False          # keep a StepRecord per step (which request ran in which slot)
-    compile: bool = False               # decode-only steps through compiled graphs, one per batch-size bucket
+    # Decode-only steps through compiled graphs, one per batch-size bucket. "max-autotune": Inductor also writes
+    # and times the weight products (longer to compile; see compiled_decode._MAX_AUTOTUNE_CPU).
+    compile: bool | str = False
 
     def __post_init__(self):
-        for name in ("record_trace", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.record_trace, bool):
+            raise ValueError(f"record_trace must be True or False, got {self.record_trace!r}")
+        if not (isinstance(self.compile, bool) or self.compile == "max-autotune"):
+            raise ValueError(f"compile must be False, True or 'max-autotune', got {self.compile!r}")
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
         if self.num_kv_blocks is not None and self.kv_cache != "paged":

@@ -183,6 +183,8 @@ class Linear(nn.Linear):
         if x.device.type != "cpu" or x.dim() != 2:
             return F.linear(x, w)
         if torch.compiler.is_compiling():  # the choice is a fact about the machine: a constant in the graph
+            if _inductor_writes_products():
+                return F.linear(x, w)
             name = _traced_form(self, x.shape[0])
             if name in PACKERS:
                 return torch.ops.mini_engine.packed_product(x, w, name)
@@ -228,6 +230,15 @@ class Linear(nn.Linear):
                 self._packed = (w._version, w.dtype, pack(w.detach()))
             return run(x, self._packed[2])
         return form
+
+
+@torch._dynamo.assume_constant_result
+def _inductor_writes_products() -> bool:
+    """Run (not traced) when torch.compile meets a Linear: whether Inductor tunes the graph's products itself
+    (max_autotune, as compile="max-autotune" sets it): then the graph gets the plain product, the one form
+    Inductor can replace with its own GEMM, and Inductor's timings choose."""
+    from torch._inductor import config
+    return bool(config.max_autotune)
 
 
 @torch._dynamo.assume_constant_result

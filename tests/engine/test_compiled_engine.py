@@ -5,8 +5,9 @@ Compiling is the slow part: a graph of the real model (30 layers) takes about a 
 cold Inductor cache, one of the 2-layer tiny model a few seconds. So the paged cache's bucket logic (padded rows
 on a scratch block, rows sorted by length and logits put back in order) is exercised on the tiny model, and the
 real model gets one module-scoped engine on the contiguous cache (chapter 04's) with two buckets, 1 and 2, shared
-by its tests: two graphs, compiled once. (The ladder's smoke test, tests/test_bench_ladder.py, runs the real model
-on the paged cache with compile=True, one bucket, against the other rungs.)"""
+by its tests: two graphs, compiled once, and two more with compile="max-autotune". (The ladder's smoke test,
+tests/test_bench_ladder.py, runs the real model on the paged cache with compile=True, one bucket, against the
+other rungs.)"""
 import pytest
 import torch
 
@@ -59,10 +60,14 @@ def _compare(eager, compiled, prompts, params, late_step):
 
 
 def test_compile_is_a_validated_config_field_shown_in_repr(tiny_model):
-    with pytest.raises(ValueError, match="compile"):
-        EngineConfig(compile="yes")
+    for bad in ("yes", "cpp", 1):
+        with pytest.raises(ValueError, match="compile"):
+            EngineConfig(compile=bad)
     llm = LLM.from_model(tiny_model(1), kv_cache="contiguous", max_num_seqs=5, max_model_len=64, compile=True)
     assert "compiled decode steps (batch buckets 1, 2, 4, 5)" in repr(llm)
+    llm = LLM.from_model(tiny_model(1), kv_cache="contiguous", max_num_seqs=2, max_model_len=64,
+                         compile="max-autotune")
+    assert "compiled decode steps (max-autotune) (batch buckets 1, 2)" in repr(llm)
     assert llm.engine.compile_seconds == 0.0  # nothing compiled before the first decode step
     assert "compiled" not in repr(LLM.from_model(tiny_model(1), kv_cache="contiguous", max_num_seqs=5,
                                                  max_model_len=64))
@@ -100,11 +105,13 @@ def test_tiny_model_tokens_equal_the_eager_engine_through_every_bucket(tiny_engi
 REAL_TOKENS = (8, 4, 6)  # two requests at once: 2 -> 1 when the second finishes, 1 -> 2 when the third arrives
 
 
-@pytest.fixture(scope="module")
-def real_engines(real):
+@pytest.fixture(scope="module", params=[True, "max-autotune"], ids=["compile", "max-autotune"])
+def real_engines(real, request):
+    """compile=True, and compile="max-autotune", whose graphs multiply by Inductor's own GEMMs on weights
+    frozen into the graph (on a CPU: a generated C++ GEMM where it measures faster than ATen's)."""
     model, tok = real
     kwargs = dict(kv_cache="contiguous", max_num_seqs=2, max_model_len=96)
-    compiled = LLM.from_model(model, tok, compile=True, **kwargs)
+    compiled = LLM.from_model(model, tok, compile=request.param, **kwargs)
     assert compiled.warmup() > 0 and compiled.engine.runner.compiled.compiled_buckets == {1, 2}
     return LLM.from_model(model, tok, **kwargs), compiled
 
