@@ -5,7 +5,8 @@ Compiling is the slow part: a graph of the real model (30 layers) takes about a 
 cold Inductor cache, one of the 2-layer tiny model a few seconds. So the paged cache's bucket logic (padded rows
 on a scratch block, rows sorted by length and logits put back in order) is exercised on the tiny model, and the
 real model gets one module-scoped engine on the contiguous cache (chapter 04's) with two buckets, 1 and 2, shared
-by its tests: two graphs, compiled once, and two more with compile="max-autotune". (The ladder's smoke test,
+by its tests: two graphs, compiled once. compile="max-autotune" (Inductor's own weight products, about twice as
+long to compile) gets one bucket of the real model: the bucket logic is the same code. (The ladder's smoke test,
 tests/test_bench_ladder.py, runs the real model on the paged cache with compile=True, one bucket, against the
 other rungs.)"""
 import pytest
@@ -14,6 +15,8 @@ import torch
 from mini_engine.compiled_decode import decode_buckets
 from mini_engine.engine import LLM, EngineConfig
 from mini_engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # minutes of compiling with a cold Inductor cache: started first (tests/conftest.py)
 
 
 def _graphs_compiled() -> int:
@@ -105,13 +108,11 @@ def test_tiny_model_tokens_equal_the_eager_engine_through_every_bucket(tiny_engi
 REAL_TOKENS = (8, 4, 6)  # two requests at once: 2 -> 1 when the second finishes, 1 -> 2 when the third arrives
 
 
-@pytest.fixture(scope="module", params=[True, "max-autotune"], ids=["compile", "max-autotune"])
-def real_engines(real, request):
-    """compile=True, and compile="max-autotune", whose graphs multiply by Inductor's own GEMMs on weights
-    frozen into the graph (on a CPU: a generated C++ GEMM where it measures faster than ATen's)."""
+@pytest.fixture(scope="module")
+def real_engines(real):
     model, tok = real
     kwargs = dict(kv_cache="contiguous", max_num_seqs=2, max_model_len=96)
-    compiled = LLM.from_model(model, tok, compile=request.param, **kwargs)
+    compiled = LLM.from_model(model, tok, compile=True, **kwargs)
     assert compiled.warmup() > 0 and compiled.engine.runner.compiled.compiled_buckets == {1, 2}
     return LLM.from_model(model, tok, **kwargs), compiled
 
@@ -128,3 +129,22 @@ def test_real_model_tokens_equal_the_eager_engine_across_bucket_changes(real_eng
     for prompt, ours, ref in zip(prompts, got, want):  # greedy: equal, or parted only at a near-tie
         assert len(ours) == len(ref)
         assert_greedy_match(compiled.engine.model, prompt, ours, ref)
+
+
+def test_real_model_max_autotune_tokens_equal_the_eager_engine(real, chat_prompts, assert_greedy_match):
+    """compile="max-autotune": the weights frozen into the graph and multiplied by the GEMMs Inductor timed
+    fastest (on a CPU, its generated C++ GEMM where that wins) give the eager engine's greedy tokens."""
+    model, tok = real
+    kwargs = dict(kv_cache="contiguous", max_num_seqs=1, max_model_len=96)
+    compiled = LLM.from_model(model, tok, compile="max-autotune", **kwargs)
+    assert compiled.warmup() > 0 and compiled.engine.runner.compiled.compiled_buckets == {1}
+    prompts = [chat_prompts[0], chat_prompts[2][:14]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in LLM.from_model(model, tok, **kwargs).generate(prompts, params, use_tqdm=False)]
+    graphs = _graphs_compiled()
+    got = [o.token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
+    assert _graphs_compiled() == graphs, "a graph was compiled after warm-up (a recompile: TORCH_LOGS=recompiles)"
+    assert compiled.engine.runner.compiled.num_steps > 1  # the decode steps ran through the graph
+    for prompt, ours, ref in zip(prompts, got, want):
+        assert len(ours) == len(ref) == 12
+        assert_greedy_match(model, prompt, ours, ref)
