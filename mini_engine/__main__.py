@@ -183,8 +183,8 @@ def main(argv=None) -> None:
                    choices=["naive", "cached", "compiled", "static", "dynamic", "continuous", "compiled-engine",
                             "compiled-engine-max-autotune"],
                    help="repeatable; default: naive, cached and compiled (one stream), or the three policies "
-                        "(serving); compiled-engine: continuous with compiled decode steps, -max-autotune: with Inductor's "
-                        "own weight products too (serving, by name)")
+                        "(serving); compiled-engine: continuous with compiled decode steps, and "
+                        "compiled-engine-max-autotune with Inductor's own weight products too (serving, by name)")
     b.add_argument("--ladder", action="store_true",
                    help="one workload (a shared system prompt, input-grounded and open requests, mixed lengths) up "
                         "every rung: HF batched generate, naive, cached, compiled, continuous batching, paged, + prefix "

@@ -45,8 +45,11 @@ batch of 16 rows on a CPU, the products are most of a decode step, and neither a
 change them. Under max-autotune with freezing (`_MAX_AUTOTUNE_CPU`), the weights are constants of the graph,
 packed at compile time for Inductor's generated C++ GEMM, and Inductor times that GEMM against ATen's for each
 product shape, keeping the faster. The graph then takes the plain product (`products._inductor_writes_products`).
-Costs: compiling takes two to three times as long (about 45 s a bucket on a 2-core CPU, cold), and each bucket's
-graph holds its own packed copy of the weights.
+Frozen means frozen: weights changed in place after compiling are not seen by the graphs (serve them anew).
+Costs: compiling takes about twice as long (80-90 s a bucket against 30-40 s on a 2-core Zen 3, cold), and each
+bucket's graph holds its own packed copy of the weights (about 640 MiB for the fp32 model). `bench --rung
+compiled-engine-max-autotune` measured 1.23x and 1.31x the eager engine on the chapter-04 workload there, against
+1.08x and 1.13x for compile=True (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
