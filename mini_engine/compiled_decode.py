@@ -53,6 +53,7 @@ compiled-engine-max-autotune` measured 1.23x and 1.31x the eager engine on the c
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import types
@@ -100,32 +101,33 @@ def _compiled(device_type: str):
 _MAX_AUTOTUNE_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
+def _fresh_decode_graph():
+    """decode_graph on a copy of its code object. Dynamo keeps compiled graphs per code object: a step compiled
+    with other settings on its own copy is never offered to a call of another (nor they to it)."""
+    return types.FunctionType(decode_graph.__code__.replace(), decode_graph.__globals__, decode_graph.__name__,
+                              decode_graph.__defaults__)
+
+
 @functools.cache
 def _compiled_max_autotune(device_type: str):
-    # A fresh copy of decode_graph's code: Dynamo keeps graphs per code object, and these must never be
-    # offered to a call of the plain compile (or the reverse). On a GPU: torch.compile's own mode (Triton
-    # GEMM templates, then CUDA graphs).
-    fn = types.FunctionType(decode_graph.__code__.replace(), decode_graph.__globals__, decode_graph.__name__,
-                            decode_graph.__defaults__)
+    # On a GPU: torch.compile's own mode (Triton GEMM templates, then CUDA graphs).
     mode = "max-autotune" if device_type == "cuda" else None
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    return torch.compile(_fresh_decode_graph(), fullgraph=True, dynamic=False, mode=mode)
 
 
 def _run_graph(model, kv_cache, backend: str, *args, mode: bool | str = True, **kwargs) -> torch.Tensor:
     """decode_graph(model, kv_cache, backend, *args, **kwargs), compiled (mode="cpp": with the C++ wrapper;
     "max-autotune": with Inductor's own weight products, see _MAX_AUTOTUNE_CPU)."""
-    from torch._inductor import config as inductor_config
-
     limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-    settings = {}
+    settings = contextlib.nullcontext()
     if mode == "max-autotune":
         step = _compiled_max_autotune(model.device.type)
         if model.device.type == "cpu":
-            settings = _MAX_AUTOTUNE_CPU
+            from torch._inductor import config as inductor_config
+            settings = inductor_config.patch(_MAX_AUTOTUNE_CPU)
     else:
         step = _compiled_cpp(model) if mode == "cpp" else _compiled(model.device.type)
-    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit), \
-            inductor_config.patch(settings):
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit), settings:
         return step(model, kv_cache, backend, *args, **kwargs)
 
 
@@ -134,14 +136,12 @@ _CPP_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model ->
 
 def _compiled_cpp(model):
     """The step for this model, dtype and device, compiled with the C++ wrapper and without guards on the
-    model's modules. Dynamo keeps compiled graphs per code object, so each one compiles a fresh copy of
-    `decode_graph`'s code: with those guards skipped, a graph must never be offered to another model."""
+    model's modules. Each one compiles a fresh copy of `decode_graph` (`_fresh_decode_graph`): with those guards
+    skipped, a graph must never be offered to another model."""
     graphs = _CPP_GRAPHS.setdefault(model, {})
     key = (model.dtype, model.device)
     if key not in graphs:
-        fn = types.FunctionType(decode_graph.__code__.replace(), decode_graph.__globals__, decode_graph.__name__,
-                                decode_graph.__defaults__)
-        graphs[key] = torch.compile(fn, fullgraph=True, dynamic=False, options={
+        graphs[key] = torch.compile(_fresh_decode_graph(), fullgraph=True, dynamic=False, options={
             "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     return graphs[key]
 
