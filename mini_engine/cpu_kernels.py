@@ -294,7 +294,8 @@ def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blo
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 # The kernels built without -D constants: source name -> the argument types of its <name>_f32 (which returns int).
-_ARGTYPES = {"int4_gemm": [_P, _P, _P, _P, _I, _I, _I, _I, _I], "int8_gemm": [_P, _P, _P, _P, _I, _I, _I],
+_ARGTYPES = {"int4_gemm": [_P, _P, _P, _P, _I, _I, _I, _I, _I], "int4_gemm_amx": [_P, _P, _P, _P, _I, _I, _I, _I, _I],
+             "int8_gemm": [_P, _P, _P, _P, _I, _I, _I],
              "contiguous_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]}
 
 
@@ -328,23 +329,36 @@ def load_torch_ops() -> bool:
         return False
     torch.library.register_fake("mini_engine_cpp::int4_gemm")(
         lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("mini_engine_cpp::int4_gemm_amx")(
+        lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("mini_engine_cpp::int8_gemm")(lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("mini_engine_cpp::contiguous_decode")(lambda q, *caches_and_lens: torch.empty_like(q))
     return True
 
 
-def int4_gemm_supported(n: int, k: int, group_size: int, block_n: int, halves: bool) -> bool:
+def has_amx() -> bool:
+    """Whether this CPU has Intel AMX with bf16 (and AVX512-BF16), what csrc/int4_gemm_amx.c needs."""
+    flags = _cpu_signature()
+    return all(f in flags for f in (b"amx_tile", b"amx_bf16", b"avx512_bf16", b"avx512bw"))
+
+
+def int4_gemm_supported(n: int, k: int, group_size: int, block_n: int, halves: bool, amx: bool = False) -> bool:
     """Whether `int4_gemm` takes a weight of [n, k] in torch's packed layout with rows in blocks of `block_n`
-    (`halves`: byte j of a block holds rows j and j + block_n / 2) and groups of `group_size`, on this machine."""
-    return (halves and block_n in (32, 64) and n % block_n == 0 and k % group_size == 0 and group_size > 0
-            and _lib("int4_gemm") is not None)
+    (`halves`: byte j of a block holds rows j and j + block_n / 2) and groups of `group_size`, on this machine;
+    with `amx`, whether its AMX kernel does (a CPU with AMX, groups a multiple of 32)."""
+    if not (halves and block_n in (32, 64) and n % block_n == 0 and group_size > 0 and k % group_size == 0):
+        return False
+    if amx:
+        return group_size % 32 == 0 and has_amx() and _lib("int4_gemm_amx") is not None
+    return _lib("int4_gemm") is not None
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, group_size: int,
-              block_n: int) -> torch.Tensor:
+              block_n: int, amx: bool = False) -> torch.Tensor:
     """y = x W^T for fp32 x [M, K] and an int4 weight W [n, K] kept as torch's packed CPU kernel keeps it:
     `packed`, its codes in blocks of `block_n` rows ("halves" layout), and `scales`, [K / group_size, n, 2]
-    bf16 scales and zeros (w = (q - 8) * scale + zero). Returns [M, n] fp32. Check `int4_gemm_supported` first."""
+    bf16 scales and zeros (w = (q - 8) * scale + zero). Returns [M, n] fp32. `amx`: the AMX kernel
+    (csrc/int4_gemm_amx.c), which rounds x to bf16 first. Check `int4_gemm_supported` first."""
     m, k = x.shape
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"int4_gemm needs fp32 CPU activations, got {x.dtype} on {x.device}")
@@ -355,10 +369,14 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: in
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
-    status = _lib("int4_gemm").int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(),
-                                             y.data_ptr(), m, n, k, group_size, block_n)
+    name = "int4_gemm_amx" if amx else "int4_gemm"
+    status = getattr(_lib(name), f"{name}_f32")(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(),
+                                                 y.data_ptr(), m, n, k, group_size, block_n)
     if status == -2:
         raise MemoryError("int4_gemm: the kernel could not allocate its scratch buffer")
+    if status == -3:
+        raise RuntimeError("int4_gemm: this CPU or operating system does not allow AMX (the kernel was built "
+                           "without it, or arch_prctl refused the tile registers)")
     if status != 0:
         raise ValueError(f"int4_gemm does not take block_n={block_n}, n={n}, k={k}, group_size={group_size}")
     return y

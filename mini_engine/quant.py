@@ -397,6 +397,14 @@ def _c_int4(x, qweight, scales, meta):
     return cpu_kernels.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
 
 
+def _amx_int4(x, qweight, scales, meta):
+    if torch.compiler.is_compiling():
+        ops = torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine
+        return ops.int4_gemm_amx(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
+    return cpu_kernels.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n,
+                                 amx=True)
+
+
 def _c_int8(x, qweight, scales, meta):
     if torch.compiler.is_compiling():
         return (torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine).int8_gemm(x, qweight, scales)
@@ -420,11 +428,16 @@ def _register_op(schema: str, impl, fake):
 _INT4_OP = _register_op("int4_gemm(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) "
                         "-> Tensor", cpu_kernels.int4_gemm,
                         lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
+_INT4_AMX_OP = _register_op(
+    "int4_gemm_amx(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) -> Tensor",
+    functools.partial(cpu_kernels.int4_gemm, amx=True),
+    lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
 _INT8_OP = _register_op("int8_gemm(Tensor x, Tensor q, Tensor scales) -> Tensor", cpu_kernels.int8_gemm,
                         lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
 
 FORMS = {"dequant": _dequant, "dequant_bf16": _dequant_bf16, "int4pack": _int4pack, "int8pack": _int8pack,
-         "int8pack_bf16": _int8pack_bf16, "c_int4": _c_int4, "c_int8": _c_int8}
+         "int8pack_bf16": _int8pack_bf16, "c_int4": _c_int4, "amx_int4": _amx_int4,
+         "c_int8": _c_int8}
 
 
 def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
@@ -437,6 +450,10 @@ def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
         if (dtype == torch.float32 and _INT4_OP is not None and cpu_kernels.int4_gemm_supported(
                 meta.out_features, meta.in_features, meta.group_size, meta.layout.block_n, meta.layout.halves)):
             names.append("c_int4")
+        if (dtype == torch.float32 and _INT4_AMX_OP is not None and cpu_kernels.int4_gemm_supported(
+                meta.out_features, meta.in_features, meta.group_size, meta.layout.block_n, meta.layout.halves,
+                amx=True)):
+            names.append("amx_int4")
     if meta.kind == "int8" and int8_kernel_available():
         names += ["int8pack"] + (["int8pack_bf16"] if dtype != torch.bfloat16 else [])
     if (meta.kind == "int8" and dtype == torch.float32 and _INT8_OP is not None

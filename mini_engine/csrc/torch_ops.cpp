@@ -1,6 +1,6 @@
-// The int4 and int8 product kernels (int4_gemm.c, int8_gemm.c) and the contiguous cache's decode attention
-// (contiguous_decode.c) as PyTorch operators written in C++, for torch.compile graphs:
-// `torch.ops.mini_engine_cpp.int4_gemm`, `.int8_gemm` and `.contiguous_decode`.
+// The int4 and int8 product kernels (int4_gemm.c, int4_gemm_amx.c, int8_gemm.c) and the contiguous cache's decode
+// attention (contiguous_decode.c) as PyTorch operators written in C++, for torch.compile graphs:
+// `torch.ops.mini_engine_cpp.int4_gemm`, `.int4_gemm_amx`, `.int8_gemm` and `.contiguous_decode`.
 //
 // Why: a graph calls an operator through the dispatcher. The same kernels registered from Python
 // (`mini_engine::int4_gemm`, quant.py) make each call box its arguments into Python objects, run the ctypes
@@ -19,6 +19,8 @@
 extern "C" {
 int int4_gemm_f32(const float *x, const uint8_t *packed, const uint32_t *sz, float *y, int M, int N, int K, int GS,
                   int BN);
+int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz, float *y, int M, int N, int K,
+                      int GS, int BN);
 int int8_gemm_f32(const float *x, const int8_t *q, const uint16_t *sbits, float *y, int M, int N, int K);
 int contiguous_decode_f32(const float *q, const float *kc, const float *vc, const int32_t *slots, const int32_t *lens,
                           float *out, int S, int num_slots, int max_len, int HQ, int HKV, int HEAD_DIM, float scale);
@@ -31,6 +33,9 @@ void check_activations(const at::Tensor &x, const char *op) {
               " needs fp32 CPU activations [M, K], got ", x.scalar_type(), " of ", x.dim(), " dims on ", x.device());
 }
 
+using Int4Kernel = int (*)(const float *, const uint8_t *, const uint32_t *, float *, int, int, int, int, int);
+
+template <Int4Kernel kernel>
 at::Tensor int4_gemm(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scales, int64_t n,
                      int64_t group_size, int64_t block_n) {
   check_activations(x, "int4_gemm");
@@ -42,10 +47,11 @@ at::Tensor int4_gemm(const at::Tensor &x, const at::Tensor &packed, const at::Te
   const at::Tensor xc = x.contiguous(), sc = scales.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const int status = int4_gemm_f32(xc.data_ptr<float>(), static_cast<const uint8_t *>(packed.data_ptr()),
+  const int status = kernel(xc.data_ptr<float>(), static_cast<const uint8_t *>(packed.data_ptr()),
                                    static_cast<const uint32_t *>(sc.data_ptr()), y.data_ptr<float>(), (int)m, (int)n,
                                    (int)k, (int)group_size, (int)block_n);
   TORCH_CHECK(status != -2, "int4_gemm: the kernel could not allocate its scratch buffer");
+  TORCH_CHECK(status != -3, "int4_gemm: this CPU or operating system does not allow AMX");
   TORCH_CHECK(status == 0, "int4_gemm does not take block_n=", block_n, ", n=", n, ", k=", k, ", group_size=",
               group_size);
   return y;
@@ -94,9 +100,11 @@ at::Tensor contiguous_decode(const at::Tensor &q, const at::Tensor &k_cache, con
 
 TORCH_LIBRARY(mini_engine_cpp, m) {
   m.def("int4_gemm(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) -> Tensor");
+  m.def("int4_gemm_amx(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("contiguous_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor context_lens) -> Tensor");
-  m.impl("int4_gemm", c10::DispatchKey::CPU, TORCH_FN(int4_gemm));
+  m.impl("int4_gemm", c10::DispatchKey::CPU, TORCH_FN(int4_gemm<int4_gemm_f32>));
+  m.impl("int4_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(int4_gemm<int4_gemm_amx_f32>));
   m.impl("int8_gemm", c10::DispatchKey::CPU, TORCH_FN(int8_gemm));
   m.impl("contiguous_decode", c10::DispatchKey::CPU, TORCH_FN(contiguous_decode));
 }
