@@ -295,7 +295,7 @@ def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blo
 _P, _I = ctypes.c_void_p, ctypes.c_int
 # The kernels built without -D constants: source name -> the argument types of its <name>_f32 (which returns int).
 _ARGTYPES = {"int4_gemm": [_P, _P, _P, _P, _I, _I, _I, _I, _I], "int4_gemm_amx": [_P, _P, _P, _P, _I, _I, _I, _I, _I],
-             "int8_gemm": [_P, _P, _P, _P, _I, _I, _I],
+             "int8_gemm": [_P, _P, _P, _P, _I, _I, _I], "int8_gemm_amx": [_P, _P, _P, _P, _I, _I, _I],
              "contiguous_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]}
 
 
@@ -331,7 +331,8 @@ def load_torch_ops() -> bool:
         lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("mini_engine_cpp::int4_gemm_amx")(
         lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
-    torch.library.register_fake("mini_engine_cpp::int8_gemm")(lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
+    for name in ("int8_gemm", "int8_gemm_amx"):
+        torch.library.register_fake(f"mini_engine_cpp::{name}")(lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("mini_engine_cpp::contiguous_decode")(lambda q, *caches_and_lens: torch.empty_like(q))
     return True
 
@@ -382,14 +383,18 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: in
     return y
 
 
-def int8_gemm_supported(n: int, k: int) -> bool:
-    """Whether `int8_gemm` takes an int8 weight of [n, k] on this machine."""
+def int8_gemm_supported(n: int, k: int, amx: bool = False) -> bool:
+    """Whether `int8_gemm` takes an int8 weight of [n, k] on this machine; with `amx`, whether its AMX kernel does
+    (a CPU with AMX, n and k multiples of 32)."""
+    if amx:
+        return n % 32 == 0 and k % 32 == 0 and has_amx() and _lib("int8_gemm_amx") is not None
     return n % 4 == 0 and k % 8 == 0 and _lib("int8_gemm") is not None
 
 
-def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, amx: bool = False) -> torch.Tensor:
     """y = x W^T for fp32 x [M, K] and an int8 weight W = q * scales[:, None]: q [N, K] int8 (row-major, as
-    `_weight_int8pack_mm` reads it), scales [N] bf16. Returns [M, N] fp32. Check `int8_gemm_supported` first."""
+    `_weight_int8pack_mm` reads it), scales [N] bf16. Returns [M, N] fp32. `amx`: the AMX kernel
+    (csrc/int8_gemm_amx.c), which rounds x to bf16 first. Check `int8_gemm_supported` first."""
     m, k = x.shape
     n = q.shape[0]
     if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -401,8 +406,15 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
-    status = _lib("int8_gemm").int8_gemm_f32(x.data_ptr(), q.contiguous().data_ptr(),
-                                             scales.contiguous().data_ptr(), y.data_ptr(), m, n, k)
+    name = "int8_gemm_amx" if amx else "int8_gemm"
+    status = getattr(_lib(name), f"{name}_f32")(x.data_ptr(), q.contiguous().data_ptr(),
+                                                 scales.contiguous().data_ptr(), y.data_ptr(), m, n, k)
+    if status == -2:
+        raise MemoryError("int8_gemm: the kernel could not allocate its scratch buffer")
+    if status == -3:
+        raise RuntimeError("int8_gemm: this CPU or operating system does not allow AMX (the kernel was built "
+                           "without it, or arch_prctl refused the tile registers)")
     if status != 0:
-        raise ValueError(f"int8_gemm does not take n={n}, k={k} (n must be a multiple of 4, k of 8)")
+        raise ValueError(f"int8_gemm does not take n={n}, k={k} (n must be a multiple of {32 if amx else 4}, "
+                         f"k of {32 if amx else 8})")
     return y

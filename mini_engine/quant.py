@@ -411,6 +411,12 @@ def _c_int8(x, qweight, scales, meta):
     return cpu_kernels.int8_gemm(x, qweight, scales)
 
 
+def _amx_int8(x, qweight, scales, meta):
+    if torch.compiler.is_compiling():
+        return (torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine).int8_gemm_amx(x, qweight, scales)
+    return cpu_kernels.int8_gemm(x, qweight, scales, amx=True)
+
+
 def _register_op(schema: str, impl, fake):
     """`torch.ops.mini_engine.<name>` from its schema: a C kernel inside a torch.compile graph, opaque to the
     compiler, which only needs `fake` (the output's shape)."""
@@ -435,9 +441,13 @@ _INT4_AMX_OP = _register_op(
 _INT8_OP = _register_op("int8_gemm(Tensor x, Tensor q, Tensor scales) -> Tensor", cpu_kernels.int8_gemm,
                         lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
 
+_INT8_AMX_OP = _register_op("int8_gemm_amx(Tensor x, Tensor q, Tensor scales) -> Tensor",
+                            functools.partial(cpu_kernels.int8_gemm, amx=True),
+                            lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
+
 FORMS = {"dequant": _dequant, "dequant_bf16": _dequant_bf16, "int4pack": _int4pack, "int8pack": _int8pack,
          "int8pack_bf16": _int8pack_bf16, "c_int4": _c_int4, "amx_int4": _amx_int4,
-         "c_int8": _c_int8}
+         "c_int8": _c_int8, "amx_int8": _amx_int8}
 
 
 def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
@@ -459,6 +469,9 @@ def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
     if (meta.kind == "int8" and dtype == torch.float32 and _INT8_OP is not None
             and cpu_kernels.int8_gemm_supported(meta.out_features, meta.in_features)):
         names.append("c_int8")
+    if (meta.kind == "int8" and dtype == torch.float32 and _INT8_AMX_OP is not None
+            and cpu_kernels.int8_gemm_supported(meta.out_features, meta.in_features, amx=True)):
+        names.append("amx_int8")
     return names
 
 

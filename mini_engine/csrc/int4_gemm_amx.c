@@ -23,19 +23,14 @@
    codes to B tiles once (K x 32 bf16 = 36 KiB for K = 576), then runs every 16-row tile of x against them.
 
    Needs AMX-TILE, AMX-BF16, AVX512-BF16 and AVX512-BW at compile time (-march=native on such a CPU), and the
-   Linux kernel's permission to use the tile registers (arch_prctl ARCH_REQ_XCOMP_PERM, asked once). Elsewhere
-   the function is built as a stub that returns -3. */
+   Linux kernel's permission to use the tile registers (amx.h). Elsewhere the function is built as a stub that
+   returns -3. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx.h"
 
 /* Tile numbers: the intrinsics take them as constants. */
 #define TA 0
@@ -43,29 +38,6 @@
 #define TB1 2
 #define TC0 3
 #define TC1 4
-
-static int amx_permitted(void) {
-  static int state; /* 0: not asked yet, 1: granted, -1: refused. Asking twice is harmless. */
-  if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-  return state == 1;
-}
-
-struct tile_config {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-static void configure_tiles(void) {
-  struct tile_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = TA; t <= TC1; t++) { /* every tile 16 rows of 64 bytes */
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 /* bf16 bit patterns of 0..15 (the codes), indexed by a 16-bit lane's value with vpermw. */
 static __m512i code_table(void) {
@@ -136,19 +108,7 @@ int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz,
     free(sx);
     return -2;
   }
-  memset(xb + (size_t)M * K, 0, sizeof(uint16_t) * (size_t)(mp - M) * K);
-  memset(sx + (size_t)M * groups, 0, sizeof(float) * (size_t)(mp - M) * groups);
-#pragma omp parallel for schedule(static)
-  for (int m = 0; m < M; m++)
-    for (int g = 0; g < groups; g++) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int k = g * GS; k < (g + 1) * GS; k += 16) {
-        const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + (size_t)m * K + k));
-        _mm256_storeu_si256((__m256i *)(xb + (size_t)m * K + k), (__m256i)h);
-        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(h));
-      }
-      sx[(size_t)m * groups + g] = _mm512_reduce_add_ps(sum);
-    }
+  amx_round_rows(x, xb, sx, M, mp, K, GS);
   int status = 0;
   const __m512i table = code_table();
   const __m512i low16 = _mm512_set1_epi32(0xffff);
@@ -162,7 +122,7 @@ int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz,
 #pragma omp atomic write
       status = -2;
     } else {
-      configure_tiles(); /* per thread: the tile registers are a thread's state */
+      amx_configure();
     }
     /* every thread meets the loop (a worksharing loop must be met by the whole team); one without its buffers
        skips its share and the call fails */

@@ -1,6 +1,7 @@
-// The int4 and int8 product kernels (int4_gemm.c, int4_gemm_amx.c, int8_gemm.c) and the contiguous cache's decode
-// attention (contiguous_decode.c) as PyTorch operators written in C++, for torch.compile graphs:
-// `torch.ops.mini_engine_cpp.int4_gemm`, `.int4_gemm_amx`, `.int8_gemm` and `.contiguous_decode`.
+// The int4 and int8 product kernels (int4_gemm.c, int8_gemm.c and their AMX twins, int4_gemm_amx.c and
+// int8_gemm_amx.c) and the contiguous cache's decode attention (contiguous_decode.c) as PyTorch operators written
+// in C++, for torch.compile graphs: `torch.ops.mini_engine_cpp.int4_gemm`, `.int4_gemm_amx`, `.int8_gemm`,
+// `.int8_gemm_amx` and `.contiguous_decode`.
 //
 // Why: a graph calls an operator through the dispatcher. The same kernels registered from Python
 // (`mini_engine::int4_gemm`, quant.py) make each call box its arguments into Python objects, run the ctypes
@@ -22,6 +23,7 @@ int int4_gemm_f32(const float *x, const uint8_t *packed, const uint32_t *sz, flo
 int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz, float *y, int M, int N, int K,
                       int GS, int BN);
 int int8_gemm_f32(const float *x, const int8_t *q, const uint16_t *sbits, float *y, int M, int N, int K);
+int int8_gemm_amx_f32(const float *x, const int8_t *q, const uint16_t *sbits, float *y, int M, int N, int K);
 int contiguous_decode_f32(const float *q, const float *kc, const float *vc, const int32_t *slots, const int32_t *lens,
                           float *out, int S, int num_slots, int max_len, int HQ, int HKV, int HEAD_DIM, float scale);
 }
@@ -57,6 +59,9 @@ at::Tensor int4_gemm(const at::Tensor &x, const at::Tensor &packed, const at::Te
   return y;
 }
 
+using Int8Kernel = int (*)(const float *, const int8_t *, const uint16_t *, float *, int, int, int);
+
+template <Int8Kernel kernel>
 at::Tensor int8_gemm(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scales) {
   check_activations(x, "int8_gemm");
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
@@ -66,10 +71,12 @@ at::Tensor int8_gemm(const at::Tensor &x, const at::Tensor &q, const at::Tensor 
   const at::Tensor qc = q.contiguous(), sc = scales.contiguous(), xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const int status = int8_gemm_f32(xc.data_ptr<float>(), qc.data_ptr<int8_t>(),
+  const int status = kernel(xc.data_ptr<float>(), qc.data_ptr<int8_t>(),
                                    static_cast<const uint16_t *>(sc.data_ptr()), y.data_ptr<float>(), (int)m, (int)n,
                                    (int)k);
-  TORCH_CHECK(status == 0, "int8_gemm does not take n=", n, ", k=", k, " (n must be a multiple of 4, k of 8)");
+  TORCH_CHECK(status != -2, "int8_gemm: the kernel could not allocate its scratch buffer");
+  TORCH_CHECK(status != -3, "int8_gemm: this CPU or operating system does not allow AMX");
+  TORCH_CHECK(status == 0, "int8_gemm does not take n=", n, ", k=", k);
   return y;
 }
 
@@ -102,9 +109,11 @@ TORCH_LIBRARY(mini_engine_cpp, m) {
   m.def("int4_gemm(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) -> Tensor");
   m.def("int4_gemm_amx(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("int8_gemm_amx(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("contiguous_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor context_lens) -> Tensor");
   m.impl("int4_gemm", c10::DispatchKey::CPU, TORCH_FN(int4_gemm<int4_gemm_f32>));
   m.impl("int4_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(int4_gemm<int4_gemm_amx_f32>));
-  m.impl("int8_gemm", c10::DispatchKey::CPU, TORCH_FN(int8_gemm));
+  m.impl("int8_gemm", c10::DispatchKey::CPU, TORCH_FN(int8_gemm<int8_gemm_f32>));
+  m.impl("int8_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(int8_gemm<int8_gemm_amx_f32>));
   m.impl("contiguous_decode", c10::DispatchKey::CPU, TORCH_FN(contiguous_decode));
 }
