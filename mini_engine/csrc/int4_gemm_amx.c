@@ -85,9 +85,11 @@ static void convert_unit(const uint8_t *codes, int stride, int wide, int shift, 
   }
 }
 
-/* y += the scaled sums of one group for 16 rows x 16 columns: acc rows are 32 floats apart (a unit is 32 wide). */
-static inline void apply_group(const float *c, float *acc, const float *sx, int groups, __m512 s, __m512 zp) {
-  for (int r = 0; r < 16; r++) {
+/* y += the scaled sums of one group for `rows` rows (up to 16) x 16 columns: acc rows are 32 floats apart (a unit
+   is 32 wide). Rows past M (the zero padding of a last tile of x) are skipped. */
+static inline void apply_group(const float *c, float *acc, const float *sx, int groups, __m512 s, __m512 zp,
+                               int rows) {
+  for (int r = 0; r < rows; r++) {
     __m512 a = _mm512_loadu_ps(acc + r * 32);
     a = _mm512_fmadd_ps(s, _mm512_loadu_ps(c + r * 16), a);
     a = _mm512_fmadd_ps(zp, _mm512_set1_ps(sx[(size_t)r * groups]), a);
@@ -136,6 +138,7 @@ int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz,
       else
         convert_unit(block, 16, 0, 0, K, tiles, table);
       for (int m0 = 0; m0 < mp; m0 += 16) {
+        const int rows = M - m0 < 16 ? M - m0 : 16;
         memset(acc, 0, 16 * 32 * sizeof(float));
         for (int g = 0; g < groups; g++) {
           _tile_zero(TC0);
@@ -154,10 +157,10 @@ int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz,
             const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(v, low16), 16));
             const __m512 z = _mm512_castsi512_ps(_mm512_andnot_si512(low16, v));
             const __m512 zp = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);
-            apply_group(c + 256 * h, acc + 16 * h, sx + (size_t)m0 * groups + g, groups, s, zp);
+            apply_group(c + 256 * h, acc + 16 * h, sx + (size_t)m0 * groups + g, groups, s, zp,
+                        rows);
           }
         }
-        const int rows = M - m0 < 16 ? M - m0 : 16;
         for (int r = 0; r < rows; r++) memcpy(y + (size_t)(m0 + r) * N + n0, acc + r * 32, 32 * sizeof(float));
       }
     }

@@ -296,6 +296,20 @@ def test_int4_model_quality_with_the_c_kernel(int4, real, quality_prompts, refer
     check_quality(model, real, real[1], quality_prompts, reference, "int4 through the C kernel (int8 head)")
 
 
+AMX = pytest.mark.skipif(
+    not quant.cpu_kernels.int4_gemm_supported(64, 64, 32, 64, True, amx=True),
+    reason="the AMX kernels need a CPU with AMX-BF16 (Intel Xeon, Sapphire Rapids or later) and a C compiler for it")
+
+
+@AMX
+def test_int4_model_quality_with_the_amx_kernels(int4, real, quality_prompts, reference):
+    """The same model with every int4 product and the int8 head on the AMX kernels (bf16 activations, as torch's
+    packed kernels take them)."""
+    needs_int4_kernel()
+    model = pin_forms(copy.deepcopy(int4), Autotuner(forced={"int4_product": "amx_int4", "int8_product": "amx_int8"}))
+    check_quality(model, real, real[1], quality_prompts, reference, "int4 through the AMX kernels (int8 head)")
+
+
 def test_int8_model_quality(real, quality_prompts, reference):
     model = pin_forms(quant.quantize_model(copy.deepcopy(real[0]), "int8"))
     check_quality(model, real, real[1], quality_prompts, reference, "int8 (per channel, int8 head)")
@@ -476,3 +490,73 @@ def test_the_cpp_operators_equal_the_kernels_and_a_graph_takes_either_route(monk
         results.append(torch.compile(lambda x: int4(x) * 2, fullgraph=True)(x))
     assert torch.equal(results[0], results[1])
     torch._dynamo.reset()
+
+
+def random_int4(n: int, k: int, group_size: int, seed: int):
+    """Random codes [n, k], their bf16 scales and zeros as the kernels take them ([k / group_size, n, 2]), and
+    the two read back as floats ([n, groups] each)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(n, k // group_size, generator=gen) * 0.02 + 1e-3
+    zeros = torch.randn(n, k // group_size, generator=gen) * 0.05
+    sz = quant.to_scales_and_zeros(scales.to(quant.SCALE_DTYPE), zeros.to(quant.SCALE_DTYPE))
+    return (q, sz, *quant.from_scales_and_zeros(sz))
+
+
+@AMX
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("shape, group_size", [((64, 96), 32), ((192, 576), 64)], ids=["64x96-g32", "192x576-g64"])
+def test_the_amx_int4_kernel_equals_the_reference_on_bf16_activations(shape, group_size, rows, block_n):
+    """The AMX kernel multiplies the codes themselves (exact in bf16) and applies the scales in fp32, so against
+    a float64 reference on x rounded to bf16 it is within fp32 rounding, for a partial tile of x (5, 17, 40 rows),
+    a full one (16) and groups of one or two tiles."""
+    n, k = shape
+    q, sz, s, z = random_int4(n, k, group_size, rows + block_n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    expected = quant.int4_matmul_reference(x.bfloat16().double(), q, s.double(), z.double(), group_size)
+    got = quant.cpu_kernels.int4_gemm(x, pack_halves(q, block_n), sz, n, group_size, block_n, amx=True)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"block_n {block_n}, {rows} rows of {shape}, groups of {group_size}: {m}")
+
+
+@AMX
+@pytest.mark.parametrize("rows", [1, 16, 17])
+def test_the_amx_int8_kernel_equals_the_reference_on_bf16_activations(rows):
+    gen = torch.Generator().manual_seed(rows)
+    q, scales = quant.quantize_int8(torch.randn(224, 96, generator=gen))
+    x = torch.randn(rows, 96, generator=gen)
+    expected = quant.int8_matmul_reference(x.bfloat16().double(), q, scales.double())
+    got = quant.cpu_kernels.int8_gemm(x, q, scales, amx=True)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+
+
+@AMX
+def test_the_amx_forms_in_a_layer_in_a_graph_through_either_operator_and_on_bad_input(monkeypatch):
+    """Both AMX forms as a layer runs them, and the same through torch.compile, whether the graph calls the C++
+    operators or the Python-registered ones; shapes the kernels cannot take are not offered to the tuner, and
+    bad activations are refused by name."""
+    gen = torch.Generator().manual_seed(5)
+    int4 = quant.Int4Linear.from_float(torch.randn(64, 96, generator=gen), 32)
+    int8 = quant.Int8Linear.from_float(torch.randn(224, 96, generator=gen))
+    assert "amx_int4" in quant.candidate_forms(int4.meta, torch.float32)
+    assert "amx_int8" in quant.candidate_forms(int8.meta, torch.float32)
+    x = torch.randn(3, 96, generator=gen)
+    for layer, form in ((int4, "amx_int4"), (int8, "amx_int8")):
+        layer.tuner = Autotuner(forced={f"{layer.kind}_product": form})
+        expected = quant.FORMS["dequant"](x.bfloat16().float(), layer.qweight, layer.scales, layer.meta)
+        eager = layer(x)
+        torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
+        for cpp in (True, False) if quant.cpu_kernels.load_torch_ops() else (False,):
+            monkeypatch.setattr(quant, "_cpp_ops", lambda cpp=cpp: cpp)
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda x: layer(x) * 2, fullgraph=True)(x)
+            assert torch.equal(compiled, 2 * eager), f"{form} in a graph, C++ operators {cpp}"
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="fp32"):
+        quant.cpu_kernels.int4_gemm(x.bfloat16(), int4.qweight, int4.scales, 64, 32, int4.layout.block_n, amx=True)
+    with pytest.raises(ValueError, match="fp32"):
+        quant.cpu_kernels.int8_gemm(x.bfloat16(), int8.qweight, int8.scales, amx=True)
+    assert not quant.cpu_kernels.int4_gemm_supported(64, 96, 16, 64, True, amx=True)  # groups under one tile
+    assert not quant.cpu_kernels.int8_gemm_supported(200, 96, amx=True)               # rows not in 32s
+    assert not quant.cpu_kernels.int8_gemm_supported(224, 80, amx=True)               # columns not in 32s
