@@ -67,7 +67,7 @@ from mini_engine import formulas, quality
 from mini_engine.devices import default_device, pick
 from mini_engine.engine import LLM
 from mini_engine.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings, tune_products
-from mini_engine.quant import from_scales_and_zeros, quantize_int4, weight_bytes
+from mini_engine.quant import choose_form, from_scales_and_zeros, quantize_int4, weight_bytes
 
 device = default_device()
 act_dtype = "bfloat16"  # the quantized models' activations: W8A16 and W4A16, the "16" is the activations' bits
@@ -254,6 +254,9 @@ for name, w in grids.items():
 # are. With fp32 activations on an x86 CPU with AVX2, the int4 and int8 products have one more candidate each:
 # the project's C kernels (`mini_engine/csrc/int4_gemm.c`, `int8_gemm.c`), which read the same codes and keep x
 # in fp32. A compiled decode step calls them as C++ operators (`csrc/torch_ops.cpp`), with no Python per call.
+# On an Intel CPU with AMX (matrix tiles, Sapphire Rapids and later) there are two more: the same products on
+# the tile instructions (`int4_gemm_amx.c`, `int8_gemm_amx.c`), which turn each weight into bf16 once and then
+# multiply 16 rows of activations by it per instruction. The next cell says which forms this machine chose.
 #
 # Speed: decode tok/s of one stream (tokens after the first, greedy) and the serving engine's tok/s for 16
 # requests at once (prefill included). Quality: perplexity on the course's fixed text (`quality.PERPLEXITY_TEXT`)
@@ -309,6 +312,10 @@ for name, r in measured.items():
           f"{100 * r['agree'].rate:>10.1f}%{r['agree'].max_logit_diff:>14.3f}")
 print(f"(agreement: {measured['fp32']['agree'].positions} positions over {len(quality_prompts)} prompts; "
       f"products floor: the weight products alone, chained, at batch 1, in tok/s)")
+int4_layer, int4_head = models["int4"].layers[0].mlp.down_proj, models["int4"].lm_head
+print("int4 model, the forms the tuner chose on this machine: " + "; ".join(
+    f"{rows} row{'s' * (rows > 1)}: products {choose_form(int4_layer, rows, torch.bfloat16)}, "
+    f"head {choose_form(int4_head, rows, torch.bfloat16)}" for rows in (1, BATCH)))
 
 # %%
 names = list(measured)
@@ -355,13 +362,16 @@ else:
 #   norms, sampling and Python's bookkeeping per step are not quantized, and they are a larger share of a
 #   faster step (Amdahl's law). bf16 sits in between; on CPUs without bf16 arithmetic it can even be slower
 #   than fp32.
-# - **Batch 16**: int4 gains much less, or nothing. As the ceilings of section 1 predicted, 16 rows make a CPU
-#   step compute-bound, and torch's int4 CPU kernel dequantizes every weight tile again for every few rows of
+# - **Batch 16**: with vector instructions only, int4 gains much less, or nothing. As the ceilings of section 1
+#   predicted, 16 rows make a CPU step compute-bound, and torch's int4 CPU kernel dequantizes every weight tile again for every few rows of
 #   activations, so at 16 rows it does *more* work than a float GEMM. int8's packed kernel may hold up better
 #   (compare its row): once the arithmetic, not the bytes, sets the speed, which format wins is a fact about
 #   the kernels and this CPU, not about the bits. The Triton kernel of `mini_engine/kernels/quant_matmul.py`
 #   dequantizes a tile once for 16 to 64 rows, and a GPU's ridge point is far higher, so on a GPU int4 keeps
-#   paying at batch 16.
+#   paying at batch 16. So does a CPU with AMX: its tile instructions do that GEMM's arithmetic some ten times
+#   faster than vector instructions, so a kernel that dequantizes each weight once and feeds it to the tiles is
+#   back to being limited by the weights' bytes (on a 2-core Xeon, the serving workload ran int4 at 1.7x fp32;
+#   `benchmarks/RESULTS.md`).
 # - **Quality**: int4 keeps the checkpoint's own 4-bit codes, so against the dequantized fp32 model (which holds
 #   the same values) it differs only by the bf16 scales, the bf16 activations (compare the bf16 row) and the
 #   int8 head. int8 per row can come out *worse* than int4 here: it re-quantizes weights that sat on 4-bit

@@ -1,6 +1,6 @@
 """C kernels for the CPU, built on first use by the machine's C compiler and called through ctypes.
 
-Four sources:
+The sources:
 - csrc/paged_decode.c, two kernels that read a paged KV pool in place through the block tables, where the
   PyTorch path copies each sequence's blocks out of the pool before SDPA: `paged_decode` (one query token per
   sequence, the CPU twin of the Triton kernel in kernels/paged_attention.py) and `paged_chunk` (several query
@@ -10,8 +10,11 @@ Four sources:
 - csrc/int4_gemm.c, `int4_gemm`: an int4 weight-only product with fp32 activations, reading the packed layout
   torch's own int4 kernel keeps (x86 CPUs with AVX2).
 - csrc/int8_gemm.c, `int8_gemm`: the int8 one (per-row scales) with fp32 activations, for the int4 model's head.
-Those three are also PyTorch operators written in C++ (csrc/torch_ops.cpp, `load_torch_ops`), which
-torch.compile graphs call without going through Python.
+- csrc/int4_gemm_amx.c and int8_gemm_amx.c (`int4_gemm(..., amx=True)`, `int8_gemm(..., amx=True)`): the same two
+  products on Intel AMX's tile instructions, bf16 activations; on a CPU without AMX they build as stubs that
+  refuse (`has_amx` says which), and csrc/amx.h holds what they share.
+These products and the contiguous decode are also PyTorch operators written in C++ (csrc/torch_ops.cpp,
+`load_torch_ops`), which torch.compile graphs call without going through Python.
 Whether they run is measured, like every other form (`attention.paged_decode_form`,
 `attention.contiguous_decode_form`, `attention.prefill_form`, `attention.verify_form`, the "int4_product" and
 "int8_product" ops of `quant.choose_form`): on a machine where they lose, or

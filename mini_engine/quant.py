@@ -46,7 +46,25 @@ ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack"
 - `c_int8`: the same for int8 weights (`cpu_kernels.int8_gemm`, csrc/int8_gemm.c), fp32 activations, each row's
   scale applied once to its sum; a graph reaches it as `c_int4` does (`int8_gemm`). For the int4 model's head
   at one row, on an AVX2-only AMD EPYC (Zen 3): 2.3-2.7 ms against 3.1-3.5 ms for `int8pack_bf16`.
+- `amx_int4` / `amx_int8`: the same products on Intel AMX (`cpu_kernels.int4_gemm(..., amx=True)`,
+  csrc/int4_gemm_amx.c and int8_gemm_amx.c), on CPUs that have it (Xeon, Sapphire Rapids and later). x is
+  rounded to bf16 as in `int4pack`; the tiles hold the codes themselves (small integers, exact in bf16), so each
+  weight becomes bf16 once per call and then serves 16 rows of x per tile instruction, and the scales are applied
+  in fp32 (int4: per group, as `c_int4` does; int8: per row, once). That is what the forms above lack past a few
+  rows: they dequantize again for every row or every 4 rows.
 On a GPU an int4 layer runs the Triton W4A16 kernel (`kernels.quant_matmul`) on the portable layout.
+
+Measured on a 2-core Intel Xeon with AMX-BF16 (2026-12-02, torch 2.13, 2 threads), the 120 int4 products of the
+layers chained, best of 5 (ms):
+    rows   int4pack   c_int4   dequant_bf16   amx_int4
+      1       4.7       12.9       164            8.8
+     16      23.5       44.8       166           12.3
+    128     161        311         181           42.4
+    512     645       1228         233          143
+and the int8 head (49,152 x 576) at 1 / 16 / 128 rows: `int8pack_bf16` 0.88 / 6.3 / 50.3 ms, `amx_int8` 1.5 / 1.7 /
+7.8 ms. With both, the serving workload (batch 16) ran int4 at 1.72x fp32 on that Xeon (1.12x with torch's
+kernels alone; `benchmarks/RESULTS.md`). At one row the tuner still picks `int4pack`: a call's fixed cost (the
+conversion of every code, the tile set-up) is not repaid by one row.
 
 Measured on the 2-core AMD EPYC (AVX-512, AVX-512 BF16) of this project's CI, torch 2.13, one thread (the
 machine was shared, so these are best-of-5; ratios are what matters), the model's 120 weight products of
@@ -398,11 +416,15 @@ def _c_int4(x, qweight, scales, meta):
 
 
 def _amx_int4(x, qweight, scales, meta):
+    # bf16 activations go in as fp32 (exact) and come out rounded back: the kernel rounds x to bf16 itself
+    x32 = x.float()
     if torch.compiler.is_compiling():
         ops = torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine
-        return ops.int4_gemm_amx(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
-    return cpu_kernels.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n,
-                                 amx=True)
+        y = ops.int4_gemm_amx(x32, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
+    else:
+        y = cpu_kernels.int4_gemm(x32, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n,
+                                  amx=True)
+    return y.to(x.dtype)
 
 
 def _c_int8(x, qweight, scales, meta):
@@ -412,9 +434,12 @@ def _c_int8(x, qweight, scales, meta):
 
 
 def _amx_int8(x, qweight, scales, meta):
+    x32 = x.float()  # as in _amx_int4
     if torch.compiler.is_compiling():
-        return (torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine).int8_gemm_amx(x, qweight, scales)
-    return cpu_kernels.int8_gemm(x, qweight, scales, amx=True)
+        y = (torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine).int8_gemm_amx(x32, qweight, scales)
+    else:
+        y = cpu_kernels.int8_gemm(x32, qweight, scales, amx=True)
+    return y.to(x.dtype)
 
 
 def _register_op(schema: str, impl, fake):
@@ -460,7 +485,7 @@ def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
         if (dtype == torch.float32 and _INT4_OP is not None and cpu_kernels.int4_gemm_supported(
                 meta.out_features, meta.in_features, meta.group_size, meta.layout.block_n, meta.layout.halves)):
             names.append("c_int4")
-        if (dtype == torch.float32 and _INT4_AMX_OP is not None and cpu_kernels.int4_gemm_supported(
+        if (dtype in (torch.float32, torch.bfloat16) and _INT4_AMX_OP is not None and cpu_kernels.int4_gemm_supported(
                 meta.out_features, meta.in_features, meta.group_size, meta.layout.block_n, meta.layout.halves,
                 amx=True)):
             names.append("amx_int4")
@@ -469,7 +494,7 @@ def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
     if (meta.kind == "int8" and dtype == torch.float32 and _INT8_OP is not None
             and cpu_kernels.int8_gemm_supported(meta.out_features, meta.in_features)):
         names.append("c_int8")
-    if (meta.kind == "int8" and dtype == torch.float32 and _INT8_AMX_OP is not None
+    if (meta.kind == "int8" and dtype in (torch.float32, torch.bfloat16) and _INT8_AMX_OP is not None
             and cpu_kernels.int8_gemm_supported(meta.out_features, meta.in_features, amx=True)):
         names.append("amx_int8")
     return names
