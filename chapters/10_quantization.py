@@ -341,14 +341,16 @@ plt.show()
 # same number of threads, one stream:
 
 # %%
-from mini_engine.bench import llama_cpp_available, run_llama_cpp
+from mini_engine.bench import llama_cpp_available, run_llama_cpp_isolated
 
 llama_tok_s = None
-if device == "cpu" and llama_cpp_available():
-    row = run_llama_cpp(single_prompt, NEW)
+row = run_llama_cpp_isolated(single_prompt, NEW) if device == "cpu" and llama_cpp_available() else None
+if row is not None:
     llama_tok_s = 1 / row.tpot[0]
     print(f"{row.system}: {llama_tok_s:.1f} tok/s after the first token; our int4: {measured['int4']['b1']:.1f} "
           f"({measured['int4']['b1'] / llama_tok_s:.2f}x)")
+elif device == "cpu" and llama_cpp_available():
+    print("no llama.cpp row: it crashed on this machine (said above)")
 else:
     print("skipped: llama-cpp-python is not installed (or this is not a CPU run)")
 

@@ -15,7 +15,10 @@ each rung with the quantized model.
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import torch
@@ -195,6 +198,28 @@ def run_llama_cpp(prompt: list[int], new_tokens: int, threads: int | None = None
                [timer.ttft_s], [timer.tpot_s])
 
 
+def in_child_process(fn, *args):
+    """fn(*args) in a fresh (spawned) Python process, its result returned here. A crash in native code there (a
+    segmentation fault in a third-party library) raises RuntimeError here instead of ending this process."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool as e:
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)} crashed its process") from e
+
+
+def run_llama_cpp_isolated(prompt: list[int], new_tokens: int, threads: int | None = None,
+                           print_fn=print) -> Row | None:
+    """`run_llama_cpp` in a child process, with this process's thread count: a llama.cpp build that crashes on
+    this machine costs its row, not the bench (llama-cpp-python 0.3.36 built on a 2-core Xeon with AMX crashed
+    with a segmentation fault on a 40-token prompt, while its own one-token completions ran)."""
+    try:
+        return in_child_process(run_llama_cpp, prompt, new_tokens, threads or torch.get_num_threads())
+    except RuntimeError as e:
+        print_fn(f"llama.cpp: no row ({e}: the installed llama-cpp-python fails on this machine)")
+        return None
+
+
 def format_table(rows: list[Row], baseline: Row | None) -> str:
     head = (f"{'system':<30} {'workload':<18} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
             f"{'TPOT p50':>9} {'TPOT p99':>9} {'peak KV':>9} {'ratio':>7}")
@@ -252,7 +277,7 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
         rows += quant_rows
         if with_llama_cpp and device == "cpu":
             if llama_cpp_available():
-                rows.append(run_llama_cpp(prompt, new_tokens))
+                rows += [r for r in [run_llama_cpp_isolated(prompt, new_tokens, print_fn=print_fn)] if r]
             else:
                 print_fn("llama-cpp-python is not installed: no llama.cpp row (pip install llama-cpp-python builds "
                          "it from source in about five minutes)")
