@@ -17,9 +17,12 @@
    compiler unrolls and vectorises the loops over a head's 64 values. Built with -fopenmp, the sequences are
    shared among the threads of PyTorch's own OpenMP runtime (the loader links the libgomp already loaded).
 
-   paged_decode_f32 makes two passes per sequence, each streaming the blocks once: scores for every position (q . k
-   / sqrt(d)), then softmax, then the weighted sum of the values. A block's rows hold every KV head side by side,
-   so a sequence reads whole rows. Blocks sit anywhere in the pool, where the hardware prefetcher cannot guess the
+   paged_decode_f32 makes two passes per sequence and KV head: scores for every position (q . k / sqrt(d)) of the
+   G query heads that share it, then softmax, then the weighted sum of the values, with those G output rows held
+   in registers. A block's rows hold every KV head side by side; the first head's pass asks for whole rows, so
+   the other heads find them in cache. With AVX-512 the scores of 16 positions are summed together
+   (`scores16`): on a 2-core Xeon (Sapphire Rapids class), 16 sequences of 212 positions, one layer went from
+   0.349 to 0.277 ms with both changes, the int4 model's serving run from 318-324 to 337 tok/s. Blocks sit anywhere in the pool, where the hardware prefetcher cannot guess the
    next one: the loop asks for the next block while it reads the current one (measured on a 2-core AMD EPYC, 16
    sequences of 1,024 positions: 1.60 ms a layer without the prefetch, 0.74 ms with it; the copy and SDPA took
    1.87). */
@@ -45,6 +48,46 @@ _Static_assert(HEAD_DIM % 8 == 0, "the chunk kernel sums 8 output columns at a t
       for (int c = 0; c < ROW; c += 16) __builtin_prefetch((next) + (size_t)(i) * ROW + c); \
   } while (0)
 
+#ifndef SCORES16 /* 16 positions' scores at once, with AVX-512 (tests build it with -DSCORES16=0 too) */
+#if defined(__AVX512F__) && HEAD_DIM % 16 == 0
+#define SCORES16 1
+#else
+#define SCORES16 0
+#endif
+#endif
+
+#if SCORES16
+#include <immintrin.h>
+
+/* q . k for 16 keys (rows ROW floats apart) at once. Each key's products with q are summed down to one vector
+   of 16 partial sums, and the 16 vectors are then reduced together (pairs interleaved, then 128-bit lanes
+   exchanged), 45 instructions for 16 sums where summing each vector across its lanes alone would take about
+   128. Lane t of the result is key t's dot product. */
+static inline __m512 scores16(const float *q, const float *k) {
+  __m512 a[16];
+  for (int t = 0; t < 16; t++) {
+    const float *kt = k + (size_t)t * ROW;
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kt));
+    for (int d = 16; d < HEAD_DIM; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kt + d), acc);
+    a[t] = acc;
+  }
+  __m512 b[8], c[4]; /* in each 128-bit lane: b holds 2 keys' partial sums, c 4 keys' */
+  for (int i = 0; i < 8; i++)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  /* now sum each c over its four 128-bit lanes: lane pairs (0, 1) and (2, 3), then the two halves */
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 /* Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
 int paged_decode_f32(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
                      const int32_t *lens, float *out, int S, int block_size, int W, float scale) {
@@ -67,44 +110,53 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
       const int32_t *table = tables + (size_t)s * W;
       float *o = out + (size_t)s * HQ * HEAD_DIM;
 
-      for (int t0 = 0; t0 < len; t0 += block_size) { /* pass 1: scores */
-        const int b = t0 / block_size, n = len - t0 < block_size ? len - t0 : block_size;
-        const float *kb = kpool + (size_t)table[b] * block;
-        const float *next = t0 + block_size < len ? kpool + (size_t)table[b + 1] * block : NULL;
-        for (int i = 0; i < n; i++) {
-          PREFETCH_ROW(next, i);
-          const float *k = kb + (size_t)i * ROW;
-          for (int j = 0; j < HQ; j++) {
-            const float *qj = qs + j * HEAD_DIM, *kh = k + (j / G) * HEAD_DIM;
-            float dot = 0.f;
+      for (int h = 0; h < HKV; h++) { /* pass 1, per KV head: the scores of its G query heads */
+        for (int t0 = 0; t0 < len; t0 += block_size) {
+          const int b = t0 / block_size, n = len - t0 < block_size ? len - t0 : block_size;
+          const float *kb = kpool + (size_t)table[b] * block + h * HEAD_DIM;
+          const float *next = t0 + block_size < len ? kpool + (size_t)table[b + 1] * block : NULL;
+          if (h == 0)
+            for (int i = 0; i < n; i++) PREFETCH_ROW(next, i); /* whole rows: the other heads read them next */
+          int i = 0;
+#if SCORES16
+          for (; i + 16 <= n; i += 16)
+            for (int g = 0; g < G; g++) {
+              const float *qj = qs + (h * G + g) * HEAD_DIM;
+              _mm512_storeu_ps(scores + (size_t)(h * G + g) * len + t0 + i,
+                               _mm512_mul_ps(scores16(qj, kb + (size_t)i * ROW), _mm512_set1_ps(scale)));
+            }
+#endif
+          for (; i < n; i++)
+            for (int g = 0; g < G; g++) {
+              const float *qj = qs + (h * G + g) * HEAD_DIM, *k = kb + (size_t)i * ROW;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < HEAD_DIM; d++) dot += qj[d] * kh[d];
-            scores[(size_t)j * len + t0 + i] = dot * scale;
-          }
+              for (int d = 0; d < HEAD_DIM; d++) dot += qj[d] * k[d];
+              scores[(size_t)(h * G + g) * len + t0 + i] = dot * scale;
+            }
         }
       }
       float inv[HQ];
-      for (int j = 0; j < HQ; j++) { /* softmax of each head's row */
-        inv[j] = softmax_row(scores + (size_t)j * len, len);
-        for (int d = 0; d < HEAD_DIM; d++) o[j * HEAD_DIM + d] = 0.f;
-      }
-      for (int t0 = 0; t0 < len; t0 += block_size) { /* pass 2: the weighted sum of the values */
-        const int b = t0 / block_size, n = len - t0 < block_size ? len - t0 : block_size;
-        const float *vb = vpool + (size_t)table[b] * block;
-        const float *next = t0 + block_size < len ? vpool + (size_t)table[b + 1] * block : NULL;
-        for (int i = 0; i < n; i++) {
-          PREFETCH_ROW(next, i);
-          const float *v = vb + (size_t)i * ROW;
-          for (int j = 0; j < HQ; j++) {
-            const float p = scores[(size_t)j * len + t0 + i], *vh = v + (j / G) * HEAD_DIM;
-            float *oj = o + j * HEAD_DIM;
+      for (int j = 0; j < HQ; j++) inv[j] = softmax_row(scores + (size_t)j * len, len); /* each head's row */
+      for (int h = 0; h < HKV; h++) { /* pass 2, per KV head: its G heads' output rows stay in registers */
+        float acc[G][HEAD_DIM] = {{0.f}};
+        for (int t0 = 0; t0 < len; t0 += block_size) {
+          const int b = t0 / block_size, n = len - t0 < block_size ? len - t0 : block_size;
+          const float *vb = vpool + (size_t)table[b] * block + h * HEAD_DIM;
+          const float *next = t0 + block_size < len ? vpool + (size_t)table[b + 1] * block : NULL;
+          for (int i = 0; i < n; i++) {
+            if (h == 0) PREFETCH_ROW(next, i);
+            const float *v = vb + (size_t)i * ROW;
+            for (int g = 0; g < G; g++) {
+              const float p = scores[(size_t)(h * G + g) * len + t0 + i];
 #pragma omp simd
-            for (int d = 0; d < HEAD_DIM; d++) oj[d] += p * vh[d];
+              for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * v[d];
+            }
           }
         }
+        for (int g = 0; g < G; g++)
+          for (int d = 0; d < HEAD_DIM; d++) o[(h * G + g) * HEAD_DIM + d] = acc[g][d] * inv[h * G + g];
       }
-      for (int j = 0; j < HQ; j++)
-        for (int d = 0; d < HEAD_DIM; d++) o[j * HEAD_DIM + d] *= inv[j];
     }
     free(scores);
   }

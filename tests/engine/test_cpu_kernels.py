@@ -112,6 +112,20 @@ def test_each_vector_layout_of_the_chunk_kernel_matches_the_reference(layout, mo
                                    msg=lambda m: f"layout {layout}, block_size {block_size}: {m}")
 
 
+@pytest.mark.parametrize("defines", [(("SCORES16", 0),), ()], ids=["one position at a time", "this CPU's build"])
+def test_the_decode_kernel_with_and_without_16_scores_at_once(defines, monkeypatch):
+    """With AVX-512 the decode kernel sums 16 positions' scores together; a CPU without it takes them one at a
+    time. Both are checked here (the second is this CPU's build), on whole and partial blocks of 16 and on
+    blocks of 4, which the 16-wide path never takes."""
+    build_for = cpu_kernels._paged_lib
+    monkeypatch.setattr(cpu_kernels, "_paged_lib", lambda hq, hkv, d: build_for(hq, hkv, d, defines))
+    for block_size in (16, 4):
+        q, k_pool, v_pool, tables, lens = random_case(90 + block_size, [100, 37, 16, 1], block_size=block_size)
+        torch.testing.assert_close(cpu_kernels.paged_decode(q, k_pool, v_pool, tables, lens),
+                                   reference(q, k_pool, v_pool, tables, lens), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"defines {defines}, block_size {block_size}: {m}")
+
+
 def test_the_engines_prefill_chunks_take_either_form_alike(force_forms):
     """One step of two decodes and two prefill chunks (one after 40 cached positions, one fresh) through
     `attention_with_cache`: the chunks read in place by the kernel give the copy + SDPA's result."""
