@@ -335,7 +335,8 @@ def load_torch_ops() -> bool:
     torch.library.register_fake("mini_engine_cpp::int4_gemm_amx")(
         lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
     for name in ("int8_gemm", "int8_gemm_amx"):
-        torch.library.register_fake(f"mini_engine_cpp::{name}")(lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
+        torch.library.register_fake(f"mini_engine_cpp::{name}")(
+            lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("mini_engine_cpp::contiguous_decode")(lambda q, *caches_and_lens: torch.empty_like(q))
     return True
 

@@ -50,8 +50,8 @@ at::Tensor int4_gemm(const at::Tensor &x, const at::Tensor &packed, const at::Te
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const int status = kernel(xc.data_ptr<float>(), static_cast<const uint8_t *>(packed.data_ptr()),
-                                   static_cast<const uint32_t *>(sc.data_ptr()), y.data_ptr<float>(), (int)m, (int)n,
-                                   (int)k, (int)group_size, (int)block_n);
+                            static_cast<const uint32_t *>(sc.data_ptr()), y.data_ptr<float>(), (int)m, (int)n, (int)k,
+                            (int)group_size, (int)block_n);
   TORCH_CHECK(status != -2, "int4_gemm: the kernel could not allocate its scratch buffer");
   TORCH_CHECK(status != -3, "int4_gemm: this CPU or operating system does not allow AMX");
   TORCH_CHECK(status == 0, "int4_gemm does not take block_n=", block_n, ", n=", n, ", k=", k, ", group_size=",
@@ -71,9 +71,8 @@ at::Tensor int8_gemm(const at::Tensor &x, const at::Tensor &q, const at::Tensor 
   const at::Tensor qc = q.contiguous(), sc = scales.contiguous(), xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const int status = kernel(xc.data_ptr<float>(), qc.data_ptr<int8_t>(),
-                                   static_cast<const uint16_t *>(sc.data_ptr()), y.data_ptr<float>(), (int)m, (int)n,
-                                   (int)k);
+  const int status = kernel(xc.data_ptr<float>(), qc.data_ptr<int8_t>(), static_cast<const uint16_t *>(sc.data_ptr()),
+                            y.data_ptr<float>(), (int)m, (int)n, (int)k);
   TORCH_CHECK(status != -2, "int8_gemm: the kernel could not allocate its scratch buffer");
   TORCH_CHECK(status != -3, "int8_gemm: this CPU or operating system does not allow AMX");
   TORCH_CHECK(status == 0, "int8_gemm does not take n=", n, ", k=", k);
