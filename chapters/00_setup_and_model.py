@@ -187,8 +187,10 @@ plt.show()
 #
 # Every weight product `y = x Wᵀ` can be computed in several equal ways: PyTorch's `F.linear`, the
 # transposed product `(W xᵀ)ᵀ`, a single row computed as two copies of itself (a GEMM instead of a GEMV),
-# bf16 weights converted to fp32 first, or oneDNN's GEMM on a copy of the weight packed once into its own
-# blocked layout (what Inductor's weight prepacking does; it costs a second copy of the weight). They give
+# bf16 weights converted to fp32 first, oneDNN's GEMM on a copy of the weight packed once into its own
+# blocked layout (what Inductor's weight prepacking does; it costs a second copy of the weight), or the
+# course's own C kernel (`csrc/f32_gemm.c`) on a copy packed into panels, which streams the weights from
+# memory while it multiplies them by a batch's 4 to 64 rows. They give
 # the same numbers to rounding, but which is fastest depends on the CPU: on an AMD EPYC with AVX2 the
 # two-row trick was 1.3x faster than `F.linear`; on an Intel Xeon with AVX-512 BF16 the same trick was 2.6x
 # *slower*; on an AMD EPYC Zen 5 the packed oneDNN form ran 2-4x faster than `F.linear` from 16 rows up,

@@ -10,6 +10,8 @@ The sources:
 - csrc/int4_gemm.c, `int4_gemm`: an int4 weight-only product with fp32 activations, reading the packed layout
   torch's own int4 kernel keeps (x86 CPUs with AVX2).
 - csrc/int8_gemm.c, `int8_gemm`: the int8 one (per-row scales) with fp32 activations, for the int4 model's head.
+- csrc/f32_gemm.c, `f32_gemm`: the fp32 product on a copy of the weight packed into panels (`f32_pack`), for
+  the few to few hundred rows of a batch's decode step or a short prefill chunk (form "c_f32" of `products`).
 - csrc/int4_gemm_amx.c and int8_gemm_amx.c (`int4_gemm(..., amx=True)`, `int8_gemm(..., amx=True)`): the same two
   products on Intel AMX's tile instructions, bf16 activations; on a CPU without AMX they build as stubs that
   refuse (`has_amx` says which), and csrc/amx.h holds what they share.
@@ -299,6 +301,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 # The kernels built without -D constants: source name -> the argument types of its <name>_f32 (which returns int).
 _ARGTYPES = {"int4_gemm": [_P, _P, _P, _P, _I, _I, _I, _I, _I], "int4_gemm_amx": [_P, _P, _P, _P, _I, _I, _I, _I, _I],
              "int8_gemm": [_P, _P, _P, _P, _I, _I, _I], "int8_gemm_amx": [_P, _P, _P, _P, _I, _I, _I],
+             "f32_gemm": [_P, _P, _P, _I, _I, _I],
              "contiguous_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]}
 
 
@@ -421,4 +424,46 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, amx: bool 
     if status != 0:
         raise ValueError(f"int8_gemm does not take n={n}, k={k} (n must be a multiple of {32 if amx else 4}, "
                          f"k of {32 if amx else 8})")
+    return y
+
+
+@functools.cache
+def f32_panel() -> int | None:
+    """How many weight rows one panel of `f32_pack` holds on this CPU (48 with AVX-512, 16 with AVX2), or None
+    where the kernel is not built."""
+    lib = _lib("f32_gemm")
+    return None if lib is None else lib.f32_gemm_panel()
+
+
+def f32_gemm_supported(n: int) -> bool:
+    """Whether `f32_gemm` takes a weight of n rows here (n a multiple of the panel)."""
+    panel = f32_panel()
+    return panel is not None and n % panel == 0
+
+
+def f32_pack(w: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight W [N, K] packed for `f32_gemm`: [N / P, K, P], panel p holding rows p P .. p P + P - 1
+    column after column (P = `f32_panel()`)."""
+    n, k = w.shape
+    if w.dtype != torch.float32 or w.device.type != "cpu" or not f32_gemm_supported(n):
+        raise ValueError(f"f32_pack needs an fp32 CPU weight whose rows are a multiple of {f32_panel()}, got "
+                         f"{w.dtype} {tuple(w.shape)} on {w.device}")
+    return w.detach().view(n // f32_panel(), f32_panel(), k).transpose(1, 2).contiguous()
+
+
+def f32_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for fp32 x [M, K] and W packed by `f32_pack`; [M, N] fp32."""
+    if packed.dim() != 3:
+        raise ValueError(f"f32_gemm: packed must come from f32_pack ([N / P, K, P]), got {tuple(packed.shape)}")
+    panels, k, panel = packed.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"f32_gemm needs fp32 CPU activations [M, {k}], got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if panel != f32_panel() or packed.dtype != torch.float32 or not packed.is_contiguous():
+        raise ValueError(f"f32_gemm: packed must come from f32_pack (panels of {f32_panel()} rows), got "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], panels * panel, dtype=torch.float32)
+    if x.shape[0] and _lib("f32_gemm").f32_gemm_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0],
+                                                    panels * panel, k) != 0:
+        raise ValueError(f"f32_gemm does not take k={k}, n={panels * panel}")
     return y

@@ -10,6 +10,9 @@ The candidates, all computing the same sums in another order (results agree with
   prepacking Inductor does for CPU inference). It costs a second copy of the weight, so it is used only where
   it wins. On a 2-core AMD EPYC (Zen 5) fp32 products ran 2.2-4x faster this way at every row count from 1 to
   1,056: PyTorch's fp32 F.linear goes to MKL there, and the packed oneDNN kernel used the CPU's AVX-512 better.
+- `c_f32`: the project's C kernel (csrc/f32_gemm.c) on a copy of the weight packed into panels once, for fp32
+  weights whose rows are a multiple of its panel: it streams the weights while it computes, which decides the
+  speed of the 4 to 64 rows of a batch's decode step (a second copy too, used only where it wins).
 Which wins depends on the CPU, the BLAS, the shape and the number of rows: measured, never assumed.
 
 Under torch.compile the forms are traced into the graph, and tuned apart (the key "traced"): the compiler
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
 
 
@@ -60,9 +64,9 @@ def _onednn(x, packed):
 
 FORMS = {"linear": F.linear, "transposed": _transposed, "two_row": _two_row,
          "linear_fp32": _in_fp32(F.linear), "transposed_fp32": _in_fp32(_transposed),
-         "two_row_fp32": _in_fp32(_two_row), "onednn": _onednn}
+         "two_row_fp32": _in_fp32(_two_row), "onednn": _onednn, "c_f32": cpu_kernels.f32_gemm}
 # Forms that run on a prepared copy of the weight, not the weight itself: form -> prepare(weight).
-PACKERS = {"onednn": _onednn_pack}
+PACKERS = {"onednn": _onednn_pack, "c_f32": cpu_kernels.f32_pack}
 
 
 def prepare_weight(form: str, w: torch.Tensor) -> torch.Tensor:
@@ -93,14 +97,18 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def candidate_forms(rows: int, dtype: torch.dtype, packed: bool = True) -> list[str]:
-    """The forms that apply to `rows` rows of `dtype` on this machine, the plain one first; `packed=False`: the
-    forms a torch.compile graph can call, which leaves out the packed forms unless `packed_product` reaches them."""
+def candidate_forms(shape: tuple[int, int], rows: int, dtype: torch.dtype, packed: bool = True) -> list[str]:
+    """The forms that apply to `rows` rows of `dtype` against a weight of `shape` on this machine, the plain one
+    first; `packed=False`: the forms a torch.compile graph can call, which leaves out the packed forms unless
+    `packed_product` reaches them."""
     names = ["linear", "two_row" if rows == 1 else "transposed"]
     if dtype != torch.float32:
         names += [n + "_fp32" for n in names]
-    if (packed or _PACKED_OP is not None) and onednn_packs(dtype):
-        names += list(PACKERS)
+    if packed or _PACKED_OP is not None:
+        if onednn_packs(dtype):
+            names.append("onednn")
+        if dtype == torch.float32 and cpu_kernels.f32_gemm_supported(shape[0]):
+            names.append("c_f32")
     return names
 
 
@@ -115,16 +123,29 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=64 * 2**20)
 
 
+# Timing a product on one weight in a loop would keep it in cache, where a decode or a short prefill chunk streams
+# every weight from memory once: a form that wins in cache can lose on the model (see `timing_copies`).
+TIMING_FLOPS = 8e9
+# ... and of at most 512 MiB of copies: a VM may report its host's whole L3 (480 MiB on a 2-core Xeon), and filling
+# fresh memory took up to 2 s a GiB there, which made the timing of the 113 MB head cost seconds per case.
+TIMING_BYTES = 512 * 2**20
+
+
+def timing_copies(nbytes: int, rows: int, macs: int) -> int:
+    """How many copies of a weight of `nbytes` bytes (`macs` multiply-adds per row of x) to time a form on, so
+    that one timed pass streams them from memory as the model does: together about twice the last-level cache
+    (at most TIMING_BYTES), at most 64, and at most TIMING_FLOPS of work per pass, which only large row counts reach (they are
+    compute-bound, where caching matters little). On a 2-core Xeon with AMX the cap was once 1 GFLOP: at 16 and
+    32 rows it left 8-17 copies of the 7 MB gate/up weight, largely cached, and the tuner kept MKL's plain GEMM,
+    which repacks the weight on every call; over the model's 120 products, streamed, oneDNN's prepacked form was
+    1.5x faster for that shape (12.4 against 18.5 ms at 16 rows)."""
+    copies = -(-min(2 * last_level_cache_bytes(), TIMING_BYTES) // nbytes)
+    return max(1, min(copies, 64, int(TIMING_FLOPS // (2 * rows * macs))))
+
+
 def _timing_inputs(weight: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x of `rows` rows, and copies of the weight that together exceed the last-level cache when the product
-    is memory-bound. A decode step streams every weight from memory once: a single weight timed in a loop
-    would sit in cache and could crown a form that loses on the real model (a cap of 0.2 GFLOP per pass once
-    kept 16-row bf16 timings in cache, and a form that won there by 8% made the chained products 5-12% slower).
-    Copies are capped so that one timed pass stays under about 1 GFLOP: only large row counts reach the cap,
-    and they are compute-bound, where caching matters little."""
-    per_copy = weight.nbytes
-    copies = -(-2 * last_level_cache_bytes() // per_copy)
-    copies = max(1, min(copies, 64, int(1e9 // (2 * rows * weight.numel()))))
+    """x of `rows` rows, and `timing_copies` copies of the weight."""
+    copies = timing_copies(weight.nbytes, rows, weight.numel())
     gen = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
     return x, weight.detach().expand(copies, *weight.shape).clone()
@@ -142,9 +163,9 @@ def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER, packe
     def candidates():
         x, ws = _timing_inputs(weight, bucket)
         forms = {}
-        for name in candidate_forms(bucket, weight.dtype, packed):
+        for name in candidate_forms(tuple(weight.shape), bucket, weight.dtype, packed):
             try:
-                prepared = [prepare_weight(name, w) for w in ws]
+                prepared = _prepared_copies(name, ws)
                 if name in PACKERS:  # a build or CPU that cannot run it says so now, not in the middle of a step
                     FORMS[name](x, prepared[0])
             except RuntimeError:
@@ -152,6 +173,18 @@ def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER, packe
             forms[name] = functools.partial(_walk, FORMS[name], x, prepared)
         return forms
     return tuner.choose("product", key, candidates)
+
+
+def _prepared_copies(name: str, ws: torch.Tensor):
+    """The timing copies `ws` [copies, N, K] as form `name` takes them. A packed copy that is a plain tensor is
+    packed once and copied in one allocation, as the weights were: packing each copy apart took seconds for the
+    head's 9 copies of 113 MB on a 2-core Xeon, where one allocation of them all took 0.2 s."""
+    if name not in PACKERS:
+        return ws
+    first = PACKERS[name](ws[0])
+    if first.layout == torch.strided:
+        return first.expand(len(ws), *first.shape).clone()
+    return [first, *(PACKERS[name](w) for w in ws[1:])]  # oneDNN's opaque tensors are packed one by one
 
 
 def _walk(form, x, weights):
@@ -170,7 +203,7 @@ class Linear(nn.Linear):
         # (rows, dtype) -> form: the tuner's answer, kept here because a decode step makes 121 products and
         # each lookup through the tuner costs microseconds.
         self._forms: dict[tuple[int, torch.dtype], callable] = {}
-        self._packed: tuple | None = None  # (weight version, dtype, packed copy) for a packed form
+        self._packed: dict[str, tuple] = {}  # packed form -> (weight version, dtype, packed copy)
 
     def forward(self, x):
         w = self.weight
@@ -196,11 +229,11 @@ class Linear(nn.Linear):
     def __getstate__(self):
         # A copy (copy.deepcopy, pickle) decides its forms anew: the cached forms of a packed weight are bound
         # to this layer, and a oneDNN packed tensor cannot be copied.
-        return {**self.__dict__, "_forms": {}, "_packed": None}
+        return {**self.__dict__, "_forms": {}, "_packed": {}}
 
     def _apply(self, fn, *args, **kwargs):
         self._forms.clear()  # moved to another device or dtype: the forms are decided anew
-        self._packed = None
+        self._packed.clear()
         return super()._apply(fn, *args, **kwargs)
 
     def packed_product(self, x, name: str):
@@ -221,14 +254,16 @@ class Linear(nn.Linear):
         return form
 
     def _packed_form(self, name: str):
-        """FORMS[name] on this layer's packed copy of the weight, packed once and again only if the weight is
-        changed in place (its version counter moves) or its dtype changes."""
+        """FORMS[name] on this layer's packed copy of the weight for that form, packed once and again only if the
+        weight is changed in place (its version counter moves) or its dtype changes. A layer whose row counts
+        chose two packed forms keeps a copy for each."""
         run, pack = FORMS[name], PACKERS[name]
 
         def form(x, w):
-            if self._packed is None or self._packed[:2] != (w._version, w.dtype):
-                self._packed = (w._version, w.dtype, pack(w.detach()))
-            return run(x, self._packed[2])
+            kept = self._packed.get(name)
+            if kept is None or kept[:2] != (w._version, w.dtype):
+                kept = self._packed[name] = (w._version, w.dtype, pack(w.detach()))
+            return run(x, kept[2])
         return form
 
 

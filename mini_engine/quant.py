@@ -501,12 +501,11 @@ def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
 
 
 def _timing_states(layer: "QuantLinear", rows: int, dtype: torch.dtype):
-    """x of `rows` rows and copies of the layer's tensors that together exceed the last-level cache (as
-    `products._timing_inputs` does: a decode step streams each weight from memory once)."""
-    from .products import last_level_cache_bytes
-    nbytes = layer.qweight.nbytes + layer.scales.nbytes
-    copies = max(1, min(-(-2 * last_level_cache_bytes() // nbytes), 64,
-                        int(1e9 // (2 * rows * layer.in_features * layer.out_features))))
+    """x of `rows` rows and `products.timing_copies` copies of the layer's tensors (a decode step streams each
+    weight from memory once)."""
+    from .products import timing_copies
+    copies = timing_copies(layer.qweight.nbytes + layer.scales.nbytes, rows,
+                           layer.in_features * layer.out_features)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, layer.in_features, generator=gen).to(dtype)
     return x, [(layer.qweight.clone(), layer.scales.clone()) for _ in range(copies)]

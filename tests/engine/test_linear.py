@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mini_engine.attention import attention_in_fp32, run_attention
 from mini_engine.autotune import Autotuner, forced_from_env, row_bucket
-from mini_engine.products import FORMS, Linear, candidate_forms, choose_form, prepare_weight
+from mini_engine.products import FORMS, PACKERS, Linear, candidate_forms, choose_form, prepare_weight
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
@@ -20,7 +20,7 @@ def test_every_candidate_form_equals_f_linear(rows, dtype, tol):
     layer = Linear(576, 480).to(dtype)
     x = torch.randn(rows, 576, dtype=dtype)
     expected = F.linear(x.float(), layer.weight.float())
-    forms = candidate_forms(row_bucket(rows), dtype)
+    forms = candidate_forms((480, 576), row_bucket(rows), dtype)
     assert forms[0] == "linear", "the plain form is the first candidate: the one kept on a tie"
     for name in forms:
         got = FORMS[name](x, prepare_weight(name, layer.weight))
@@ -36,7 +36,8 @@ def test_linear_computes_each_forced_form_correctly(form, dtype):
     tuner = Autotuner(forced={"product": form})
     layer = Linear(64, 48, tuner=tuner).to(dtype)
     x = torch.randn(rows, 64, dtype=dtype)
-    if form not in candidate_forms(rows, dtype):  # this CPU cannot run it (oneDNN's bf16 packing without AVX-512)
+    # this CPU cannot run it (oneDNN's bf16 packing without AVX-512; the C kernel is fp32 and needs AVX2)
+    if form not in candidate_forms((48, 64), rows, dtype):
         with pytest.raises(ValueError, match=f"forced form '{form}'"):
             layer(x)
         return
@@ -46,10 +47,14 @@ def test_linear_computes_each_forced_form_correctly(form, dtype):
     torch.testing.assert_close(got.float(), F.linear(x.float(), layer.weight.float()), rtol=1e-2, atol=1e-2)
 
 
-def test_a_packed_form_follows_in_place_changes_of_the_weight():
-    """The oneDNN form runs on a packed copy of the weight: a weight changed in place (as loading a checkpoint
+PACKED = [f for f in PACKERS if f in candidate_forms((48, 64), 3, torch.float32)]
+
+
+@pytest.mark.parametrize("form", PACKED)
+def test_a_packed_form_follows_in_place_changes_of_the_weight(form):
+    """A packed form runs on a packed copy of the weight: a weight changed in place (as loading a checkpoint
     into a model does) must be packed again, never leave the old copy in use."""
-    layer = Linear(64, 48, tuner=Autotuner(forced={"product": "onednn"}))
+    layer = Linear(64, 48, tuner=Autotuner(forced={"product": form}))
     x = torch.randn(3, 64)
     layer(x)
     with torch.no_grad():
@@ -57,9 +62,10 @@ def test_a_packed_form_follows_in_place_changes_of_the_weight():
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
-def test_a_copied_layer_uses_its_own_weight():
+@pytest.mark.parametrize("form", PACKED)
+def test_a_copied_layer_uses_its_own_weight(form):
     import copy
-    layer = Linear(64, 48, tuner=Autotuner(forced={"product": "onednn"}))
+    layer = Linear(64, 48, tuner=Autotuner(forced={"product": form}))
     x = torch.randn(3, 64)
     layer(x)  # packs the weight
     twin = copy.deepcopy(layer)
@@ -97,26 +103,56 @@ def test_compiled_products_reach_a_packed_form_only_through_the_custom_operator(
         choose_form(torch.randn(48, 64), 3, Autotuner(forced={"product": "onednn"}), packed=False)
 
 
-def test_a_compiled_packed_product_runs_the_layers_own_packed_copy():
+@pytest.mark.parametrize("form", PACKED)
+def test_a_compiled_packed_product_runs_the_layers_own_packed_copy(form):
     """Inside a graph the packed form is the operator `packed_product`: F.linear's result, computed on the packed
     copy the layer keeps for its eager calls (no second copy), and re-packed after an in-place change."""
     import mini_engine.products as products
 
-    if not (products.onednn_available() and products._PACKED_OP is not None):
-        pytest.skip("no oneDNN packing in this build")
-    layer = Linear(64, 48, tuner=Autotuner(forced={"product": "onednn"}))
+    if products._PACKED_OP is None:
+        pytest.skip("this torch cannot register the packed_product operator")
+    layer = Linear(64, 48, tuner=Autotuner(forced={"product": form}))
     x = torch.randn(3, 64)
     with torch.inference_mode():
         eager = layer(x)
-        packed = layer._packed[2]
+        packed = layer._packed[form][2]
         compiled = torch.compile(lambda x: layer(x) * 2, fullgraph=True)
         torch.testing.assert_close(compiled(x), 2 * F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
-    assert layer._packed[2] is packed, "the graph must run the layer's packed copy, not pack another"
+    assert layer._packed[form][2] is packed, "the graph must run the layer's packed copy, not pack another"
     torch.testing.assert_close(eager, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         layer.weight.mul_(3.0)
     with torch.inference_mode():
         torch.testing.assert_close(compiled(x), 2 * F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_with_two_packed_forms_keeps_a_copy_for_each():
+    """Row counts may choose different packed forms (oneDNN's for a long prefill chunk, the C kernel's for a decode
+    batch): each keeps its own copy, packed once, rather than one repacking over the other on every call."""
+    if len(PACKED) < 2:
+        pytest.skip(f"only {PACKED} can run here")
+    layer = Linear(64, 48, tuner=Autotuner())
+    layer._forms.update({(rows, torch.float32): layer._packed_form(form) for rows, form in zip((3, 200), PACKED)})
+    xs = {rows: torch.randn(rows, 64) for rows in (3, 200)}
+    for rows, x in [*xs.items(), *xs.items()]:
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    copies = {form: kept[2] for form, kept in layer._packed.items()}
+    assert set(copies) == set(PACKED[:2])
+    layer(xs[3])
+    assert all(layer._packed[f][2] is c for f, c in copies.items()), "a packed copy was made again without cause"
+
+
+def test_timing_streams_the_weights_from_memory_below_the_flop_cap():
+    """A form is timed on copies of the weight that together exceed the last-level cache (as a decode step
+    streams every weight once) unless the pass would pass TIMING_FLOPS; at most 64."""
+    from mini_engine.products import TIMING_BYTES, TIMING_FLOPS, last_level_cache_bytes, timing_copies
+    nbytes, macs = 576 * 3072 * 4, 576 * 3072
+    for rows in (1, 16, 32, 64, 512):
+        copies = timing_copies(nbytes, rows, macs)
+        assert 1 <= copies <= 64
+        assert copies * nbytes >= min(2 * last_level_cache_bytes(), TIMING_BYTES) or copies == 64 or \
+            (copies + 1) * 2 * rows * macs > TIMING_FLOPS, f"{rows} rows: {copies} copies would sit in cache"
+        assert (copies - 1) * nbytes < TIMING_BYTES, "no more copies than the byte budget needs"
 
 
 def test_a_forced_form_that_does_not_apply_is_refused():
