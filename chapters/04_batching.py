@@ -416,7 +416,15 @@ plt.show()
 # faster depends on the CPU, its instruction set and the library version: a form that won by 1.4x on one
 # course machine lost by 2.6x on another. So the engine's `Linear` (in `products.py`) times the candidate
 # forms on *your* machine the first time it meets a weight shape with a new number of rows, and keeps the
-# fastest (`autotune.py`; F.linear unless another form wins by 3%). Below: the candidates as timed here for
+# fastest (`autotune.py`; F.linear unless another form wins by 3%). Two candidates multiply a copy of the
+# weight packed once into another layout: oneDNN's, and the course's own C kernel (`csrc/f32_gemm.c`), which
+# lays the weight out in panels of 16 or 48 rows, column after column, streams each panel from memory once
+# while it multiplies it by all the rows of x, and asks for the next panel before it needs it. At 16 rows a
+# product is neither memory-bound nor compute-bound alone, so overlapping the two decides its speed: on a
+# 2-core Xeon the model's products at 16 rows ran 1.4x faster that way than with F.linear. The tuner times each
+# form on enough copies of the weight to stream them from memory, as a decode step does: timed on a weight
+# that sits in cache, F.linear looked as fast, because it repacks the weight on every call and that costs
+# little in cache. Below: the candidates as timed here for
 # 1, 4 and 16 rows, then the model's weight products alone, chained (`hardware.matmul_floor_tok_s`), with
 # the chosen forms and with plain F.linear. That is the ceiling on decode throughput at each batch size.
 # Only the order of the sums changes, so results agree to float rounding (`tests/engine/test_linear.py`).
