@@ -134,11 +134,13 @@ TIMING_BYTES = 512 * 2**20
 def timing_copies(nbytes: int, rows: int, macs: int) -> int:
     """How many copies of a weight of `nbytes` bytes (`macs` multiply-adds per row of x) to time a form on, so
     that one timed pass streams them from memory as the model does: together about twice the last-level cache
-    (at most TIMING_BYTES), at most 64, and at most TIMING_FLOPS of work per pass, which only large row counts reach (they are
-    compute-bound, where caching matters little). On a 2-core Xeon with AMX the cap was once 1 GFLOP: at 16 and
-    32 rows it left 8-17 copies of the 7 MB gate/up weight, largely cached, and the tuner kept MKL's plain GEMM,
-    which repacks the weight on every call; over the model's 120 products, streamed, oneDNN's prepacked form was
-    1.5x faster for that shape (12.4 against 18.5 ms at 16 rows)."""
+    (at most TIMING_BYTES), at most 64, and at most TIMING_FLOPS of work per pass, which only large row counts
+    reach (they are compute-bound, where caching matters little). Caps that kept the copies in cache chose forms
+    that lost on the model twice: 0.2 GFLOP a pass crowned a bf16 form that made the chained products 5-12%
+    slower, and on a 2-core Xeon with AMX 1 GFLOP left 8-17 copies of the 7 MB gate/up weight at 16 and 32 rows,
+    where MKL's plain GEMM (which repacks the weight on every call, cheap in cache) kept its place; over the
+    model's 120 products, streamed, oneDNN's prepacked form was 1.5x faster for that shape (12.4 against 18.5 ms
+    at 16 rows)."""
     copies = -(-min(2 * last_level_cache_bytes(), TIMING_BYTES) // nbytes)
     return max(1, min(copies, 64, int(TIMING_FLOPS // (2 * rows * macs))))
 
