@@ -337,8 +337,9 @@ plt.show()
 
 # %% [markdown]
 # llama.cpp runs the same GGUF file with its own Q4_1 kernels; where `llama-cpp-python` is installed (it is
-# optional: `pip install llama-cpp-python` builds it from source in a few minutes), the same prompt and the
-# same number of threads, one stream:
+# optional: `pip install llama-cpp-python` builds it from source in a few minutes; on a CPU with Intel AMX, build
+# it with its AMX code off, which crashed on one, as the README says), the same prompt and the same number of
+# threads, one stream:
 
 # %%
 from mini_engine.bench import llama_cpp_available, run_llama_cpp_isolated

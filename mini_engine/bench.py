@@ -212,7 +212,8 @@ def run_llama_cpp_isolated(prompt: list[int], new_tokens: int, threads: int | No
                            print_fn=print) -> Row | None:
     """`run_llama_cpp` in a child process, with this process's thread count: a llama.cpp build that crashes on
     this machine costs its row, not the bench (llama-cpp-python 0.3.36 built on a 2-core Xeon with AMX crashed
-    with a segmentation fault on a 40-token prompt, while its own one-token completions ran)."""
+    with a segmentation fault in `ggml_backend_amx_mul_mat` on a 40-token prompt, while its own one-token
+    completions ran; built with GGML_NATIVE=OFF and AMX left out, it ran)."""
     try:
         return in_child_process(run_llama_cpp, prompt, new_tokens, threads or torch.get_num_threads())
     except RuntimeError as e:
