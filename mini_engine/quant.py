@@ -40,7 +40,7 @@ ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack"
   kernel);
 - `c_int4`: this project's C kernel (`cpu_kernels.int4_gemm`, csrc/int4_gemm.c) on the same packed codes, with
   fp32 activations (exact products of the int4 weights, where `int4pack` rounds x to bf16), on x86 CPUs with
-  AVX2. Per group of 32 columns it sums q x over the codes converted to floats, then applies the scale and
+  AVX2 (16 lanes wide where the CPU has AVX-512). Per group of 32 columns it sums q x over the codes converted to floats, then applies the scale and
   zero once: y += s * sum(q x) + (z - 8 s) * sum(x). A graph reaches it through the C++ operator
   `mini_engine_cpp::int4_gemm` (csrc/torch_ops.cpp), or `mini_engine::int4_gemm` where that cannot be built.
 - `c_int8`: the same for int8 weights (`cpu_kernels.int8_gemm`, csrc/int8_gemm.c), fp32 activations, each row's
@@ -63,8 +63,10 @@ layers chained, best of 5 (ms):
     512     645       1228         233          143
 and the int8 head (49,152 x 576) at 1 / 16 / 128 rows: `int8pack_bf16` 0.88 / 6.3 / 50.3 ms, `amx_int8` 1.5 / 1.7 /
 7.8 ms. With both, the serving workload (batch 16) ran int4 at 1.72x fp32 on that Xeon (1.12x with torch's
-kernels alone; `benchmarks/RESULTS.md`). At one row the tuner still picks `int4pack`: a call's fixed cost (the
-conversion of every code, the tile set-up) is not repaid by one row.
+kernels alone; `benchmarks/RESULTS.md`). The `c_int4` column above is its 8-lane kernel: its AVX-512 path,
+added later, ran the 120 products at one row in 3.6-3.8 ms warm (5.6-5.9 ms with the caches flushed, against
+6.4-7.2 for `int4pack`), and the tuner now picks it at one row for most shapes there. The AMX forms are not
+picked at one row: a call's fixed cost (the conversion of every code, the tile set-up) is not repaid by one row.
 
 Measured on the 2-core AMD EPYC (AVX-512, AVX-512 BF16) of this project's CI, torch 2.13, one thread (the
 machine was shared, so these are best-of-5; ratios are what matters), the model's 120 weight products of
