@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     common.add_argument("--model", default="smollm2-135m", help="embedded name, .gguf file or HF folder")
     common.add_argument("--device", default=default_device())
     common.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    common.add_argument("--quantization", default=None, choices=["int4", "int8"],
+    common.add_argument("--quantization", default=None, choices=["int4", "int4_compact", "int8"],
                         help="weight-only quantized products (int4: the GGUF's Q4_1 blocks repacked; chapter 10); "
                              "bench: the quantized rows beside the float ones")
     sub.add_parser("demo", parents=[common], help="load the embedded model and chat, naive vs cached")

@@ -299,7 +299,8 @@ def paged_chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blo
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 # The kernels built without -D constants: source name -> the argument types of its <name>_f32 (which returns int).
-_ARGTYPES = {"int4_gemm": [_P, _P, _P, _P, _I, _I, _I, _I, _I], "int4_gemm_amx": [_P, _P, _P, _P, _I, _I, _I, _I, _I],
+_ARGTYPES = {"int4_gemm": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
+             "int4_gemm_amx": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
              "int8_gemm": [_P, _P, _P, _P, _I, _I, _I], "int8_gemm_amx": [_P, _P, _P, _P, _I, _I, _I],
              "f32_gemm": [_P, _P, _P, _I, _I, _I],
              "contiguous_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]}
@@ -364,22 +365,26 @@ def int4_gemm_supported(n: int, k: int, group_size: int, block_n: int, halves: b
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, group_size: int,
               block_n: int, amx: bool = False) -> torch.Tensor:
     """y = x W^T for fp32 x [M, K] and an int4 weight W [n, K] kept as torch's packed CPU kernel keeps it:
-    `packed`, its codes in blocks of `block_n` rows ("halves" layout), and `scales`, [K / group_size, n, 2]
-    bf16 scales and zeros (w = (q - 8) * scale + zero). Returns [M, n] fp32. `amx`: the AMX kernel
-    (csrc/int4_gemm_amx.c), which rounds x to bf16 first. Check `int4_gemm_supported` first."""
+    `packed`, its codes in blocks of `block_n` rows ("halves" layout), and `scales`: either [K / group_size, n, 2]
+    bf16 scales and zeros (w = (q - 8) * scale + zero), or the compact int16 form of `quant.compact_scales`
+    (8-bit codes of Q4_1's d and m and each row's two factors, w = d * q + m). Returns [M, n] fp32. `amx`: the
+    AMX kernel (csrc/int4_gemm_amx.c), which rounds x to bf16 first. Check `int4_gemm_supported` first."""
     m, k = x.shape
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"int4_gemm needs fp32 CPU activations, got {x.dtype} on {x.device}")
-    if packed.numel() != n * k // 2 or scales.shape != (k // group_size, n, 2) or scales.dtype != torch.bfloat16:
+    compact = scales.dtype == torch.int16
+    want = (k // group_size * n + 4 * n,) if compact else (k // group_size, n, 2)
+    if packed.numel() != n * k // 2 or tuple(scales.shape) != want or scales.dtype not in (torch.bfloat16, torch.int16):
         raise ValueError(f"int4_gemm: packed must hold {n} x {k} codes ({n * k // 2} bytes, got {packed.numel()}) "
-                         f"and scales be bf16 [{k // group_size}, {n}, 2], got {scales.dtype} {tuple(scales.shape)}")
+                         f"and scales be bf16 [{k // group_size}, {n}, 2] or compact int16 [{want[0]}], got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
     name = "int4_gemm_amx" if amx else "int4_gemm"
     status = getattr(_lib(name), f"{name}_f32")(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(),
-                                                 y.data_ptr(), m, n, k, group_size, block_n)
+                                                 y.data_ptr(), m, n, k, group_size, block_n, int(compact))
     if status == -2:
         raise MemoryError("int4_gemm: the kernel could not allocate its scratch buffer")
     if status == -3:

@@ -21,7 +21,7 @@ PAGED_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")
-QUANTIZATIONS = ("int4", "int8")  # weight-only (quant.py); None: float weights
+QUANTIZATIONS = ("int4", "int4_compact", "int8")  # weight-only (quant.py); None: float weights
 
 
 @dataclass(frozen=True)

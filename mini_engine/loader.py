@@ -57,8 +57,9 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
     """`name_or_path`: an embedded model name, a .gguf file, or an HF checkpoint folder.
     `attention_backend`: "auto" (triton on CUDA, torch on CPU), "torch", "triton" or "naive".
     `quantization`: None (float weights in `dtype`), "int4" (groups of `group_size`; a GGUF's Q4_1 blocks are
-    repacked as they are) or "int8" (per channel); `dtype` is then the activations' dtype. `head`: how the LM
-    head and tied embedding are stored under quantization ("int8", "int4" or "float"; None: the measured
+    repacked as they are), "int4_compact" (the same codes with 8-bit scales and a split head: the fewest bytes,
+    chapter 10) or "int8" (per channel); `dtype` is then the activations' dtype. `head`: how the LM head and
+    tied embedding are stored under quantization ("int8", "int4", "split" or "float"; None: the measured
     default, `quant.default_head`)."""
     from .quant import check_quantization, quantize_model
     check_quantization(quantization)
@@ -71,7 +72,7 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
     if path.is_dir():
         config, weights, tokenizer = _read_hf_folder(path)
     elif path.suffix == ".gguf":
-        config, weights, tokenizer, q4_1 = _read_gguf(path, keep_q4_1=quantization == "int4" and group_size == 32)
+        config, weights, tokenizer, q4_1 = _read_gguf(path, keep_q4_1=quantization in ("int4", "int4_compact") and group_size == 32)
     else:
         raise ValueError(f"name_or_path {str(path)!r} is neither a .gguf file nor an HF checkpoint folder")
     model = LlamaModel.empty(config, attention_backend=backend)  # no random initialisation: all is loaded

@@ -113,7 +113,8 @@ from torch import nn
 from . import cpu_kernels
 from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
 
-QUANTIZATIONS = ("int4", "int8")
+from .engine_config import QUANTIZATIONS  # noqa: E402  ("int4", "int4_compact", "int8")
+
 GROUP_SIZE = 32
 # The group sizes torch's CPU int4 kernel takes; its packing also wants out_features divisible by 16.
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
@@ -230,6 +231,54 @@ def from_scales_and_zeros(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor,
     """The inverse of `to_scales_and_zeros`: ([N, G] scales, [N, G] zeros)."""
     sz = scales_and_zeros.transpose(0, 1)
     return sz[..., 0], sz[..., 1]
+
+
+# ---------------------------------------------------------------- compact scales ("int4_compact")
+
+
+def compact_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1's d [N, G] (>= 0) and m [N, G] (w = d * q + m) in 16 bits a group instead of 32: each row gets two
+    fp32 factors, fd = max(d) / 255 and fm = max|m| / 127, and each group an unsigned 8-bit code of d and a
+    signed one of m (d ~ dc * fd, m ~ mc * fm). Returned as one int16 tensor [G * N + 4 * N], the layout the C
+    kernels read: the codes [G, N] (low byte dc, high byte mc), then the factors [2, N] as fp32 bits."""
+    if bool((d < 0).any()):
+        raise ValueError("d must be >= 0 for compact scales (Q4_1's d = (max - min) / 15 always is)")
+    d, m = d.float(), m.float()
+    fd = (d.amax(dim=1) / 255).clamp_min(_TINY)
+    fm = (m.abs().amax(dim=1) / 127).clamp_min(_TINY)
+    dc = torch.round(d / fd[:, None]).clamp(0, 255).to(torch.int32)
+    mc = torch.round(m / fm[:, None]).clamp(-127, 127).to(torch.int32)
+    codes = (dc + 256 * mc).to(torch.int16).t().reshape(-1)
+    return torch.cat([codes, torch.stack([fd, fm]).contiguous().view(torch.int16).reshape(-1)])
+
+
+def expand_compact_scales(scales: torch.Tensor, n: int, groups: int, dtype: torch.dtype = torch.float32,
+                          ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `compact_scales`, to its rounding: (d [N, G], m [N, G]) in `dtype`; of rows `ids` only
+    when given."""
+    codes = scales[:groups * n].view(groups, n).t()
+    factors = scales[groups * n:].contiguous().view(torch.float32).view(2, n).t()
+    if ids is not None:
+        codes, factors = codes[ids], factors[ids]
+    codes = codes.to(torch.int32)
+    dc = codes & 255
+    mc = (codes - dc) // 256
+    return (dc.float() * factors[:, :1]).to(dtype), (mc.float() * factors[:, 1:]).to(dtype)
+
+
+def quantize_int4_compact(weight: torch.Tensor, group_size: int = GROUP_SIZE
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest int4 per group with compact scales: (codes uint8 [N, K], `compact_scales`), the codes
+    rounded against the stored (8-bit) d and m, w ~ d * q + m."""
+    _check_matrix(weight, "weight")
+    n, k = weight.shape
+    check_group_size(k, group_size)
+    groups = weight.float().view(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = compact_scales((hi - lo) / 15, lo)
+    d, m = expand_compact_scales(scales, n, k // group_size)
+    q = torch.round((groups - m[..., None]) / d.clamp_min(_TINY)[..., None]).clamp(0, 15)
+    return q.to(torch.uint8).view(n, k), scales
 
 
 # ---------------------------------------------------------------- GGUF blocks
@@ -367,20 +416,24 @@ class QuantMeta:
     in_features: int
     group_size: int = 0                  # int4
     layout: CPUInt4Layout | None = None  # int4: torch's CPU layout; None: the portable `pack_int4` layout
+    compact: bool = False                # int4: `compact_scales` (8-bit d and m), not bf16 scales and zeros
 
 
 def dequantize_state(qweight: torch.Tensor, scales: torch.Tensor, meta: QuantMeta,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A quantized layer's weight [N, K] in `dtype` from its stored tensors (`scales`: the [N] int8 scales, or
-    the [G, N, 2] int4 scales and zeros)."""
+    """A quantized layer's weight [N, K] in `dtype` from its stored tensors (`scales`: the [N] int8 scales, the
+    [G, N, 2] int4 scales and zeros, or the int4 `compact_scales`)."""
     if meta.kind == "int8":
         return (qweight.to(dtype) * scales.to(dtype)[:, None]) if dtype != torch.float32 \
             else dequantize_int8(qweight, scales)
     n, k = meta.out_features, meta.in_features
     codes = meta.layout.unpack(qweight, n, k) if meta.layout is not None else unpack_int4(qweight)
+    groups = codes.view(n, k // meta.group_size, meta.group_size).to(dtype)
+    if meta.compact:
+        d, m = (t.contiguous()[..., None] for t in expand_compact_scales(scales, n, k // meta.group_size, dtype))
+        return torch.addcmul(m, groups, d).view(n, k)
     s, z = (t.to(dtype).contiguous()[..., None] for t in from_scales_and_zeros(scales))
-    groups = codes.view(n, k // meta.group_size, meta.group_size).to(dtype) - 8
-    return torch.addcmul(z, groups, s).view(n, k)
+    return torch.addcmul(z, groups - 8, s).view(n, k)
 
 
 def _dequant(x, qweight, scales, meta):
@@ -483,7 +536,8 @@ def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
     if dtype != torch.bfloat16:
         names.append("dequant_bf16")
     if meta.kind == "int4" and meta.layout is not None:
-        names.append("int4pack")
+        if not meta.compact:  # torch's kernel takes bf16 scales and zeros only
+            names.append("int4pack")
         if (dtype == torch.float32 and _INT4_OP is not None and cpu_kernels.int4_gemm_supported(
                 meta.out_features, meta.in_features, meta.group_size, meta.layout.block_n, meta.layout.halves)):
             names.append("c_int4")
@@ -648,7 +702,7 @@ class Int4Linear(QuantLinear):
     kind = "int4"
 
     def __init__(self, in_features: int, out_features: int, group_size: int = GROUP_SIZE,
-                 tuner: Autotuner = TUNER):
+                 tuner: Autotuner = TUNER, compact: bool = False):
         super().__init__(in_features, out_features, tuner)
         check_group_size(in_features, group_size)
         if group_size not in KERNEL_GROUP_SIZES:
@@ -656,11 +710,16 @@ class Int4Linear(QuantLinear):
                              f"got {group_size}")
         if out_features % 16:
             raise ValueError(f"out_features ({out_features}) must be a multiple of 16 for the packed int4 layout")
-        self.group_size = group_size
+        self.group_size, self.compact = group_size, compact
         self.layout: CPUInt4Layout | None = None  # None: the portable layout
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scale_bits", torch.zeros(in_features // group_size, out_features, 2,
-                                                       dtype=torch.int16))
+        groups = in_features // group_size
+        self.register_buffer("scale_bits", torch.zeros(groups * out_features + 4 * out_features, dtype=torch.int16)
+                             if compact else torch.zeros(groups, out_features, 2, dtype=torch.int16))
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.scale_bits if self.compact else self.scale_bits.view(SCALE_DTYPE)
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = GROUP_SIZE,
@@ -668,24 +727,48 @@ class Int4Linear(QuantLinear):
         """From codes [N, K] in [0, 15] and [N, K / group_size] scales and zeros (rounded to bf16 here)."""
         layer = cls(q.shape[1], q.shape[0], group_size, tuner)
         sz = to_scales_and_zeros(scales.to(SCALE_DTYPE), zeros.to(SCALE_DTYPE))
-        layer.scale_bits = sz.view(torch.int16).to(q.device)
-        layer.qweight = pack_int4(q)
-        if q.device.type == "cpu":
-            layer._to_cpu_layout()
-        return layer
+        return layer._set_codes(q, sz.view(torch.int16))
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, group_size: int = GROUP_SIZE, tuner: Autotuner = TUNER
-                   ) -> "Int4Linear":
+    def from_compact(cls, q: torch.Tensor, scales: torch.Tensor, group_size: int = GROUP_SIZE,
+                     tuner: Autotuner = TUNER) -> "Int4Linear":
+        """From codes [N, K] in [0, 15] and `compact_scales` (w = d * q + m, 8-bit d and m)."""
+        layer = cls(q.shape[1], q.shape[0], group_size, tuner, compact=True)
+        if scales.shape != layer.scale_bits.shape or scales.dtype != torch.int16:
+            raise ValueError(f"scales must be compact_scales' int16 {tuple(layer.scale_bits.shape)}, got "
+                             f"{scales.dtype} {tuple(scales.shape)}")
+        return layer._set_codes(q, scales)
+
+    def _set_codes(self, q: torch.Tensor, scale_bits: torch.Tensor) -> "Int4Linear":
+        self.scale_bits = scale_bits.contiguous().to(q.device)
+        self.qweight = pack_int4(q)
+        if q.device.type == "cpu":
+            self._to_cpu_layout()
+        return self
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = GROUP_SIZE, tuner: Autotuner = TUNER,
+                   compact: bool = False) -> "Int4Linear":
+        if compact:
+            return cls.from_compact(*quantize_int4_compact(weight, group_size), group_size=group_size, tuner=tuner)
         return cls.from_codes(*quantize_int4(weight, group_size), group_size=group_size, tuner=tuner)
 
     @property
     def meta(self) -> QuantMeta:
-        return QuantMeta("int4", self.out_features, self.in_features, self.group_size, self.layout)
+        return QuantMeta("int4", self.out_features, self.in_features, self.group_size, self.layout, self.compact)
 
     def extra_repr(self) -> str:
         where = "torch CPU packed layout" if self.layout else "portable layout"
-        return super().extra_repr() + f", group_size={self.group_size}, {where}"
+        scales = "8-bit d and m" if self.compact else "bf16 scales and zeros"
+        return super().extra_repr() + f", group_size={self.group_size}, {scales}, {where}"
+
+    def d_and_m(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's Q4_1 scale d and minimum m [N, K / group_size] in fp32 (w = d * q + m), whatever the
+        scales' form."""
+        if self.compact:
+            return expand_compact_scales(self.scales, self.out_features, self.in_features // self.group_size)
+        s, z = (t.float() for t in from_scales_and_zeros(self.scales))
+        return s, z - 8 * s
 
     def codes(self) -> torch.Tensor:
         """The codes [N, K] uint8 in [0, 15], whatever the layout."""
@@ -698,9 +781,13 @@ class Int4Linear(QuantLinear):
             codes = unpack_int4(self.qweight[ids])
         else:
             codes = self.layout.rows(self.qweight, self.out_features, self.in_features, ids)
+        groups = codes.view(len(ids), -1, self.group_size).to(dtype)
+        if self.compact:
+            d, m = (t.contiguous()[..., None] for t in expand_compact_scales(
+                self.scales, self.out_features, self.in_features // self.group_size, dtype, ids))
+            return torch.addcmul(m, groups, d).view(len(ids), -1)
         s, z = (t[ids].to(dtype).contiguous()[..., None] for t in from_scales_and_zeros(self.scales))
-        groups = codes.view(len(ids), -1, self.group_size).to(dtype) - 8
-        return torch.addcmul(z, groups, s).view(len(ids), -1)
+        return torch.addcmul(z, groups - 8, s).view(len(ids), -1)
 
     def _to_cpu_layout(self) -> None:
         layout = cpu_int4_layout()
@@ -719,8 +806,50 @@ class Int4Linear(QuantLinear):
     def _device_forward(self, x):
         if x.device.type == "cuda":
             from .kernels.quant_matmul import w4a16_matmul
-            return w4a16_matmul(x, self.qweight, self.scales, self.group_size)
+            scales = self.scales
+            if self.compact:  # the Triton kernel reads bf16 scales and zeros: made from d and m for the call
+                d, m = self.d_and_m()
+                scales = to_scales_and_zeros(d.to(SCALE_DTYPE), (m + 8 * d).to(SCALE_DTYPE))
+            return w4a16_matmul(x, self.qweight, scales, self.group_size)
         return super()._device_forward(x)
+
+
+class SplitHead(nn.Module):
+    """An LM head stored in two precisions by token id: rows [0, split) in int8 per row, the rest in int4 with
+    compact scales (`Int4Linear(compact=True)`). A BPE vocabulary is numbered in merge order, roughly by
+    frequency: in this model 90% of the tokens of `quality.PERPLEXITY_TEXT` and of the chapter prompts'
+    greedy continuations have ids below 12,288 (a quarter of the vocabulary), so the tokens a model says most
+    keep 8-bit logits and the rare three quarters cost 4.6 bits a weight. `forward` runs both products (each
+    tuned as any quantized layer is) and joins their logits; `dequantize_rows` serves the tied embedding."""
+
+    def __init__(self, weight: torch.Tensor, split: int, group_size: int = GROUP_SIZE, tuner: Autotuner = TUNER):
+        super().__init__()
+        n = weight.shape[0]
+        if not (0 < split < n) or (n - split) % 16:
+            raise ValueError(f"split must be in (0, {n}) with {n} - split a multiple of 16, got {split}")
+        self.split, self.in_features, self.out_features = split, weight.shape[1], n
+        self.frequent = Int8Linear.from_float(weight[:split], tuner)
+        self.rare = Int4Linear.from_float(weight[split:], group_size, tuner, compact=True)
+        self.kind = "int8+int4"
+
+    def extra_repr(self) -> str:
+        return f"rows [0, {self.split}) int8, [{self.split}, {self.out_features}) int4 with 8-bit scales"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.frequent(x), self.rare(x)], dim=-1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([self.frequent.dequantize(dtype), self.rare.dequantize(dtype)])
+
+    def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ids = ids.long()
+        out = torch.empty(ids.shape[0], self.in_features, dtype=dtype, device=ids.device)
+        low = ids < self.split
+        if bool(low.any()):
+            out[low] = self.frequent.dequantize_rows(ids[low], dtype)
+        if not bool(low.all()):
+            out[~low] = self.rare.dequantize_rows(ids[~low] - self.split, dtype)
+        return out
 
 
 class QuantEmbedding(nn.Module):
@@ -755,43 +884,52 @@ class QuantEmbedding(nn.Module):
 
 # ---------------------------------------------------------------- whole models
 
-HEAD_CHOICES = ("int8", "int4", "float")
+HEAD_CHOICES = ("int8", "int4", "split", "float")
+SPLIT_HEAD_ROWS = 12288  # the split head's int8 rows (ids below it): see SplitHead
 
 
 def quantize_model(model, quantization: str, group_size: int = GROUP_SIZE, head: str | None = None,
                    q4_1: dict | None = None, tuner: Autotuner = TUNER):
     """Replace `model`'s weight products by quantized ones, in place; returns the model.
 
-    quantization: "int4" (group-wise, `group_size`) or "int8" (per channel) for the decoder layers' products.
+    quantization: "int4" (group-wise, `group_size`, bf16 scales and zeros), "int4_compact" (the same codes with
+      8-bit scales, `compact_scales`) or "int8" (per channel) for the decoder layers' products.
     q4_1: {fused layer name ("layers.3.self_attn.qkv_proj") -> (codes, d, m)} from the GGUF (see
       `loader`): those int4 layers are repacked from the checkpoint's own blocks (needs group_size 32);
       every other layer is quantized from its float weight (round to nearest).
-    head: how the LM head (and the tied embedding) is stored: "int8", "int4" or "float" (left as is);
-      None: the measured default for the quantization (`default_head`)."""
+    head: how the LM head (and the tied embedding) is stored: "int8", "int4", "split" (`SplitHead`: frequent
+      tokens' rows int8, the rest int4) or "float" (left as is); None: the measured default for the
+      quantization (`default_head`)."""
     check_quantization(quantization)
     if quantization is None:
         return model
     head = default_head(quantization) if head is None else head
     if head not in HEAD_CHOICES:
         raise ValueError(f"head must be one of {HEAD_CHOICES} or None, got {head!r}")
-    if q4_1 and quantization == "int4" and group_size != GGUF_BLOCK:
+    int4, compact = quantization.startswith("int4"), quantization == "int4_compact"
+    if q4_1 and int4 and group_size != GGUF_BLOCK:
         raise ValueError(f"group_size must be {GGUF_BLOCK} to repack the GGUF's Q4_1 blocks, got {group_size}")
     q4_1 = q4_1 or {}
 
     def make(name, weight, kind):
         if kind == "int8":
             return Int8Linear.from_float(weight, tuner)
-        if name in q4_1 and quantization == "int4":
+        if kind == "split":
+            return SplitHead(weight, split_rows(weight.shape[0]), group_size, tuner)
+        if name in q4_1 and int4:
             codes, d, m = q4_1[name]
+            if compact:  # the codes as they are; only d and m are rounded (to 8 bits)
+                return Int4Linear.from_compact(codes, compact_scales(d.float(), m.float()), GGUF_BLOCK, tuner)
             return Int4Linear.from_codes(codes, d.float(), m.float() + 8 * d.float(), GGUF_BLOCK, tuner)
-        return Int4Linear.from_float(weight, group_size, tuner)
+        return Int4Linear.from_float(weight, group_size, tuner, compact=compact)
 
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
             for parent, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                  (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
                 name = f"layers.{i}.{'self_attn' if parent is layer.self_attn else 'mlp'}.{attr}"
-                setattr(parent, attr, make(name, getattr(parent, attr).weight.detach().float(), quantization))
+                setattr(parent, attr, make(name, getattr(parent, attr).weight.detach().float(),
+                                           "int4" if int4 else quantization))
         if head != "float":
             table = make("lm_head", model.lm_head.weight.detach().float(), head)
             tied = model.config.tie_word_embeddings
@@ -806,8 +944,19 @@ def quantize_model(model, quantization: str, group_size: int = GROUP_SIZE, head:
 
 
 def default_head(quantization: str) -> str:
-    """The LM head's storage measured best for each quantization (see the module docstring)."""
-    return {"int4": "int8", "int8": "int8"}[quantization]
+    """The LM head's storage measured best for each quantization (see the module docstring); "int4_compact"
+    aims at the fewest bytes that keep the issue's quality bar, so its head is split."""
+    return {"int4": "int8", "int4_compact": "split", "int8": "int8"}[quantization]
+
+
+def split_rows(vocab: int) -> int:
+    """The split head's int8 rows for a vocabulary of `vocab`: SPLIT_HEAD_ROWS, or a quarter of a smaller one,
+    so that the int4 rows are a multiple of 16 (the packed layout's unit)."""
+    split = SPLIT_HEAD_ROWS if vocab - SPLIT_HEAD_ROWS >= 16 else vocab // 4
+    split = vocab - (vocab - split) // 16 * 16
+    if not 0 < split < vocab:
+        raise ValueError(f"a vocabulary of {vocab} is too small to split (the int4 rows need 16 or more)")
+    return split
 
 
 def weight_bytes(model) -> int:

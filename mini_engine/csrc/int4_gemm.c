@@ -8,9 +8,13 @@
      sz      [K / GS][N] uint32: the bf16 scale s (low 16 bits) and bf16 zero z (high 16 bits) of each group of
              GS weights along a row; w = (q - 8) s + z, which is Q4_1's w = d q + m with s = d, z = m + 8 d
      y       [M, N] fp32
+   or, with `compact` (quant.py's "int4_compact"), 8-bit scales: Q4_1's w = d q + m with
+     sz      [K / GS][N] uint16: an 8-bit code of d (low byte, unsigned) and of m (high byte, signed), then
+             [2][N] fp32: each row's factor for d and for m, so d = dc * fd[n] and m = mc * fm[n]
 
    Per group g of GS columns, with S_g = sum of x over the group:
      y[n] += s * sum_k q[n, k] x[k] + (z - 8 s) * S_g
+   (with compact scales: y[n] += d * sum_k q x + m * S_g)
    so the inner loop is one multiply-add per weight on codes converted to floats, and the scales are applied
    once per group. The codes of BN rows sit side by side in a column, so one load of BN / 2 bytes gives BN codes,
    which become BN / 8 vectors of 8 floats, each multiplied by the same broadcast x[k]: no sums across lanes.
@@ -41,6 +45,24 @@
 #define WIDE 0
 #endif
 
+/* The scale and the offset (z - 8 s, or m) of 8 columns from `col` of group g, in either form of the scales. */
+static inline __attribute__((always_inline)) void group_scales8(const void *sz, int compact, int g, int G, int N,
+                                                               int col, __m256 *s, __m256 *c) {
+  if (compact) {
+    const uint16_t *codes = (const uint16_t *)sz;
+    const float *f = (const float *)(codes + (size_t)G * N);
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(codes + (size_t)g * N + col)));
+    *s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xff))), _mm256_loadu_ps(f + col));
+    *c = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24)),
+                       _mm256_loadu_ps(f + N + col));
+  } else { /* bf16 -> fp32 is a 16-bit shift: the scale is the low half */
+    const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint32_t *)sz + (size_t)g * N + col));
+    *s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    *c = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), *s, z);
+  }
+}
+
 /* 8 bytes of a column, zero-extended to 32-bit lanes: the low nibbles are the codes of 8 rows, the high
    nibbles those of the 8 rows BN / 2 further on. */
 #define CODES8(ptr, lo, hi)                                                        \
@@ -54,11 +76,11 @@
    below inline it), the sums stay in registers: BN / 8 vectors, twice over for BN = 32 (even and odd columns
    summed apart), so that 8 chains of multiply-adds are in flight and none waits for the one before. */
 static inline __attribute__((always_inline)) void block_row(const float *x, const float *sx, const uint8_t *codes,
-                                                           const uint32_t *sz, float *out, int N, int K, int GS,
-                                                           const int BN) {
+                                                           const void *sz, int compact, int col0, float *out, int N,
+                                                           int K, int GS, const int BN) {
   enum { NV = 8 };                   /* sums in flight */
   const int per_col = BN / 8, sets = NV / per_col; /* vectors per column; columns summed apart */
-  const __m256i low4 = _mm256_set1_epi32(0x0f), high16 = _mm256_set1_epi32((int)0xffff0000u);
+  const __m256i low4 = _mm256_set1_epi32(0x0f);
   __m256 y[8];
   for (int i = 0; i < per_col; i++) y[i] = _mm256_setzero_ps();
   for (int k0 = 0, g = 0; k0 < K; k0 += GS, g++) {
@@ -78,19 +100,36 @@ static inline __attribute__((always_inline)) void block_row(const float *x, cons
       }
     for (int c = 1; c < sets; c++)
       for (int i = 0; i < per_col; i++) acc[i] = _mm256_add_ps(acc[i], acc[c * per_col + i]);
-    const __m256 sg = _mm256_set1_ps(sx[g]), eight = _mm256_set1_ps(8.f);
-    for (int i = 0; i < per_col; i++) { /* bf16 -> fp32 is a 16-bit shift: the scale is the low half */
-      const __m256i v = _mm256_loadu_si256((const __m256i *)(sz + (size_t)g * N + 8 * i));
-      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(v, high16));
+    const __m256 sg = _mm256_set1_ps(sx[g]);
+    for (int i = 0; i < per_col; i++) {
+      __m256 s, c;
+      group_scales8(sz, compact, g, K / GS, N, col0 + 8 * i, &s, &c);
       y[i] = _mm256_fmadd_ps(s, acc[i], y[i]);
-      y[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), sg, y[i]);
+      y[i] = _mm256_fmadd_ps(c, sg, y[i]);
     }
   }
   for (int i = 0; i < per_col; i++) _mm256_storeu_ps(out + 8 * i, y[i]);
 }
 
 #if WIDE
+/* group_scales8 for 16 columns. */
+static inline __attribute__((always_inline)) void group_scales16(const void *sz, int compact, int g, int G, int N,
+                                                                int col, __m512 *s, __m512 *c) {
+  if (compact) {
+    const uint16_t *codes = (const uint16_t *)sz;
+    const float *f = (const float *)(codes + (size_t)G * N);
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes + (size_t)g * N + col)));
+    *s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xff))), _mm512_loadu_ps(f + col));
+    *c = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)),
+                       _mm512_loadu_ps(f + N + col));
+  } else {
+    const __m512i v = _mm512_loadu_si512((const void *)((const uint32_t *)sz + (size_t)g * N + col));
+    *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+    *c = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), *s, z);
+  }
+}
+
 /* 16 bytes of a column as 16-lane vectors: the codes of 16 rows (low nibbles) and of the 16 rows BN / 2 further on. */
 #define CODES16(ptr, lo, hi)                                                         \
   do {                                                                               \
@@ -103,11 +142,11 @@ static inline __attribute__((always_inline)) void block_row(const float *x, cons
    must be a multiple of it (4 for BN = 32, 2 for BN = 64). `next`: the next block's codes, asked for a cache line
    at a time as this block's columns are read, or NULL. */
 static inline __attribute__((always_inline)) void block_row16(const float *x, const float *sx, const uint8_t *codes,
-                                                             const uint32_t *sz, float *out, int N, int K, int GS,
-                                                             const int BN, const uint8_t *next) {
+                                                             const void *sz, int compact, int col0, float *out,
+                                                             int N, int K, int GS, const int BN, const uint8_t *next) {
   enum { NV = 8 };
   const int per_col = BN / 16, sets = NV / per_col;
-  const __m512i low4 = _mm512_set1_epi32(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
+  const __m512i low4 = _mm512_set1_epi32(0x0f);
   __m512 y[4];
   for (int i = 0; i < per_col; i++) y[i] = _mm512_setzero_ps();
   for (int k0 = 0, g = 0; k0 < K; k0 += GS, g++) {
@@ -129,13 +168,12 @@ static inline __attribute__((always_inline)) void block_row16(const float *x, co
       }
     for (int c = 1; c < sets; c++)
       for (int i = 0; i < per_col; i++) acc[i] = _mm512_add_ps(acc[i], acc[c * per_col + i]);
-    const __m512 sg = _mm512_set1_ps(sx[g]), eight = _mm512_set1_ps(8.f);
+    const __m512 sg = _mm512_set1_ps(sx[g]);
     for (int i = 0; i < per_col; i++) {
-      const __m512i v = _mm512_loadu_si512((const void *)(sz + (size_t)g * N + 16 * i));
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
+      __m512 s, c;
+      group_scales16(sz, compact, g, K / GS, N, col0 + 16 * i, &s, &c);
       y[i] = _mm512_fmadd_ps(s, acc[i], y[i]);
-      y[i] = _mm512_fmadd_ps(_mm512_fnmadd_ps(eight, s, z), sg, y[i]);
+      y[i] = _mm512_fmadd_ps(c, sg, y[i]);
     }
   }
   for (int i = 0; i < per_col; i++) _mm512_storeu_ps(out + 16 * i, y[i]);
@@ -144,21 +182,22 @@ static inline __attribute__((always_inline)) void block_row16(const float *x, co
 
 /* One block of BN rows against one row of x, in the widest form that takes this group size. */
 static inline __attribute__((always_inline)) void block_row_any(const float *x, const float *sx, const uint8_t *codes,
-                                                               const uint32_t *sz, float *out, int N, int K, int GS,
-                                                               const int BN, const uint8_t *next) {
+                                                               const void *sz, int compact, int col0, float *out,
+                                                               int N, int K, int GS, const int BN,
+                                                               const uint8_t *next) {
 #if WIDE
   if (GS % (BN == 32 ? 4 : 2) == 0) {
-    block_row16(x, sx, codes, sz, out, N, K, GS, BN, next);
+    block_row16(x, sx, codes, sz, compact, col0, out, N, K, GS, BN, next);
     return;
   }
 #endif
-  block_row(x, sx, codes, sz, out, N, K, GS, BN);
+  block_row(x, sx, codes, sz, compact, col0, out, N, K, GS, BN);
 }
 
 /* Returns 0, -1 for a layout it does not take (BN not 32 or 64, N or K not whole blocks or groups), -2 when a
    scratch buffer could not be allocated. */
-int int4_gemm_f32(const float *x, const uint8_t *packed, const uint32_t *sz, float *y, int M, int N, int K, int GS,
-                  int BN) {
+int int4_gemm_f32(const float *x, const uint8_t *packed, const void *sz, float *y, int M, int N, int K, int GS,
+                  int BN, int compact) {
   if ((BN != 32 && BN != 64) || N % BN || K % GS || GS % 2) return -1;
   const int groups = K / GS, blocks = N / BN;
   float *sx = malloc(sizeof(float) * (size_t)M * groups); /* each row's sum over each group */
@@ -178,9 +217,9 @@ int int4_gemm_f32(const float *x, const uint8_t *packed, const uint32_t *sz, flo
       float tmp[64];
       const uint8_t *next = m == 0 && b + 1 < blocks ? codes + (size_t)K * (BN / 2) : NULL;
       if (BN == 32)
-        block_row_any(x + (size_t)m * K, sx + (size_t)m * groups, codes, sz + (size_t)b * BN, tmp, N, K, GS, 32, next);
+        block_row_any(x + (size_t)m * K, sx + (size_t)m * groups, codes, sz, compact, b * BN, tmp, N, K, GS, 32, next);
       else
-        block_row_any(x + (size_t)m * K, sx + (size_t)m * groups, codes, sz + (size_t)b * BN, tmp, N, K, GS, 64, next);
+        block_row_any(x + (size_t)m * K, sx + (size_t)m * groups, codes, sz, compact, b * BN, tmp, N, K, GS, 64, next);
       for (int i = 0; i < BN; i++) y[(size_t)m * N + (size_t)b * BN + i] = tmp[i];
     }
   }

@@ -1,5 +1,6 @@
 /* The int4 weight-only product y = x W^T on Intel AMX (Advanced Matrix Extensions, Sapphire Rapids and later):
-   the same layouts as int4_gemm.c (torch's packed int4 CPU layout, bf16 scales and zeros), activations rounded to
+   the same layouts as int4_gemm.c (torch's packed int4 CPU layout, bf16 scales and zeros or compact 8-bit ones),
+   activations rounded to
    bf16 as torch's `_weight_int4pack_mm_for_cpu` rounds them.
 
    Why it exists: past a few rows, a CPU int4 kernel that dequantizes with vector instructions is compute-bound.
@@ -97,8 +98,8 @@ static inline void apply_group(const float *c, float *acc, const float *sx, int 
   }
 }
 
-int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz, float *y, int M, int N, int K,
-                      int GS, int BN) {
+int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const void *sz, float *y, int M, int N, int K,
+                      int GS, int BN, int compact) {
   if ((BN != 32 && BN != 64) || N % BN || GS % 32 || K % GS) return -1;
   if (!amx_permitted()) return -3;
   const int groups = K / GS, mp = (M + 15) / 16 * 16, units = N / 32;
@@ -113,7 +114,9 @@ int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz,
   amx_round_rows(x, xb, sx, M, mp, K, GS);
   int status = 0;
   const __m512i table = code_table();
-  const __m512i low16 = _mm512_set1_epi32(0xffff);
+  const __m512i low16 = _mm512_set1_epi32(0xffff), low8 = _mm512_set1_epi32(0xff);
+  const uint16_t *codes8 = (const uint16_t *)sz;              /* compact: 8-bit codes of d and m, */
+  const float *fd = (const float *)(codes8 + (size_t)groups * N), *fm = fd + N; /* then the rows' factors */
 #pragma omp parallel
   {
     uint16_t *tiles = aligned_alloc(64, (size_t)K * 64); /* K / 32 x 2 tiles of 1 KiB */
@@ -152,11 +155,20 @@ int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz,
           }
           _tile_stored(TC0, c, 64);
           _tile_stored(TC1, c + 256, 64);
-          for (int h = 0; h < 2; h++) { /* bf16 -> fp32 is a 16-bit shift: the scale is the low half */
-            const __m512i v = _mm512_loadu_si512(sz + (size_t)g * N + n0 + 16 * h);
-            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(v, low16), 16));
-            const __m512 z = _mm512_castsi512_ps(_mm512_andnot_si512(low16, v));
-            const __m512 zp = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);
+          for (int h = 0; h < 2; h++) {
+            const int col = n0 + 16 * h;
+            __m512 s, zp;
+            if (compact) { /* d = dc fd[n], m = mc fm[n]: y += d sum(q x) + m S_g */
+              const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes8 + (size_t)g * N + col)));
+              s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low8)), _mm512_loadu_ps(fd + col));
+              zp = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)),
+                                 _mm512_loadu_ps(fm + col));
+            } else { /* bf16 -> fp32 is a 16-bit shift: the scale is the low half */
+              const __m512i v = _mm512_loadu_si512((const uint32_t *)sz + (size_t)g * N + col);
+              s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(v, low16), 16));
+              const __m512 z = _mm512_castsi512_ps(_mm512_andnot_si512(low16, v));
+              zp = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);
+            }
             apply_group(c + 256 * h, acc + 16 * h, sx + (size_t)m0 * groups + g, groups, s, zp,
                         rows);
           }
@@ -176,9 +188,9 @@ int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz,
 
 #else
 
-int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz, float *y, int M, int N, int K,
-                      int GS, int BN) {
-  (void)x, (void)packed, (void)sz, (void)y, (void)M, (void)N, (void)K, (void)GS, (void)BN;
+int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const void *sz, float *y, int M, int N, int K,
+                      int GS, int BN, int compact) {
+  (void)x, (void)packed, (void)sz, (void)y, (void)M, (void)N, (void)K, (void)GS, (void)BN, (void)compact;
   return -3; /* built for a CPU without AMX */
 }
 

@@ -18,10 +18,10 @@
 #include <cstdint>
 
 extern "C" {
-int int4_gemm_f32(const float *x, const uint8_t *packed, const uint32_t *sz, float *y, int M, int N, int K, int GS,
-                  int BN);
-int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const uint32_t *sz, float *y, int M, int N, int K,
-                      int GS, int BN);
+int int4_gemm_f32(const float *x, const uint8_t *packed, const void *sz, float *y, int M, int N, int K, int GS,
+                  int BN, int compact);
+int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const void *sz, float *y, int M, int N, int K,
+                      int GS, int BN, int compact);
 int int8_gemm_f32(const float *x, const int8_t *q, const uint16_t *sbits, float *y, int M, int N, int K);
 int int8_gemm_amx_f32(const float *x, const int8_t *q, const uint16_t *sbits, float *y, int M, int N, int K);
 int contiguous_decode_f32(const float *q, const float *kc, const float *vc, const int32_t *slots, const int32_t *lens,
@@ -35,23 +35,27 @@ void check_activations(const at::Tensor &x, const char *op) {
               " needs fp32 CPU activations [M, K], got ", x.scalar_type(), " of ", x.dim(), " dims on ", x.device());
 }
 
-using Int4Kernel = int (*)(const float *, const uint8_t *, const uint32_t *, float *, int, int, int, int, int);
+using Int4Kernel = int (*)(const float *, const uint8_t *, const void *, float *, int, int, int, int, int, int);
 
 template <Int4Kernel kernel>
 at::Tensor int4_gemm(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scales, int64_t n,
                      int64_t group_size, int64_t block_n) {
   check_activations(x, "int4_gemm");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.numel() == n * k / 2 && packed.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
-                  scales.dim() == 3 && scales.size(0) == k / group_size && scales.size(1) == n && scales.size(2) == 2,
+  // scales: bf16 [K / GS, n, 2] scales and zeros, or the compact int16 form (quant.compact_scales)
+  const bool compact = scales.scalar_type() == at::kShort;
+  TORCH_CHECK(packed.numel() == n * k / 2 && packed.is_contiguous() &&
+                  (compact ? scales.dim() == 1 && scales.numel() == k / group_size * n + 4 * n
+                           : scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 &&
+                                 scales.size(0) == k / group_size && scales.size(1) == n && scales.size(2) == 2),
               "int4_gemm: packed must hold ", n, " x ", k, " codes and scales be bf16 [", k / group_size, ", ", n,
-              ", 2]");
+              ", 2] or compact int16 [", k / group_size * n + 4 * n, "]");
   const at::Tensor xc = x.contiguous(), sc = scales.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const int status = kernel(xc.data_ptr<float>(), static_cast<const uint8_t *>(packed.data_ptr()),
-                            static_cast<const uint32_t *>(sc.data_ptr()), y.data_ptr<float>(), (int)m, (int)n, (int)k,
-                            (int)group_size, (int)block_n);
+                            sc.data_ptr(), y.data_ptr<float>(), (int)m, (int)n, (int)k, (int)group_size,
+                            (int)block_n, (int)compact);
   TORCH_CHECK(status != -2, "int4_gemm: the kernel could not allocate its scratch buffer");
   TORCH_CHECK(status != -3, "int4_gemm: this CPU or operating system does not allow AMX");
   TORCH_CHECK(status == 0, "int4_gemm does not take block_n=", block_n, ", n=", n, ", k=", k, ", group_size=",

@@ -569,20 +569,30 @@ def test_the_c_int4_kernels_avx2_build_equals_the_dequantized_reference():
     the reference, as this CPU's own build is above."""
     import ctypes
     lib = ctypes.CDLL(str(quant.cpu_kernels.build("int4_gemm", {"AVX2_ONLY": 1})))
-    lib.int4_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    lib.int4_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
     gen = torch.Generator().manual_seed(7)
     n, k = 192, 576
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     sz = quant.to_scales_and_zeros((torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).to(quant.SCALE_DTYPE),
                                    (torch.randn(n, k // 32, generator=gen) * 0.05).to(quant.SCALE_DTYPE))
-    s, z = quant.from_scales_and_zeros(sz)
-    for block_n in (32, 64):
-        packed = pack_halves(q, block_n)
-        for rows in (1, 3):
-            x = torch.randn(rows, k, generator=gen)
-            y = torch.empty(rows, n)
-            assert lib.int4_gemm_f32(x.data_ptr(), packed.data_ptr(), sz.contiguous().data_ptr(), y.data_ptr(), rows,
-                                     n, k, 32, block_n) == 0
-            expected = quant.int4_matmul_reference(x.double(), q, s.double(), z.double(), 32)
-            torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"block_n {block_n}, {rows} rows: {m}")
+    compact = quant.compact_scales(torch.rand(n, k // 32, generator=gen) * 0.02, torch.randn(n, k // 32) * 0.05)
+    meta = quant.QuantMeta("int4", n, k, 32, None, compact=True)
+    for scales, expected_weight in ((sz, None), (compact, quant.dequantize_state(pack_int4_rows(q), compact, meta))):
+        if expected_weight is None:
+            s, z = quant.from_scales_and_zeros(sz)
+            expected_weight = quant.dequantize_int4(q, s, z, 32)
+        for block_n in (32, 64):
+            packed = pack_halves(q, block_n)
+            for rows in (1, 3):
+                x = torch.randn(rows, k, generator=gen)
+                y = torch.empty(rows, n)
+                assert lib.int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales.contiguous().data_ptr(), y.data_ptr(),
+                                         rows, n, k, 32, block_n, int(scales is compact)) == 0
+                expected = x.double() @ expected_weight.double().t()
+                torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"block_n {block_n}, {rows} rows, {scales.dtype}: {m}")
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in the portable layout (`quant.pack_int4`), which `dequantize_state` reads with layout None."""
+    return quant.pack_int4(q)
