@@ -345,21 +345,26 @@ class CPUInt4Layout:
             parts.append(torch.stack([t & 15, t >> 4], dim=-1).view(k, n - full).t())
         return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
 
+    def _rows_in_blocks(self, flat: torch.Tensor, full: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        bn = self.block_n
+        j = ids % bn
+        byte = j % (bn // 2) if self.halves else j // 2
+        shift = (j // (bn // 2) if self.halves else j % 2) * 4
+        blocks = flat[:full * k // 2].view(full // bn, k, bn // 2)[ids // bn]   # [T, k, bn / 2]
+        b = blocks.gather(2, byte.view(-1, 1, 1).expand(-1, k, 1)).squeeze(2)
+        return (b >> shift.to(torch.uint8)[:, None]) & 15
+
     def rows(self, packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Codes of rows `ids` only, uint8 [len(ids), k] (an embedding lookup reads a few rows of the table)."""
         flat, bn = packed.reshape(-1), self.block_n
         full = n // bn * bn
         ids = ids.long()
+        if full == n:  # whole blocks only: no data-dependent branch, so a compiled graph takes it as it is
+            return self._rows_in_blocks(flat, n, k, ids)
         out = torch.empty(ids.shape[0], k, dtype=torch.uint8, device=packed.device)
         in_full = ids < full
         if full and bool(in_full.any()):
-            sel = ids[in_full]
-            j = sel % bn
-            byte = j % (bn // 2) if self.halves else j // 2
-            shift = (j // (bn // 2) if self.halves else j % 2) * 4
-            blocks = flat[:full * k // 2].view(full // bn, k, bn // 2)[sel // bn]   # [T, k, bn / 2]
-            b = blocks.gather(2, byte.view(-1, 1, 1).expand(-1, k, 1)).squeeze(2)
-            out[in_full] = (b >> shift.to(torch.uint8)[:, None]) & 15
+            out[in_full] = self._rows_in_blocks(flat, full, k, ids[in_full])
         if n > full and not bool(in_full.all()):
             j = ids[~in_full] - full
             t = flat[full * k // 2:].view(k, (n - full) // 2)
@@ -842,14 +847,12 @@ class SplitHead(nn.Module):
         return torch.cat([self.frequent.dequantize(dtype), self.rare.dequantize(dtype)])
 
     def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # Both tables read for every id (clamped into range), then one picked: a lookup reads a few rows, and
+        # without data-dependent branches a compiled graph takes it whole.
         ids = ids.long()
-        out = torch.empty(ids.shape[0], self.in_features, dtype=dtype, device=ids.device)
-        low = ids < self.split
-        if bool(low.any()):
-            out[low] = self.frequent.dequantize_rows(ids[low], dtype)
-        if not bool(low.all()):
-            out[~low] = self.rare.dequantize_rows(ids[~low] - self.split, dtype)
-        return out
+        frequent = self.frequent.dequantize_rows(ids.clamp(max=self.split - 1), dtype)
+        rare = self.rare.dequantize_rows((ids - self.split).clamp(min=0), dtype)
+        return torch.where((ids < self.split)[:, None], frequent, rare)
 
 
 class QuantEmbedding(nn.Module):
