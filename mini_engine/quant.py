@@ -39,9 +39,10 @@ ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack"
 - `dequant_bf16`: dequantize to bf16 and F.linear in bf16 (for many rows, where a bf16 GEMM beats the int4
   kernel);
 - `c_int4`: this project's C kernel (`cpu_kernels.int4_gemm`, csrc/int4_gemm.c) on the same packed codes, with
-  fp32 activations (exact products of the int4 weights, where `int4pack` rounds x to bf16), on x86 CPUs with
-  AVX2 (16 lanes wide where the CPU has AVX-512). Per group of 32 columns it sums q x over the codes converted to floats, then applies the scale and
-  zero once: y += s * sum(q x) + (z - 8 s) * sum(x). A graph reaches it through the C++ operator
+  fp32 activations (exact products of the int4 weights, where `int4pack` rounds x to bf16; bf16 activations are
+  widened to fp32 for it), on x86 CPUs with AVX2 (16 lanes wide where the CPU has AVX-512). Per group of 32
+  columns it sums q x over the codes converted to floats, then applies the scale and zero once:
+  y += s * sum(q x) + (z - 8 s) * sum(x). A graph reaches it through the C++ operator
   `mini_engine_cpp::int4_gemm` (csrc/torch_ops.cpp), or `mini_engine::int4_gemm` where that cannot be built.
 - `c_int8`: the same for int8 weights (`cpu_kernels.int8_gemm`, csrc/int8_gemm.c), fp32 activations, each row's
   scale applied once to its sum; a graph reaches it as `c_int4` does (`int8_gemm`). For the int4 model's head
@@ -469,10 +470,13 @@ def _cpp_ops() -> bool:
 
 
 def _c_int4(x, qweight, scales, meta):
+    x32 = x.float()  # bf16 activations go in as fp32 (exact) and come out rounded back
     if torch.compiler.is_compiling():  # a graph calls the kernel through an operator it cannot look into
         ops = torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine
-        return ops.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
-    return cpu_kernels.int4_gemm(x, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
+        y = ops.int4_gemm(x32, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
+    else:
+        y = cpu_kernels.int4_gemm(x32, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
+    return y.to(x.dtype)
 
 
 def _amx_int4(x, qweight, scales, meta):
@@ -543,7 +547,7 @@ def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
     if meta.kind == "int4" and meta.layout is not None:
         if not meta.compact:  # torch's kernel takes bf16 scales and zeros only
             names.append("int4pack")
-        if (dtype == torch.float32 and _INT4_OP is not None and cpu_kernels.int4_gemm_supported(
+        if (dtype in (torch.float32, torch.bfloat16) and _INT4_OP is not None and cpu_kernels.int4_gemm_supported(
                 meta.out_features, meta.in_features, meta.group_size, meta.layout.block_n, meta.layout.halves)):
             names.append("c_int4")
         if (dtype in (torch.float32, torch.bfloat16) and _INT4_AMX_OP is not None and cpu_kernels.int4_gemm_supported(
@@ -575,7 +579,8 @@ def _timing_states(layer: "QuantLinear", rows: int, dtype: torch.dtype):
 def choose_form(layer: "QuantLinear", rows: int, dtype: torch.dtype, tuner: Autotuner | None = None) -> str:
     """The tuned form for `rows` rows of `dtype` against this layer's shape and storage (timed on first use)."""
     bucket, meta = row_bucket(rows), layer.meta
-    key = (meta.out_features, meta.in_features, meta.group_size, bucket, str(dtype), "cpu")
+    key = (meta.out_features, meta.in_features, meta.group_size, bucket, str(dtype), "cpu") + \
+        (("compact",) if meta.compact else ())  # compact scales have forms of their own (no int4pack)
 
     def candidates():
         x, states = _timing_states(layer, bucket, dtype)

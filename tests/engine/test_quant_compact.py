@@ -12,7 +12,7 @@ import torch
 
 import mini_engine as me
 from mini_engine import quant
-from mini_engine.autotune import Autotuner
+from mini_engine.autotune import Autotuner, Choice
 from mini_engine.sampling import SamplingParams
 
 from test_quant import (AMX, C_INT4, check_quality, needs_int4_kernel, pack_halves, pin_forms,  # noqa: F401
@@ -163,3 +163,20 @@ def test_compact_model_in_the_engine_equals_generate_cached(compact, real, chat_
     for _ in range(2):
         for prompt, out, ref in zip(chat_prompts, llm.generate(chat_prompts, params, use_tqdm=False), expected):
             assert_greedy_match(model, prompt, out.token_ids, ref, tol=1e-3)
+
+
+def test_a_compact_layer_is_tuned_apart_from_a_bf16_scaled_one_of_its_shape():
+    """The tuner's choice for a layer with bf16 scales (torch's int4pack among its candidates) is not reused for
+    a compact layer of the same shape, whose scales int4pack cannot read."""
+    needs_int4_kernel()
+    tuner = Autotuner()
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(5)) * 0.1
+    plain = quant.Int4Linear.from_float(w, 32, tuner)
+    small = quant.Int4Linear.from_float(w, 32, tuner, compact=True)
+    # as if int4pack had won the timing for the bf16-scaled layer's shape
+    tuner.choices[("int4_product", 64, 96, 32, 1, str(torch.bfloat16), "cpu")] = Choice("int4pack", {})
+    x = torch.randn(1, 96).bfloat16()
+    assert quant.choose_form(plain, 1, torch.bfloat16) == "int4pack"
+    assert quant.choose_form(small, 1, torch.bfloat16) in quant.candidate_forms(small.meta, torch.bfloat16)
+    torch.testing.assert_close(small(x).float(), (x.double() @ small.dequantize().double().t()).float(),
+                               rtol=0, atol=2e-2)
