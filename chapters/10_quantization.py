@@ -552,12 +552,15 @@ print(f"int4c: {100 * c['mib'] / bf16_mib:.1f}% of bf16 (int4: {100 * q4row['mib
 #   The codes, the largest part, did not change at all.
 # - **Quality**: the 8-bit scales are nearly free (the step of an 8-bit code of d is a 255th of the row's
 #   largest d). The loss comes from the head's int4 rows: a rare token's logit is now noisier, and now and then
-#   a noisy one wins an argmax it should not. On the course's prompts agreement fell from about 98% to about 94%,
-#   and perplexity rose by about 1%: inside the bar this course set for int4 (90% and 2%), but a real cost.
+#   a noisy one wins an argmax it should not. Agreement fell from about 98% to the low 90s (above, with bf16
+#   activations on this chapter's prompts; 94% over all the chapter prompts with fp32 activations, in the tests),
+#   and perplexity rose by about 1%: inside the bar this course set for int4 (90% and 2%), but close to it.
 #   A model with a larger vocabulary or a longer tail of rare tokens in its outputs (code, other languages)
 #   would pay more; the split point is a knob (`quant.SPLIT_HEAD_ROWS`).
-# - **Speed**: fewer bytes per token, so a little faster at batch 1, not slower. The price of smaller scales is
-#   paid in the kernels' epilogue, once per group of 32, while the time goes to the codes.
+# - **Speed**: fewer bytes per token, so no slower at batch 1 and often a little faster. The price of smaller
+#   scales is paid in the kernels' epilogue, once per group of 32, while the time goes to the codes. The
+#   products run on this project's kernels only (torch's int4 kernel cannot read 8-bit scales), so on a CPU
+#   without AVX2 an int4c model would fall back to dequantizing its weights: there, int4 is the better choice.
 #
 # This is how production formats go below Q4_1: llama.cpp's k-quants (Q4_K: 4.5 bits) quantize each group's
 # scale and minimum in 6 bits within super-blocks of 256, and most of its files keep the output layer at higher
