@@ -1,6 +1,6 @@
 """Load checkpoints: the embedded GGUF (dequantized) or an HF folder (config.json + safetensors + tokenizer.json).
 
-With `quantization="int4"` or `"int8"` the decoder's weight products (and the LM head, see `quant`) are replaced
+With `quantization="int4"`, `"int4_compact"` or `"int8"` the decoder's weight products (and the LM head, see `quant`) are replaced
 by quantized layers. From a GGUF, the Q4_1 tensors' own 4-bit codes and fp16 scales and minimums are kept and
 repacked for int4 (`quant.repack_q4_1`: no re-quantization); anything else is quantized at load, round to
 nearest per group (int4) or per channel (int8).
