@@ -15,10 +15,11 @@
 # # Lab 10 · int4 weights: group-wise quantization and the checkpoint's own Q4_1 blocks
 #
 # Open `labs/lab10_quantization.py` and fill in the functions marked `TODO`: `quantize_int4`,
-# `dequantize_int4`, `pack_int4`, `unpack_int4`, `int4_matmul` and `repack_q4_1`. This notebook quantizes one
-# of the model's weight matrices with your code and draws its int4 grid, measures the error against the
-# group size, repacks the GGUF file's own 4-bit blocks and checks them against the `gguf` package, then runs
-# the grader, the same tests CI runs against the reference solution:
+# `dequantize_int4`, `pack_int4`, `unpack_int4`, `int4_matmul`, `repack_q4_1` and `compact_scales`. This
+# notebook quantizes one of the model's weight matrices with your code and draws its int4 grid, measures the
+# error against the group size, repacks the GGUF file's own 4-bit blocks and checks them against the `gguf`
+# package, stores their scales in 8 bits, then runs the grader, the same tests CI runs against the reference
+# solution:
 #
 #     pytest tests/labs/test_lab10.py --impl=labs
 #
@@ -151,7 +152,27 @@ def repack():
 attempt("repack Q4_1", repack)
 
 # %% [markdown]
-# ## 4. Grade
+# ## 4. The scales in 8 bits
+# The codes are 4 bits a weight, but d and m cost 32 bits per block of 32: one more bit a weight, a fifth of the
+# tensor. Your `compact_scales` stores them in 8 bits each with one factor per row; how far do the weights move?
+
+# %%
+def compact():
+    q, s, z = lab.repack_q4_1(torch.from_numpy(np.array(tensor.data)), N, K)
+    d, m = s, z - 8 * s
+    d_codes, m_codes, fd, fm = lab.compact_scales(d, m)
+    d8, m8 = d_codes.float() * fd[:, None], m_codes.float() * fm[:, None]
+    small = lab.dequantize_int4(q, d8, m8 + 8 * d8, group_size=32)
+    rel = ((small - W).pow(2).mean() / W.pow(2).mean()).sqrt().item()
+    before, after = N * K / 2 + 4 * d.numel(), N * K / 2 + 2 * d.numel() + 8 * N
+    print(f"bytes: {before:,.0f} -> {after:,.0f} ({8 * before / (N * K):.2f} -> {8 * after / (N * K):.2f} bits a "
+          f"weight); the weights moved by {100 * rel:.2f}% of their RMS")
+
+
+attempt("compact scales", compact)
+
+# %% [markdown]
+# ## 5. Grade
 # The grader prints one line per test; a failing test says what to fix.
 
 # %%

@@ -16,6 +16,9 @@ You write:
      holds 32 weights in 20 bytes: an fp16 scale d, an fp16 minimum m, then 16 bytes whose low nibbles are
      weights 0-15 and high nibbles weights 16-31, with w = d * q + m. Since d * q + m = (q - 8) * d + (m + 8 d),
      scale = d and zero = m + 8 d give the same weights exactly.
+  6. `compact_scales`: the scales of part 5 in 8 bits. Q4_1 spends 32 bits per group of 32 on d and m, a whole
+     bit per weight; store each row's d as unsigned 8-bit codes of max(d) / 255 and its m as signed 8-bit codes
+     of max|m| / 127, and the group costs 16 bits (`quantization="int4_compact"` in the engine, chapter 10).
 
 Fill in every function marked TODO in labs/lab10_quantization.py, then grade your work with
 
@@ -91,3 +94,15 @@ def repack_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.
     qs = blocks[..., 4:]
     q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
     return q, d, m + 8 * d
+
+
+def compact_scales(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1's d [n, g] (>= 0) and m [n, g] in 8 bits a number: (d_codes uint8 [n, g], m_codes int8 [n, g],
+    f_d fp32 [n], f_m fp32 [n]) with f_d = max of the row's d / 255, f_m = max of the row's |m| / 127 (at least
+    1e-12, so an all-zero row divides by something), d_codes = round(d / f_d) in [0, 255] and
+    m_codes = round(m / f_m) in [-127, 127]; so d ~ d_codes * f_d and m ~ m_codes * f_m, within half a code."""
+    fd = (d.float().amax(dim=1) / 255).clamp_min(1e-12)
+    fm = (m.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
+    d_codes = torch.round(d / fd[:, None]).clamp(0, 255).to(torch.uint8)
+    m_codes = torch.round(m / fm[:, None]).clamp(-127, 127).to(torch.int8)
+    return d_codes, m_codes, fd, fm

@@ -4,7 +4,8 @@
     pytest tests/labs/test_lab10.py --impl=solutions   # the reference answers
 
 Small hand-made cases first (a group you can check on paper), then random matrices, then the real model: the
-embedded GGUF's Q4_1 tensors repacked by your code must dequantize to exactly what the `gguf` package gives.
+embedded GGUF's Q4_1 tensors repacked by your code must dequantize to exactly what the `gguf` package gives, and
+with your 8-bit scales to within half a code of them.
 """
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from mini_engine import quant
 LAB = "lab10_quantization"
 # The engine's quant.py already does each of these jobs: calling it fails the test (see conftest.py).
 SHORTCUTS = {name: [quant] for name in ("quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
-                                        "int4_matmul", "repack_q4_1")}
+                                        "int4_matmul", "repack_q4_1", "compact_scales")}
 
 
 def rand(*shape, seed=0):
@@ -127,3 +128,49 @@ def test_repacked_gguf_tensor_dequantizes_exactly(impl):
     assert got.shape == (n, k) == expected.reshape(n, k).shape
     assert torch.equal(got, expected.reshape(n, k)), \
         f"no re-quantization, so no error: largest difference {(got - expected.reshape(n, k)).abs().max():.3g}"
+
+
+# ---------------------------------------------------------------- the scales in 8 bits
+
+
+def test_compact_scales_by_hand(impl):
+    d = torch.tensor([[0.0, 0.5, 1.02]])
+    m = torch.tensor([[-1.27, 0.6, 0.0]])
+    d_codes, m_codes, fd, fm = impl.compact_scales(d, m)
+    assert d_codes.dtype == torch.uint8 and m_codes.dtype == torch.int8, \
+        f"d's codes are uint8 (d >= 0) and m's int8 (m has either sign), got {d_codes.dtype}, {m_codes.dtype}"
+    assert torch.allclose(fd, torch.tensor([0.004])) and torch.allclose(fm, torch.tensor([0.01])), \
+        f"f_d = max(d) / 255 = 1.02 / 255 = 0.004 and f_m = max|m| / 127 = 0.01, got {fd.tolist()}, {fm.tolist()}"
+    assert d_codes.tolist() == [[0, 125, 255]], f"round(d / f_d): 0, 0.5 / 0.004 = 125, 255; got {d_codes.tolist()}"
+    assert m_codes.tolist() == [[-127, 60, 0]], f"round(m / f_m): -127, 60, 0; got {m_codes.tolist()}"
+
+
+def test_compact_scales_round_trip_within_half_a_code(impl):
+    d, m = rand(8, 18, seed=3).abs() * 0.02, rand(8, 18, seed=4) * 0.1
+    d_codes, m_codes, fd, fm = impl.compact_scales(d, m)
+    assert d_codes.shape == m_codes.shape == (8, 18) and fd.shape == fm.shape == (8,), "codes [n, g], factors [n]"
+    d_back, m_back = d_codes.float() * fd[:, None], m_codes.float() * fm[:, None]
+    assert ((d_back - d).abs() <= fd[:, None] / 2 + 1e-7).all(), "d_codes * f_d must be within half a code of d"
+    assert ((m_back - m).abs() <= fm[:, None] / 2 + 1e-7).all(), "m_codes * f_m must be within half a code of m"
+    zero_row = impl.compact_scales(torch.zeros(1, 4), torch.zeros(1, 4))
+    assert all(torch.isfinite(t.float()).all() for t in zero_row), "an all-zero row must not divide by zero"
+
+
+def test_gguf_tensor_with_compact_scales_stays_within_half_a_code(impl):
+    """The real Q4_1 tensor, repacked, with d and m in 8 bits: every weight moves by at most 15 half-codes of d
+    plus half a code of m, and the relative error stays small."""
+    gguf = pytest.importorskip("gguf")
+    from mini_engine.loader import embedded_gguf_path
+    reader = gguf.GGUFReader(embedded_gguf_path())
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    n, k = (int(s) for s in reversed(t.shape))
+    q, scales, zeros = impl.repack_q4_1(torch.from_numpy(np.array(t.data)), n, k)
+    d, m = scales, zeros - 8 * scales
+    d_codes, m_codes, fd, fm = impl.compact_scales(d, m)
+    d8, m8 = d_codes.float() * fd[:, None], m_codes.float() * fm[:, None]
+    exact = impl.dequantize_int4(q, d, m + 8 * d, group_size=32)
+    small = impl.dequantize_int4(q, d8, m8 + 8 * d8, group_size=32)
+    bound = (15 * fd / 2 + fm / 2)[:, None] * (1 + 1e-4)
+    assert ((small - exact).abs() <= bound).all(), "with d and m within half a code, no weight moves more"
+    rel = ((small - exact).pow(2).mean() / exact.pow(2).mean()).sqrt().item()
+    assert rel < 0.05, f"8-bit scales should move the weights by a few percent at most, got {rel:.3f} (relative RMS)"
