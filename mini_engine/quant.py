@@ -786,6 +786,14 @@ class Int4Linear(QuantLinear):
         scales = "8-bit d and m" if self.compact else "bf16 scales and zeros"
         return super().extra_repr() + f", group_size={self.group_size}, {scales}, {where}"
 
+    def kernel_scales(self) -> torch.Tensor:
+        """The [G, N, 2] scales and zeros the Triton kernel reads: the stored bf16 ones, or, for compact scales,
+        fp32 ones made from d and m for the call (the 8-bit codes times their factors, then zero = m + 8 d)."""
+        if not self.compact:
+            return self.scales
+        d, m = self.d_and_m()
+        return to_scales_and_zeros(d, m + 8 * d)
+
     def d_and_m(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each group's Q4_1 scale d and minimum m [N, K / group_size] in fp32 (w = d * q + m), whatever the
         scales' form."""
@@ -830,11 +838,7 @@ class Int4Linear(QuantLinear):
     def _device_forward(self, x):
         if x.device.type == "cuda":
             from .kernels.quant_matmul import w4a16_matmul
-            scales = self.scales
-            if self.compact:  # the Triton kernel reads bf16 scales and zeros: made from d and m for the call
-                d, m = self.d_and_m()
-                scales = to_scales_and_zeros(d.to(SCALE_DTYPE), (m + 8 * d).to(SCALE_DTYPE))
-            return w4a16_matmul(x, self.qweight, scales, self.group_size)
+            return w4a16_matmul(x, self.qweight, self.kernel_scales(), self.group_size)
         return super()._device_forward(x)
 
 

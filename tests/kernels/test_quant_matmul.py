@@ -47,6 +47,16 @@ def test_gguf_q4_1_blocks_through_the_kernel(device):
     torch.testing.assert_close(got.cpu(), x @ w.view(32, 64).t(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_compact_layer_through_the_kernel(device):
+    """An `int4_compact` layer (8-bit d and m, `quant.compact_scales`) on a GPU: its codes in the portable layout
+    and `kernel_scales()` (fp32 d and m + 8 d) give the layer's dequantized weight's product."""
+    layer = quant.Int4Linear.from_float(torch.randn(48, 96, generator=torch.Generator().manual_seed(4)), 32,
+                                        compact=True)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(5))
+    got = w4a16_matmul(x.to(device), quant.pack_int4(layer.codes()).to(device), layer.kernel_scales().to(device), 32)
+    torch.testing.assert_close(got.cpu(), x @ layer.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
 def test_x_as_a_view(device):
     q, s, z, qweight, sz = quantized(32, 64, 32)
     x = torch.randn(4, 128, device=device)[:, ::2]  # every other column: not unit stride
