@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
+from .autotune import TUNER, Autotuner, Walk, counting_mode_active, row_bucket
 
 
 def _transposed(x, w):
@@ -172,7 +172,7 @@ def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER, packe
                     FORMS[name](x, prepared[0])
             except RuntimeError:
                 continue
-            forms[name] = functools.partial(_walk, FORMS[name], x, prepared)
+            forms[name] = Walk(functools.partial(FORMS[name], x), prepared)
         return forms
     return tuner.choose("product", key, candidates)
 
@@ -187,11 +187,6 @@ def _prepared_copies(name: str, ws: torch.Tensor):
     if first.layout == torch.strided:
         return first.expand(len(ws), *first.shape).clone()
     return [first, *(PACKERS[name](w) for w in ws[1:])]  # oneDNN's opaque tensors are packed one by one
-
-
-def _walk(form, x, weights):
-    for w in weights:
-        form(x, w)
 
 
 class Linear(nn.Linear):

@@ -126,7 +126,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
+from .autotune import TUNER, Autotuner, Walk, counting_mode_active, row_bucket
 
 from .engine_config import QUANTIZATIONS  # noqa: E402  ("int4", "int4_compact", "int8")
 
@@ -604,14 +604,13 @@ def choose_form(layer: "QuantLinear", rows: int, dtype: torch.dtype, tuner: Auto
                 FORMS[name](x, *states[0], meta)  # a build that cannot run it says so now
             except RuntimeError:
                 continue
-            forms[name] = functools.partial(_walk, FORMS[name], x, states, meta)
+            forms[name] = Walk(functools.partial(_call, FORMS[name], x, meta), states)
         return forms
     return (tuner or layer.tuner).choose(f"{meta.kind}_product", key, candidates)
 
 
-def _walk(form, x, states, meta):
-    for qweight, scales in states:
-        form(x, qweight, scales, meta)
+def _call(form, x, meta, state):
+    form(x, *state, meta)
 
 
 @torch._dynamo.assume_constant_result
