@@ -681,11 +681,11 @@ del head4
 # <details><summary>Answer</summary>
 #
 # Memory falls by about 10 MiB, to a little over 31% of bf16's: the decoder's 5 bits a weight alone are
-# 31.25%, so no head can bring a Q4_1 model with 16-bit scales under 30% (section 6 shrinks the scales). Perplexity rises by several percent and agreement
-# drops to the 80s: the embedding's rows spread wider than the decoder's, and the head's errors land directly
-# on the logits. The head is a fifth of the bytes and most of the quality loss, which is why many
-# quantization schemes (llama.cpp's Q4 files among them) keep the embedding and output layers at higher
-# precision.
+# 31.25%, so no head can bring a Q4_1 model with 16-bit scales under 30% (section 6 shrinks the scales).
+# Perplexity rises by several percent and agreement drops to the 80s: the embedding's rows spread wider than
+# the decoder's, and the head's errors land directly on the logits. The head is a fifth of the bytes and most
+# of the quality loss, which is why many quantization schemes (llama.cpp's Q4 files among them) keep the
+# embedding and output layers at higher precision, and why section 6 keeps the frequent tokens' rows in int8.
 # </details>
 #
 # **4. When does int4 stop paying on a GPU?** Using `formulas.predicted_decode_tok_s`, find the batch at which

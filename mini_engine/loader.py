@@ -1,9 +1,10 @@
 """Load checkpoints: the embedded GGUF (dequantized) or an HF folder (config.json + safetensors + tokenizer.json).
 
-With `quantization="int4"`, `"int4_compact"` or `"int8"` the decoder's weight products (and the LM head, see `quant`) are replaced
-by quantized layers. From a GGUF, the Q4_1 tensors' own 4-bit codes and fp16 scales and minimums are kept and
-repacked for int4 (`quant.repack_q4_1`: no re-quantization); anything else is quantized at load, round to
-nearest per group (int4) or per channel (int8).
+With `quantization="int4"`, `"int4_compact"` or `"int8"` the decoder's weight products (and the LM head, see
+`quant`) are replaced by quantized layers. From a GGUF, the Q4_1 tensors' own 4-bit codes and fp16 scales and
+minimums are kept and repacked for int4 (`quant.repack_q4_1`: no re-quantization; "int4_compact" stores the
+scales and minimums in 8 bits, `quant.compact_scales`); anything else is quantized at load, round to nearest per
+group (int4) or per channel (int8).
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
     if path.is_dir():
         config, weights, tokenizer = _read_hf_folder(path)
     elif path.suffix == ".gguf":
-        config, weights, tokenizer, q4_1 = _read_gguf(path, keep_q4_1=quantization in ("int4", "int4_compact") and group_size == 32)
+        keep_q4_1 = quantization in ("int4", "int4_compact") and group_size == 32
+        config, weights, tokenizer, q4_1 = _read_gguf(path, keep_q4_1=keep_q4_1)
     else:
         raise ValueError(f"name_or_path {str(path)!r} is neither a .gguf file nor an HF checkpoint folder")
     model = LlamaModel.empty(config, attention_backend=backend)  # no random initialisation: all is loaded

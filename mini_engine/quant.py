@@ -113,8 +113,9 @@ scales only and is not a candidate. (2) `SplitHead`: the head's rows for token i
     int4            94.9 MB (35.3%)       53.87 (+0.05%)    99.2%       0.94
     int4_compact    80.4 MB (29.9%)       54.34 (+0.92%)    93.8%       5.87
 An fp32-weight simulation of the parts apart (int8 heads): the 8-bit scales alone gave perplexity -0.27% and
-96.9% agreement (Q4_1's own scales: -0.09%, 98.8%); the head is most of the cost. A whole-int5 head (symmetric, groups of 32) instead of the split one gave +1.73% and
-91.8%, an int6 head per row +3.45% and 92.6%: the split by frequency did best at the bytes.
+96.9% agreement (Q4_1's own scales: -0.09%, 98.8%); the head is most of the cost. A whole-int5 head
+(symmetric, groups of 32) instead of the split one gave +1.73% and 91.8%, an int6 head per row +3.45% and
+92.6%: the split by frequency did best at the bytes.
 """
 from __future__ import annotations
 
@@ -127,8 +128,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .autotune import TUNER, Autotuner, Walk, counting_mode_active, row_bucket
-
-from .engine_config import QUANTIZATIONS  # noqa: E402  ("int4", "int4_compact", "int8")
+from .engine_config import QUANTIZATIONS  # ("int4", "int4_compact", "int8")
 
 GROUP_SIZE = 32
 # The group sizes torch's CPU int4 kernel takes; its packing also wants out_features divisible by 16.

@@ -1,7 +1,6 @@
 /* The int4 weight-only product y = x W^T on Intel AMX (Advanced Matrix Extensions, Sapphire Rapids and later):
    the same layouts as int4_gemm.c (torch's packed int4 CPU layout, bf16 scales and zeros or compact 8-bit ones),
-   activations rounded to
-   bf16 as torch's `_weight_int4pack_mm_for_cpu` rounds them.
+   activations rounded to bf16 as torch's `_weight_int4pack_mm_for_cpu` rounds them.
 
    Why it exists: past a few rows, a CPU int4 kernel that dequantizes with vector instructions is compute-bound.
    torch's int4 kernel dequantizes every weight tile again for each 4 rows of x, and this project's AVX2 kernel for
@@ -159,7 +158,8 @@ int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const void *sz, flo
             const int col = n0 + 16 * h;
             __m512 s, zp;
             if (compact) { /* d = dc fd[n], m = mc fm[n]: y += d sum(q x) + m S_g */
-              const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes8 + (size_t)g * N + col)));
+              const __m512i v =
+                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes8 + (size_t)g * N + col)));
               s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low8)), _mm512_loadu_ps(fd + col));
               zp = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)),
                                  _mm512_loadu_ps(fm + col));

@@ -117,7 +117,8 @@ def exact_forms() -> Autotuner:
     """fp32 products whatever the row count, so that two runs of other row counts give the same logits: the C
     kernels where they build, else dequantize-then-multiply. (Pinned, too, so that the tests do not spend half a
     minute tuning the split head's forms; the AMX test below runs the other kernels.)"""
-    exact = quant.cpu_kernels.int4_gemm_supported(64, 64, 32, 32, True) and quant.cpu_kernels.int8_gemm_supported(64, 64)
+    exact = (quant.cpu_kernels.int4_gemm_supported(64, 64, 32, 32, True)
+             and quant.cpu_kernels.int8_gemm_supported(64, 64))
     return Autotuner(forced={"int4_product": "c_int4", "int8_product": "c_int8"} if exact else
                      {"int4_product": "dequant", "int8_product": "dequant"})
 
@@ -157,7 +158,8 @@ def test_compact_model_quality(compact, real, quality_prompts, reference):
 @AMX
 def test_compact_model_quality_with_the_amx_kernels(compact, real, quality_prompts, reference):
     needs_int4_kernel()
-    model = pin_forms(copy.deepcopy(compact), Autotuner(forced={"int4_product": "amx_int4", "int8_product": "amx_int8"}))
+    amx = Autotuner(forced={"int4_product": "amx_int4", "int8_product": "amx_int8"})
+    model = pin_forms(copy.deepcopy(compact), amx)
     check_quality(model, real, real[1], quality_prompts, reference, "int4_compact through the AMX kernels")
 
 
