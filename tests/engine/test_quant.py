@@ -578,10 +578,10 @@ def test_the_c_int4_kernels_avx2_build_equals_the_dequantized_reference():
                                    (torch.randn(n, k // 32, generator=gen) * 0.05).to(quant.SCALE_DTYPE))
     compact = quant.compact_scales(torch.rand(n, k // 32, generator=gen) * 0.02, torch.randn(n, k // 32) * 0.05)
     meta = quant.QuantMeta("int4", n, k, 32, None, compact=True)
-    for scales, expected_weight in ((sz, None), (compact, quant.dequantize_state(pack_int4_rows(q), compact, meta))):
-        if expected_weight is None:
-            s, z = quant.from_scales_and_zeros(sz)
-            expected_weight = quant.dequantize_int4(q, s, z, 32)
+    s, z = quant.from_scales_and_zeros(sz)
+    cases = ((sz, quant.dequantize_int4(q, s, z, 32)),
+             (compact, quant.dequantize_state(quant.pack_int4(q), compact, meta)))
+    for scales, expected_weight in cases:
         for block_n in (32, 64):
             packed = pack_halves(q, block_n)
             for rows in (1, 3):
@@ -593,7 +593,3 @@ def test_the_c_int4_kernels_avx2_build_equals_the_dequantized_reference():
                 torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"block_n {block_n}, {rows} rows, {scales.dtype}: {m}")
 
-
-def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] in the portable layout (`quant.pack_int4`), which `dequantize_state` reads with layout None."""
-    return quant.pack_int4(q)
