@@ -174,7 +174,7 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
    lane-wise arithmetic with no reduction across lanes. Keys and values are read KEYS = 16 positions at a time,
    in place through the block table: each score is HEAD_DIM fused multiply-adds of a query column by one
    broadcast key value, and each output column gathers broadcast values. Work items are (sequence, KV head, tile
-   of TILE rows), shared among the threads, so a single long chunk still uses every core, and the rows of a later
+   of rows), shared among the threads, so a single long chunk still uses every core, and the rows of a later
    chunk of positions are asked for while the current one is read (PF chunks ahead).
    Measured on a 2-core AMD EPYC (Zen 5), one layer of SmolLM2 (9 query heads, 3 KV heads of 64), every
    layer's pool in turn (so that keys and values come from memory, as in a step): a 32-token chunk after 1,024
@@ -188,30 +188,50 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
    with two-vector tiles against 1.26 ms with the one-vector tiles that AVX-512 uses, the 512-token chunk 11.0
    against 13.7 ms. */
 /* A vector of LANES floats (GCC's vector types): 16, one AVX-512 register, where the CPU has them; else 8, one
-   AVX2 register. A tile is RT vectors of query rows (TILE = RT x LANES rows), and the register file decides the
+   AVX2 register. A tile is RT vectors of query rows (RT x LANES rows), and the register file decides the
    blocking. AVX-512's 32 registers hold a tile's 16 score vectors (16 keys) at once, so RT = 1. AVX2 has 16,
    so there a tile is two 8-row vectors: its scores are summed KB = 4 keys at a time (8 sums, the two query
    vectors and a broadcast key in registers) and its outputs PC = 4 columns at a time (8 sums, the two score
    vectors and a broadcast value). Each broadcast then feeds two multiply-adds instead of one, and the loads per
    multiply-add, which bound this loop on AVX2, drop from about 1.1 to 0.75. (16-float vectors on an AVX2 CPU
    would each take two of its 16 registers and spill: measured 10x slower.) */
-#ifndef LANES /* -D flags may set all four: the tests build the AVX-512 layout on any CPU, to check its logic */
+#ifndef LANES /* -D flags may set these: the tests build the AVX-512 layouts on any CPU, to check their logic */
 #ifdef __AVX512F__
 #define LANES 16
 #define RT 1  /* row vectors per tile */
 #define KB 16 /* keys per score pass */
 #define PC 8  /* output columns per pass */
+#define WRT 3 /* the same for the wide tiles of long chunks (see WIDE) */
+#define WKB 8
+#define WPC 8
 #else
 #define LANES 8
 #define RT 2
 #define KB 4
 #define PC 4
+#define WRT 2 /* no wide tiles: 16 registers leave no room for a third row vector */
+#define WKB 4
+#define WPC 4
 #endif
+#endif
+#ifndef WRT /* a layout given by -D flags without wide tiles has none */
+#define WRT RT
+#define WKB KB
+#define WPC PC
 #endif
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
-enum { KEYS = 16, TILE = RT * LANES };
-_Static_assert(KEYS % KB == 0 && HEAD_DIM % PC == 0, "the score and output passes must divide their loops");
+enum { KEYS = 16, RT_MAX = WRT > RT ? WRT : RT };
+_Static_assert(KEYS % KB == 0 && HEAD_DIM % PC == 0 && KEYS % WKB == 0 && HEAD_DIM % WPC == 0,
+               "the score and output passes must divide their loops");
+/* Wide tiles, where a chunk's rows fill them (a prefill chunk, not a verify chunk): with AVX-512 a tile of three
+   16-row vectors makes each broadcast key or value feed three multiply-adds, where a one-vector tile's loop is
+   bound by those broadcast loads. The scores then take 8 keys at a time (24 sums) and the outputs 8 columns (24
+   sums). On a 2-core Xeon with AMX, one layer of SmolLM2, pools from memory: a 32-token chunk over 1,056
+   positions 0.41 ms against 0.48-0.55 ms with one-vector tiles, a 512-token chunk over 1,024 positions 3.9
+   against 4.8 ms; 16 tokens over 300 positions 0.078 against 0.087. Below one wide tile of rows per KV head they
+   lose (5 tokens over 300: 0.075 against 0.041 ms), as their spare lanes compute rows that are thrown away. */
+#define WIDE (WRT > RT)
 #ifndef PF
 #define PF 1
 #endif
@@ -260,123 +280,142 @@ static inline size_t head_row(const int32_t *table, int t, int block_size, int h
   return ((size_t)table[t / block_size] * block_size + t % block_size) * ROW + (size_t)h * HEAD_DIM;
 }
 
+/* One work item: KV head h of sequence s, query rows r0 .. r0 + TILE - 1 (TILE = RT x LANES), in tiles of RT
+   row vectors, scores KB keys and outputs PC columns at a time. Always inlined with constant RT, KB and PC, so
+   that its arrays of sums are unrolled onto registers, as in f32_gemm.c. */
+static inline __attribute__((always_inline)) void chunk_tile(const int rt, const int kb, const int pc,
+                                                             const float *q, const float *kpool, const float *vpool,
+                                                             const int32_t *tables, const int32_t *visible,
+                                                             float *out, int Q, int block_size, int W, float scale,
+                                                             int rows, int s, int h, int r0) {
+  const int tile = rt * LANES;
+  const int n_rows = rows - r0 < tile ? rows - r0 : tile;
+  const int32_t *vis = visible + (size_t)s * Q, *table = tables + (size_t)s * W;
+  vf qt[RT_MAX][HEAD_DIM], o[RT_MAX][HEAD_DIM], seen[RT_MAX], m[RT_MAX], l[RT_MAX];
+  int lo = 1 << 30, hi = 0; /* fewest and most positions a row of the tile sees */
+  for (int x = 0; x < tile; x++) { /* lanes past the last row repeat it; their results are dropped */
+    const int r = r0 + (x < n_rows ? x : n_rows - 1), j = r / G, v = x / LANES, lane = x % LANES;
+    const float *qr = q + (((size_t)s * Q + j) * HQ + h * G + r % G) * HEAD_DIM;
+    for (int d = 0; d < HEAD_DIM; d++) qt[v][d][lane] = qr[d] * scale;
+    seen[v][lane] = (float)vis[j];
+    lo = vis[j] < lo ? vis[j] : lo;
+    hi = vis[j] > hi ? vis[j] : hi;
+  }
+  for (int v = 0; v < rt; v++) {
+    for (int d = 0; d < HEAD_DIM; d++) o[v][d] = (vf){0};
+    m[v] = (vf){0} + NEG_BIG;
+    l[v] = (vf){0};
+  }
+  /* The positions' rows, walked through the block table (no division per position: on Zen 3 an integer
+     division costs as much as a score's multiply-adds). The ring holds the rows of the chunk in hand and of
+     the next RING - 1; as a chunk is taken, its slot is refilled with the chunk RING ahead, whose rows are
+     asked for then. Positions past `hi` repeat the last row. */
+  const size_t last = head_row(table, hi - 1, block_size, h);
+  int blk = 0, off = 0, walked = 0; /* the walk's next position: row off of the table's block blk */
+  size_t ring[RING][KEYS];
+  for (int t0 = -RING * KEYS, c = 0; t0 < hi; t0 += KEYS, c = c == RING - 1 ? 0 : c + 1) {
+    const float *krow[KEYS], *vrow[KEYS];
+    if (t0 >= 0)
+      for (int i = 0; i < KEYS; i++) {
+        krow[i] = kpool + ring[c][i];
+        vrow[i] = vpool + ring[c][i];
+      }
+    for (int i = 0; i < KEYS; i++, walked++) { /* refill this slot with the chunk RING ahead */
+      if (walked >= hi) {
+        ring[c][i] = last;
+        continue;
+      }
+      const size_t at = ((size_t)table[blk] * block_size + off) * ROW + (size_t)h * HEAD_DIM;
+      ring[c][i] = at;
+      if (PF > 0 && t0 >= 0) /* the first chunks' rows are asked for by their first reads */
+        for (int e = 0; e < HEAD_DIM; e += 16) {
+          __builtin_prefetch(kpool + at + e);
+          __builtin_prefetch(vpool + at + e);
+        }
+      if (++off == block_size) {
+        off = 0;
+        blk++;
+      }
+    }
+    if (t0 < 0)
+      continue;
+    vf sc[RT_MAX][KEYS];
+    for (int i0 = 0; i0 < KEYS; i0 += kb) {
+      vf acc[RT_MAX][KEYS];
+      for (int v = 0; v < rt; v++)
+        for (int i = 0; i < kb; i++) acc[v][i] = (vf){0};
+      for (int d = 0; d < HEAD_DIM; d++) {
+        vf qd[RT_MAX];
+        for (int v = 0; v < rt; v++) {
+          qd[v] = qt[v][d];
+          IN_REGISTER(qd[v]);
+        }
+        for (int i = 0; i < kb; i++) {
+          const float k = krow[i0 + i][d];
+          for (int v = 0; v < rt; v++) acc[v][i] += qd[v] * k;
+        }
+      }
+      for (int v = 0; v < rt; v++)
+        for (int i = 0; i < kb; i++) sc[v][i0 + i] = acc[v][i];
+    }
+    vf alpha[RT_MAX];
+    for (int v = 0; v < rt; v++) {
+      if (t0 + KEYS > lo)
+        for (int i = 0; i < KEYS; i++) {
+          const vi ok = ((vf){0} + (float)(t0 + i)) < seen[v];
+          sc[v][i] = (vf)(((vi)sc[v][i] & ok) | ((vi)((vf){0} + NEG_BIG) & ~ok));
+        }
+      vf mx = m[v];
+      for (int i = 0; i < KEYS; i++) mx = vmax(mx, sc[v][i]);
+      alpha[v] = vexp(m[v] - mx);
+      m[v] = mx;
+      l[v] *= alpha[v];
+      for (int i = 0; i < KEYS; i++) {
+        sc[v][i] = vexp(sc[v][i] - mx);
+        l[v] += sc[v][i];
+      }
+    }
+    for (int d0 = 0; d0 < HEAD_DIM; d0 += pc) { /* rt x pc independent sums: the multiply-adds do not queue */
+      vf acc[RT_MAX][HEAD_DIM];
+      for (int v = 0; v < rt; v++)
+        for (int e = 0; e < pc; e++) acc[v][e] = o[v][d0 + e] * alpha[v];
+      for (int i = 0; i < KEYS; i++) {
+        vf p[RT_MAX];
+        for (int v = 0; v < rt; v++) {
+          p[v] = sc[v][i];
+          IN_REGISTER(p[v]);
+        }
+        for (int e = 0; e < pc; e++) {
+          const float x = vrow[i][d0 + e];
+          for (int v = 0; v < rt; v++) acc[v][e] += p[v] * x;
+        }
+      }
+      for (int v = 0; v < rt; v++)
+        for (int e = 0; e < pc; e++) o[v][d0 + e] = acc[v][e];
+    }
+  }
+  for (int x = 0; x < n_rows; x++) {
+    const int r = r0 + x, v = x / LANES, lane = x % LANES;
+    float *orow = out + (((size_t)s * Q + r / G) * HQ + h * G + r % G) * HEAD_DIM;
+    const float inv = 1.f / l[v][lane];
+    for (int d = 0; d < HEAD_DIM; d++) orow[d] = o[v][d][lane] * inv;
+  }
+}
+
 void paged_chunk_f32(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
                     const int32_t *visible, float *out, int S, int Q, int block_size, int W, float scale) {
-  const int rows = Q * G, tiles = (rows + TILE - 1) / TILE; /* row r of a KV head: token r / G, head r % G */
+  const int rows = Q * G; /* row r of a KV head: token r / G, head r % G */
+  const int wide = WIDE && rows >= WRT * LANES, tile = (wide ? WRT : RT) * LANES, tiles = (rows + tile - 1) / tile;
   const int items = S * HKV * tiles;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int item = 0; item < items; item++) {
-    const int s = item / (HKV * tiles), h = item / tiles % HKV, r0 = item % tiles * TILE;
-    const int n_rows = rows - r0 < TILE ? rows - r0 : TILE;
-    const int32_t *vis = visible + (size_t)s * Q, *table = tables + (size_t)s * W;
-    vf qt[RT][HEAD_DIM], o[RT][HEAD_DIM], seen[RT], m[RT], l[RT];
-    int lo = 1 << 30, hi = 0; /* fewest and most positions a row of the tile sees */
-    for (int x = 0; x < TILE; x++) { /* lanes past the last row repeat it; their results are dropped */
-      const int r = r0 + (x < n_rows ? x : n_rows - 1), j = r / G, v = x / LANES, lane = x % LANES;
-      const float *qr = q + (((size_t)s * Q + j) * HQ + h * G + r % G) * HEAD_DIM;
-      for (int d = 0; d < HEAD_DIM; d++) qt[v][d][lane] = qr[d] * scale;
-      seen[v][lane] = (float)vis[j];
-      lo = vis[j] < lo ? vis[j] : lo;
-      hi = vis[j] > hi ? vis[j] : hi;
+    const int s = item / (HKV * tiles), h = item / tiles % HKV, r0 = item % tiles * tile;
+#if WIDE
+    if (wide) {
+      chunk_tile(WRT, WKB, WPC, q, kpool, vpool, tables, visible, out, Q, block_size, W, scale, rows, s, h, r0);
+      continue;
     }
-    for (int v = 0; v < RT; v++) {
-      for (int d = 0; d < HEAD_DIM; d++) o[v][d] = (vf){0};
-      m[v] = (vf){0} + NEG_BIG;
-      l[v] = (vf){0};
-    }
-    /* The positions' rows, walked through the block table (no division per position: on Zen 3 an integer
-       division costs as much as a score's multiply-adds). The ring holds the rows of the chunk in hand and of
-       the next RING - 1; as a chunk is taken, its slot is refilled with the chunk RING ahead, whose rows are
-       asked for then. Positions past `hi` repeat the last row. */
-    const size_t last = head_row(table, hi - 1, block_size, h);
-    int blk = 0, off = 0, walked = 0; /* the walk's next position: row off of the table's block blk */
-    size_t ring[RING][KEYS];
-    for (int t0 = -RING * KEYS, c = 0; t0 < hi; t0 += KEYS, c = c == RING - 1 ? 0 : c + 1) {
-      const float *krow[KEYS], *vrow[KEYS];
-      if (t0 >= 0)
-        for (int i = 0; i < KEYS; i++) {
-          krow[i] = kpool + ring[c][i];
-          vrow[i] = vpool + ring[c][i];
-        }
-      for (int i = 0; i < KEYS; i++, walked++) { /* refill this slot with the chunk RING ahead */
-        if (walked >= hi) {
-          ring[c][i] = last;
-          continue;
-        }
-        const size_t at = ((size_t)table[blk] * block_size + off) * ROW + (size_t)h * HEAD_DIM;
-        ring[c][i] = at;
-        if (PF > 0 && t0 >= 0) /* the first chunks' rows are asked for by their first reads */
-          for (int e = 0; e < HEAD_DIM; e += 16) {
-            __builtin_prefetch(kpool + at + e);
-            __builtin_prefetch(vpool + at + e);
-          }
-        if (++off == block_size) {
-          off = 0;
-          blk++;
-        }
-      }
-      if (t0 < 0)
-        continue;
-      vf sc[RT][KEYS];
-      for (int i0 = 0; i0 < KEYS; i0 += KB) {
-        vf acc[RT][KB];
-        for (int v = 0; v < RT; v++)
-          for (int i = 0; i < KB; i++) acc[v][i] = (vf){0};
-        for (int d = 0; d < HEAD_DIM; d++) {
-          vf qd[RT];
-          for (int v = 0; v < RT; v++) {
-            qd[v] = qt[v][d];
-            IN_REGISTER(qd[v]);
-          }
-          for (int i = 0; i < KB; i++) {
-            const float k = krow[i0 + i][d];
-            for (int v = 0; v < RT; v++) acc[v][i] += qd[v] * k;
-          }
-        }
-        for (int v = 0; v < RT; v++)
-          for (int i = 0; i < KB; i++) sc[v][i0 + i] = acc[v][i];
-      }
-      vf alpha[RT];
-      for (int v = 0; v < RT; v++) {
-        if (t0 + KEYS > lo)
-          for (int i = 0; i < KEYS; i++) {
-            const vi ok = ((vf){0} + (float)(t0 + i)) < seen[v];
-            sc[v][i] = (vf)(((vi)sc[v][i] & ok) | ((vi)((vf){0} + NEG_BIG) & ~ok));
-          }
-        vf mx = m[v];
-        for (int i = 0; i < KEYS; i++) mx = vmax(mx, sc[v][i]);
-        alpha[v] = vexp(m[v] - mx);
-        m[v] = mx;
-        l[v] *= alpha[v];
-        for (int i = 0; i < KEYS; i++) {
-          sc[v][i] = vexp(sc[v][i] - mx);
-          l[v] += sc[v][i];
-        }
-      }
-      for (int d0 = 0; d0 < HEAD_DIM; d0 += PC) { /* RT x PC independent sums: the multiply-adds do not queue */
-        vf acc[RT][PC];
-        for (int v = 0; v < RT; v++)
-          for (int e = 0; e < PC; e++) acc[v][e] = o[v][d0 + e] * alpha[v];
-        for (int i = 0; i < KEYS; i++) {
-          vf p[RT];
-          for (int v = 0; v < RT; v++) {
-            p[v] = sc[v][i];
-            IN_REGISTER(p[v]);
-          }
-          for (int e = 0; e < PC; e++) {
-            const float x = vrow[i][d0 + e];
-            for (int v = 0; v < RT; v++) acc[v][e] += p[v] * x;
-          }
-        }
-        for (int v = 0; v < RT; v++)
-          for (int e = 0; e < PC; e++) o[v][d0 + e] = acc[v][e];
-      }
-    }
-    for (int x = 0; x < n_rows; x++) {
-      const int r = r0 + x, v = x / LANES, lane = x % LANES;
-      float *orow = out + (((size_t)s * Q + r / G) * HQ + h * G + r % G) * HEAD_DIM;
-      const float inv = 1.f / l[v][lane];
-      for (int d = 0; d < HEAD_DIM; d++) orow[d] = o[v][d][lane] * inv;
-    }
+#endif
+    chunk_tile(RT, KB, PC, q, kpool, vpool, tables, visible, out, Q, block_size, W, scale, rows, s, h, r0);
   }
 }

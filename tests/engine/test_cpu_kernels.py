@@ -95,21 +95,26 @@ def test_a_prefill_chunk_through_the_kernel_matches_the_reference(heads, block_s
     torch.testing.assert_close(got, chunk_reference(qc, k_pool, v_pool, tables, visible), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", [{"LANES": 16, "RT": 1, "KB": 16, "PC": 8}, {"LANES": 8, "RT": 2, "KB": 4, "PC": 4}],
-                         ids=["AVX-512 layout", "AVX2 layout"])
+@pytest.mark.parametrize("layout", [{"LANES": 16, "RT": 1, "KB": 16, "PC": 8, "WRT": 3, "WKB": 8, "WPC": 8},
+                                    {"LANES": 16, "RT": 1, "KB": 16, "PC": 8}, {"LANES": 8, "RT": 2, "KB": 4, "PC": 4}],
+                         ids=["AVX-512 layout", "AVX-512 without wide tiles", "AVX2 layout"])
 def test_each_vector_layout_of_the_chunk_kernel_matches_the_reference(layout, monkeypatch):
     """The chunk kernel picks its tiles by the CPU's registers (one 16-row vector with AVX-512, two 8-row vectors
-    with AVX2); a machine runs only its own. Both are built here, whatever the CPU (GCC lowers a vector wider than
-    the registers into several), and checked on chunks with partial tiles and a partial last block."""
+    with AVX2, and with AVX-512 three-vector tiles for chunks whose rows fill them); a machine runs only its own.
+    Each is built here, whatever the CPU (GCC lowers a vector wider than the registers into several), and checked
+    on chunks with partial tiles and a partial last block: 37 tokens (111 rows a KV head: wide tiles where the
+    layout has them) and 5 tokens (15 rows: the narrow tiles)."""
     build_for = cpu_kernels._paged_lib
     monkeypatch.setattr(cpu_kernels, "_paged_lib", lambda hq, hkv, d: build_for(hq, hkv, d, tuple(layout.items())))
     for block_size in (16, 4):
         q, k_pool, v_pool, tables, _ = random_case(80 + block_size, [100, 37], block_size=block_size)
-        visible = torch.tensor([[n - 37 + 1 + j for j in range(37)] for n in (100, 37)], dtype=torch.int32)
-        qc = torch.randn(2, 37, 9, 64, generator=torch.Generator().manual_seed(3))
-        got = cpu_kernels.paged_chunk(qc, k_pool, v_pool, tables, visible)
-        torch.testing.assert_close(got, chunk_reference(qc, k_pool, v_pool, tables, visible), rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"layout {layout}, block_size {block_size}: {m}")
+        for n_q in (37, 5):
+            visible = torch.tensor([[n - n_q + 1 + j for j in range(n_q)] for n in (100, 37)], dtype=torch.int32)
+            qc = torch.randn(2, n_q, 9, 64, generator=torch.Generator().manual_seed(3))
+            got = cpu_kernels.paged_chunk(qc, k_pool, v_pool, tables, visible)
+            torch.testing.assert_close(got, chunk_reference(qc, k_pool, v_pool, tables, visible), rtol=1e-5,
+                                       atol=1e-5, msg=lambda m: f"layout {layout}, block_size {block_size}, "
+                                                                f"{n_q} tokens: {m}")
 
 
 @pytest.mark.parametrize("defines", [(("SCORES16", 0),), ()], ids=["one position at a time", "this CPU's build"])
