@@ -108,7 +108,7 @@ def build_torch_ops() -> Path:
     root = Path(torch.__file__).parent
     cxx_flags = [cxx, "-O2", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                  f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
-    sources = [SOURCE_DIR / f"{name}.c" for name in _ARGTYPES] + [SOURCE_DIR / "torch_ops.cpp"]
+    sources = [SOURCE_DIR / f"{name}.c" for name in (*_ARGTYPES, "layer_ops")] + [SOURCE_DIR / "torch_ops.cpp"]
     link = [cxx, *LINK_FLAGS, f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}"]
     out = _library_path("torch_ops", *(p.read_bytes() for p in sources),
                         " ".join([cc, *COMPILE_FLAGS, *cxx_flags, *link, torch.__version__]).encode())

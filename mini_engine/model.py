@@ -7,9 +7,9 @@ with a [B, N] tensor and nothing else is the plain full-recompute forward of cha
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from . import layer_ops
 from .attention import BACKENDS, AttentionMetadata, attention_no_cache, attention_with_cache
 from .config import ModelConfig
 from .products import Linear
@@ -22,24 +22,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # Normalise in fp32 (as the reference does) so bf16/fp16 runs keep the statistic exact.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return layer_ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin (see `apply_rope`) for every position, in fp32: [max_positions, head_dim]."""
+    """cos and sign-folded sin (see `layer_ops.apply_rope`) for every position, in fp32: [max_positions, head_dim]."""
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     freqs = torch.outer(torch.arange(config.max_position_embeddings, device=device).float(), inv_freq)
     return torch.cat([freqs, freqs], dim=-1).cos(), torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
-
-
-def apply_rope(x, cos, sin):
-    """Rotate pairs (i, i + D/2) of each head by the position's angle: x*cos + rotate_half(x)*sin, where
-    rotate_half(x) = [-x2, x1]. The table's sin carries the sign ([-sin, sin]), so rotate_half(x)*sin is
-    x.roll(D/2)*sin: three ops instead of six, which counts when a decode step is mostly per-op overhead.
-    x [T,H,D], cos/sin [T,1,D] in x's dtype."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class Attention(nn.Module):
@@ -57,7 +48,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.qk_size, self.v_size], dim=-1)
         # q and k sit side by side in the fused output: rotate all their heads in one pass.
-        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = layer_ops.rope(qk, cos, sin, self.num_heads + self.num_kv_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v.view(t, self.num_kv_heads, self.head_dim)
 
@@ -79,8 +70,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,7 +1,8 @@
 // The int4 and int8 product kernels (int4_gemm.c, int8_gemm.c and their AMX twins, int4_gemm_amx.c and
 // int8_gemm_amx.c) and the contiguous cache's decode attention (contiguous_decode.c) as PyTorch operators written
 // in C++, for torch.compile graphs: `torch.ops.mini_engine_cpp.int4_gemm`, `.int4_gemm_amx`, `.int8_gemm`,
-// `.int8_gemm_amx` and `.contiguous_decode`.
+// `.int8_gemm_amx` and `.contiguous_decode`; and the small operations of a layer (layer_ops.c: `.rms_norm`,
+// `.silu_mul`, `.rope`), for eager steps.
 //
 // Why: a graph calls an operator through the dispatcher. The same kernels registered from Python
 // (`mini_engine::int4_gemm`, quant.py) make each call box its arguments into Python objects, run the ctypes
@@ -26,6 +27,9 @@ int int8_gemm_f32(const float *x, const int8_t *q, const uint16_t *sbits, float 
 int int8_gemm_amx_f32(const float *x, const int8_t *q, const uint16_t *sbits, float *y, int M, int N, int K);
 int contiguous_decode_f32(const float *q, const float *kc, const float *vc, const int32_t *slots, const int32_t *lens,
                           float *out, int S, int num_slots, int max_len, int HQ, int HKV, int HEAD_DIM, float scale);
+void rms_norm_f32(const float *x, const float *w, float *out, int T, int H, long stride, float eps);
+void silu_mul_f32(const float *gate_up, float *out, int T, int I, long stride);
+void rope_f32(const float *x, const float *cos_t, const float *sin_t, float *out, int T, int NH, int D, long stride);
 }
 
 namespace {
@@ -106,6 +110,52 @@ at::Tensor contiguous_decode(const at::Tensor &q, const at::Tensor &k_cache, con
   return out;
 }
 
+// The layer's small operations (layer_ops.c). Their 2-D inputs may be views whose rows lie further apart than
+// their width (a split of a fused product's output), as long as each row's values are contiguous.
+void check_rows(const at::Tensor &x, const char *op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.stride(0) >= x.size(1),
+              op, " needs fp32 CPU rows [T, H], each contiguous, got ", x.scalar_type(), " of sizes ", x.sizes(),
+              " and strides ", x.strides(), " on ", x.device());
+}
+
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t t = x.size(0), h = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.size(0) == h && weight.is_contiguous(),
+              "rms_norm: weight must be a contiguous fp32 [", h, "]");
+  at::Tensor out = at::empty({t, h}, x.options());
+  rms_norm_f32(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), (int)t, (int)h, (long)x.stride(0),
+               (float)eps);
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor &gate_up) {
+  check_rows(gate_up, "silu_mul");
+  const int64_t t = gate_up.size(0), i = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must hold gate then up, an even width, got ",
+              gate_up.size(1));
+  at::Tensor out = at::empty({t, i}, gate_up.options());
+  silu_mul_f32(gate_up.data_ptr<float>(), out.data_ptr<float>(), (int)t, (int)i, (long)gate_up.stride(0));
+  return out;
+}
+
+at::Tensor rope(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin, int64_t heads) {
+  check_rows(x, "rope");
+  const int64_t t = x.size(0);
+  TORCH_CHECK(heads > 0 && x.size(1) % heads == 0 && (x.size(1) / heads) % 2 == 0,
+              "rope: the rows' width ", x.size(1), " must be heads (", heads, ") x an even head size");
+  const int64_t d = x.size(1) / heads;
+  for (const at::Tensor *table : {&cos, &sin})
+    TORCH_CHECK(table->scalar_type() == at::kFloat && table->numel() == t * d && table->size(0) == t &&
+                    table->size(-1) == d && table->is_contiguous(),
+                "rope: cos and sin must be contiguous fp32 [", t, ", ", d, "] (or [", t, ", 1, ", d, "])");
+  at::Tensor out = at::empty({t, heads, d}, x.options());
+  rope_f32(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr<float>(), (int)t,
+           (int)heads, (int)d, (long)x.stride(0));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mini_engine_cpp, m) {
@@ -119,4 +169,10 @@ TORCH_LIBRARY(mini_engine_cpp, m) {
   m.impl("int8_gemm", c10::DispatchKey::CPU, TORCH_FN(int8_gemm<int8_gemm_f32>));
   m.impl("int8_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(int8_gemm<int8_gemm_amx_f32>));
   m.impl("contiguous_decode", c10::DispatchKey::CPU, TORCH_FN(contiguous_decode));
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(rope));
 }

@@ -1,0 +1,58 @@
+"""The small operations around a layer's weight products: RMSNorm, the rotary embedding of q and k, and SwiGLU's
+silu(gate) * up. Each is PyTorch's ops, or, in an eager step on fp32 CPU tensors, one fused C operator
+(csrc/layer_ops.c through csrc/torch_ops.cpp), as vLLM calls its own `rms_norm`, `rotary_embedding` and
+`silu_and_mul` kernels.
+
+Why both: at the few rows of a decode step or a short prefill chunk, these operations are all dispatch and no
+arithmetic, and the weight products between them evict the dispatcher's code and data from the caches, so
+each PyTorch operator pays that again (on a 2-core Xeon with AMX, an RMSNorm of 32 rows: 59 us inside a step,
+25 us when called twice in a row). One operator per operation instead of two to six takes most of that
+away. A compiled graph keeps PyTorch's ops (`torch.compiler.is_compiling()`): Inductor fuses them itself, and
+better, together with their neighbours. Where the C++ operators cannot be built (no compiler, no AVX2, or
+MINI_ENGINE_C_KERNELS=0), PyTorch's ops run everywhere. Results agree with PyTorch's to float rounding: the
+sums run in another order (tests/engine/test_layer_ops.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_kernels
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether x's operation runs as a fused C operator: an eager step (not being traced), fp32, on a CPU, with
+    the operators built."""
+    return (not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.device.type == "cpu"
+            and cpu_kernels.load_torch_ops())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, normalised in fp32 (as the reference does,
+    so that bf16/fp16 runs keep the statistic exact)."""
+    if fused(x) and x.dim() == 2 and weight.dtype == torch.float32:
+        return torch.ops.mini_engine_cpp.rms_norm(x, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of each head by the position's angle: x*cos + rotate_half(x)*sin, where
+    rotate_half(x) = [-x2, x1]. The table's sin carries the sign ([-sin, sin]), so rotate_half(x)*sin is
+    x.roll(D/2)*sin: three ops instead of six, which counts when a decode step is mostly per-op overhead.
+    x [T,H,D], cos/sin [T,1,D] in x's dtype."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """`apply_rope` on x [T, heads x D] (rows may be a view into a wider product's output): [T, heads, D]."""
+    if fused(x) and cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous():
+        return torch.ops.mini_engine_cpp.rope(x, cos, sin, heads)
+    return apply_rope(x.view(x.shape[0], heads, -1), cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up, for gate_up [T, 2I] holding gate then up: [T, I]."""
+    if fused(gate_up):
+        return torch.ops.mini_engine_cpp.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
