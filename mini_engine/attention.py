@@ -369,6 +369,9 @@ def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: 
     one, or in one FlashAttention launch on the triton backend."""
     if meta.decode is not None and meta.decode.is_whole_step:
         return decode_attention(q, k_cache, v_cache, meta.decode, backend)
+    if meta.decode is None and meta.verify is None and len(meta.query_lens) == 1 and meta.query_lens[0] > 1 \
+            and backend != "triton":  # one prefill chunk alone: its output is the step's, no copy into `out`
+        return prefill_chunk_attention(q, k_cache, v_cache, meta, 0, backend)
     out = torch.empty_like(q)
     if meta.decode is not None:
         out[meta.decode.tokens] = decode_attention(q, k_cache, v_cache, meta.decode, backend)

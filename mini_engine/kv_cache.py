@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import layer_ops
 from .config import ModelConfig
 
 
@@ -103,9 +104,7 @@ class PagedKVCache:
             from .kernels import store_kv_cache  # imported here: only this backend needs triton
             store_kv_cache(k, v, *self._layers[i], slot_mapping)
             return
-        k_rows, v_rows = self._rows[i]
-        k_rows[slot_mapping] = k
-        v_rows[slot_mapping] = v
+        layer_ops.store_rows(k, v, *self._rows[i], slot_mapping)
 
 
 def _layer_ids(num_layers: int, device) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
-"""The small operations around a layer's weight products: RMSNorm, the rotary embedding of q and k, and SwiGLU's
-silu(gate) * up. Each is PyTorch's ops, or, in an eager step on fp32 CPU tensors, one fused C operator
-(csrc/layer_ops.c through csrc/torch_ops.cpp), as vLLM calls its own `rms_norm`, `rotary_embedding` and
-`silu_and_mul` kernels.
+"""The small operations around a layer's weight products: RMSNorm, the rotary embedding of q and k, SwiGLU's
+silu(gate) * up, and the paged cache's write. Each is PyTorch's ops, or, in an eager step on fp32 CPU tensors,
+one fused C operator (csrc/layer_ops.c through csrc/torch_ops.cpp), as vLLM calls its own `rms_norm`,
+`rotary_embedding`, `silu_and_mul` and `reshape_and_cache` kernels.
 
 Why both: at the few rows of a decode step or a short prefill chunk, these operations are all dispatch and no
 arithmetic, and the weight products between them evict the dispatcher's code and data from the caches, so
@@ -56,3 +56,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.mini_engine_cpp.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def store_rows(k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+               rows: torch.Tensor) -> None:
+    """k_rows[rows] = k and v_rows[rows] = v: new keys and values k/v [T, Hkv, D] into the cache's rows [R, Hkv, D]."""
+    if (fused(k) and k_rows.dtype == torch.float32 and rows.dtype == torch.int64 and rows.is_contiguous()
+            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]):
+        torch.ops.mini_engine_cpp.store_rows(k, v, k_rows, v_rows, rows)
+        return
+    k_rows[rows] = k
+    v_rows[rows] = v

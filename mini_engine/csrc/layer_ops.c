@@ -1,6 +1,6 @@
 /* The small operations around a layer's products, each fused into one pass over its rows: the RMSNorm, the
-   rotary embedding of q and k, and SwiGLU's silu(gate) * up. vLLM's CUDA kernels `rms_norm`,
-   `rotary_embedding` and `silu_and_mul` are the same idea; these are their CPU twins, called by eager steps
+   rotary embedding of q and k, SwiGLU's silu(gate) * up, and the paged cache's write of the new keys and values.
+   vLLM's CUDA kernels `rms_norm`, `rotary_embedding`, `silu_and_mul` and `reshape_and_cache` are the same idea; these are their CPU twins, called by eager steps
    through the C++ operators of torch_ops.cpp (`layer_ops.py`). Compiled graphs do not need them: Inductor
    fuses the same PyTorch ops itself.
 
@@ -14,6 +14,8 @@
    (a long prefill chunk); below that, a parallel region costs more than the work. */
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
 enum { PARALLEL_ROWS = 64 };
 
@@ -62,5 +64,16 @@ void rope_f32(const float *x, const float *cos_t, const float *sin_t, float *out
 #pragma omp simd
       for (int d = half; d < D; d++) oh[d] = xh[d] * c[d] + xh[d - half] * s[d];
     }
+  }
+}
+
+/* The paged cache's write: token t's keys (W = kv heads x head size values, contiguous; tokens `k_stride` floats
+   apart) go to row rows[t] of k_rows [R, W], its values likewise; the caller has checked every row lies in
+   [0, R). One copy per token where PyTorch's indexed store makes two operators per layer. */
+void store_rows_f32(const float *k, const float *v, float *k_rows, float *v_rows, const int64_t *rows, int T, int W,
+                    long k_stride, long v_stride) {
+  for (int t = 0; t < T; t++) {
+    memcpy(k_rows + (size_t)rows[t] * W, k + (size_t)t * k_stride, sizeof(float) * (size_t)W);
+    memcpy(v_rows + (size_t)rows[t] * W, v + (size_t)t * v_stride, sizeof(float) * (size_t)W);
   }
 }

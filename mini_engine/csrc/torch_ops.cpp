@@ -2,7 +2,7 @@
 // int8_gemm_amx.c) and the contiguous cache's decode attention (contiguous_decode.c) as PyTorch operators written
 // in C++, for torch.compile graphs: `torch.ops.mini_engine_cpp.int4_gemm`, `.int4_gemm_amx`, `.int8_gemm`,
 // `.int8_gemm_amx` and `.contiguous_decode`; and the small operations of a layer (layer_ops.c: `.rms_norm`,
-// `.silu_mul`, `.rope`), for eager steps.
+// `.silu_mul`, `.rope`, `.store_rows`), for eager steps.
 //
 // Why: a graph calls an operator through the dispatcher. The same kernels registered from Python
 // (`mini_engine::int4_gemm`, quant.py) make each call box its arguments into Python objects, run the ctypes
@@ -30,6 +30,8 @@ int contiguous_decode_f32(const float *q, const float *kc, const float *vc, cons
 void rms_norm_f32(const float *x, const float *w, float *out, int T, int H, long stride, float eps);
 void silu_mul_f32(const float *gate_up, float *out, int T, int I, long stride);
 void rope_f32(const float *x, const float *cos_t, const float *sin_t, float *out, int T, int NH, int D, long stride);
+void store_rows_f32(const float *k, const float *v, float *k_rows, float *v_rows, const int64_t *rows, int T, int W,
+                    long k_stride, long v_stride);
 }
 
 namespace {
@@ -156,6 +158,28 @@ at::Tensor rope(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &si
   return out;
 }
 
+void store_rows(const at::Tensor &k, const at::Tensor &v, at::Tensor k_rows, at::Tensor v_rows,
+                const at::Tensor &rows) {
+  TORCH_CHECK(k_rows.scalar_type() == at::kFloat && k_rows.device().is_cpu() && k_rows.is_contiguous() &&
+                  v_rows.sizes() == k_rows.sizes() && v_rows.scalar_type() == at::kFloat && v_rows.is_contiguous() &&
+                  k_rows.dim() == 3,
+              "store_rows: k_rows and v_rows must be contiguous fp32 CPU caches [rows, kv heads, head size] of one shape");
+  const int64_t t = k.size(0), r = k_rows.size(0), w = k_rows.size(1) * k_rows.size(2);
+  for (const at::Tensor *x : {&k, &v})
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->device().is_cpu() && x->dim() == 3 && x->size(0) == t &&
+                    x->size(1) == k_rows.size(1) && x->size(2) == k_rows.size(2) && x->stride(2) == 1 &&
+                    x->stride(1) == k_rows.size(2),
+                "store_rows: k and v must be fp32 [", t, ", ", k_rows.size(1), ", ", k_rows.size(2),
+                "], each token's values contiguous");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.size(0) == t && rows.is_contiguous(),
+              "store_rows: rows must be int64 [", t, "]");
+  const int64_t *idx = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; i++)  // before any write: a bad row writes nothing
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < r, "store_rows: rows must lie in [0, ", r, "), got ", idx[i]);
+  store_rows_f32(k.data_ptr<float>(), v.data_ptr<float>(), k_rows.data_ptr<float>(), v_rows.data_ptr<float>(), idx,
+                 (int)t, (int)w, (long)k.stride(0), (long)v.stride(0));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mini_engine_cpp, m) {
@@ -175,4 +199,6 @@ TORCH_LIBRARY(mini_engine_cpp, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(rope));
+  m.def("store_rows(Tensor k, Tensor v, Tensor(a!) k_rows, Tensor(b!) v_rows, Tensor rows) -> ()");
+  m.impl("store_rows", c10::DispatchKey::CPU, TORCH_FN(store_rows));
 }

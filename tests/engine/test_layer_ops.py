@@ -81,3 +81,21 @@ def test_bad_inputs_are_refused_by_name():
         ops.rope(x, torch.randn(4, 1, 16), torch.randn(4, 1, 16), 2)
     with pytest.raises(RuntimeError, match="rope: the rows' width"):
         ops.rope(x, torch.randn(4, 1, 32), torch.randn(4, 1, 32), 3)
+
+
+def test_store_rows_equals_the_indexed_store_and_refuses_rows_outside_the_cache():
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(7, 12, 64, generator=g)
+    k, v = qkv[:, 6:9], qkv[:, 9:12]  # views, as the model's k and v are
+    k_rows, v_rows = torch.zeros(40, 3, 64), torch.zeros(40, 3, 64)
+    rows = torch.tensor([3, 17, 18, 0, 39, 5, 6])
+    ops.store_rows(k, v, k_rows, v_rows, rows)
+    expected_k, expected_v = torch.zeros(40, 3, 64), torch.zeros(40, 3, 64)
+    expected_k[rows], expected_v[rows] = k, v
+    assert torch.equal(k_rows, expected_k) and torch.equal(v_rows, expected_v)
+    before = k_rows.clone()
+    with pytest.raises(RuntimeError, match=r"rows must lie in \[0, 40\), got 40"):
+        ops.store_rows(k, v, k_rows, v_rows, torch.tensor([1, 2, 3, 4, 5, 6, 40]))
+    assert torch.equal(k_rows, before), "a bad row is found before anything is written"
+    with pytest.raises(RuntimeError, match="store_rows: rows must be int64"):
+        ops.store_rows(k, v, k_rows, v_rows, rows.int())
