@@ -16,7 +16,8 @@ The sources:
   products on Intel AMX's tile instructions, bf16 activations; on a CPU without AMX they build as stubs that
   refuse (`has_amx` says which), and csrc/amx.h holds what they share.
 These products and the contiguous decode are also PyTorch operators written in C++ (csrc/torch_ops.cpp,
-`load_torch_ops`), which torch.compile graphs call without going through Python.
+`load_torch_ops`), which torch.compile graphs call without going through Python. The same library holds
+csrc/layer_ops.c, a layer's small operations fused into one operator each for eager steps (`layer_ops`).
 Whether they run is measured, like every other form (`attention.paged_decode_form`,
 `attention.contiguous_decode_form`, `attention.prefill_form`, `attention.verify_form`, the "int4_product" and
 "int8_product" ops of `quant.choose_form`): on a machine where they lose, or
@@ -98,9 +99,9 @@ def build(name: str, defines: dict[str, int]) -> Path:
 
 
 def build_torch_ops() -> Path:
-    """csrc/torch_ops.cpp and the kernels it calls (int4_gemm.c, int8_gemm.c, contiguous_decode.c) linked into one
-    library of PyTorch operators, built once per source, flags, compilers, CPU and PyTorch version; its path. The C++
-    file is compiled against the headers PyTorch's wheel ships, with its C++ ABI. Raises RuntimeError when a
+    """csrc/torch_ops.cpp and the kernels it calls (int4_gemm.c, int8_gemm.c, contiguous_decode.c, layer_ops.c)
+    linked into one library of PyTorch operators, built once per source, flags, compilers, CPU and PyTorch
+    version; its path. The C++ file is compiled against the headers PyTorch's wheel ships, with its C++ ABI. Raises RuntimeError when a
     step fails."""
     cc, cxx = compiler(), cxx_compiler()
     if cc is None or cxx is None:
