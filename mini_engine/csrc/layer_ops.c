@@ -1,8 +1,8 @@
 /* The small operations around a layer's products, each fused into one pass over its rows: the RMSNorm, the
    rotary embedding of q and k, SwiGLU's silu(gate) * up, and the paged cache's write of the new keys and values.
-   vLLM's CUDA kernels `rms_norm`, `rotary_embedding`, `silu_and_mul` and `reshape_and_cache` are the same idea; these are their CPU twins, called by eager steps
-   through the C++ operators of torch_ops.cpp (`layer_ops.py`). Compiled graphs do not need them: Inductor
-   fuses the same PyTorch ops itself.
+   vLLM's CUDA kernels `rms_norm`, `rotary_embedding`, `silu_and_mul` and `reshape_and_cache` are the same idea;
+   these are their CPU twins, called by eager steps through the C++ operators of torch_ops.cpp (`layer_ops.py`).
+   Compiled graphs do not need them: Inductor fuses the same PyTorch ops itself.
 
    Why: in PyTorch each of them is several operators (the RMSNorm six: pow, mean, add, rsqrt, two multiplies),
    and at the few rows of a decode step or a short prefill chunk each operator costs microseconds of dispatch

@@ -163,7 +163,8 @@ void store_rows(const at::Tensor &k, const at::Tensor &v, at::Tensor k_rows, at:
   TORCH_CHECK(k_rows.scalar_type() == at::kFloat && k_rows.device().is_cpu() && k_rows.is_contiguous() &&
                   v_rows.sizes() == k_rows.sizes() && v_rows.scalar_type() == at::kFloat && v_rows.is_contiguous() &&
                   k_rows.dim() == 3,
-              "store_rows: k_rows and v_rows must be contiguous fp32 CPU caches [rows, kv heads, head size] of one shape");
+              "store_rows: k_rows and v_rows must be contiguous fp32 CPU caches [rows, kv heads, head size] of "
+              "one shape");
   const int64_t t = k.size(0), r = k_rows.size(0), w = k_rows.size(1) * k_rows.size(2);
   for (const at::Tensor *x : {&k, &v})
     TORCH_CHECK(x->scalar_type() == at::kFloat && x->device().is_cpu() && x->dim() == 3 && x->size(0) == t &&
