@@ -101,8 +101,8 @@ def build(name: str, defines: dict[str, int]) -> Path:
 def build_torch_ops() -> Path:
     """csrc/torch_ops.cpp and the kernels it calls (int4_gemm.c, int8_gemm.c, contiguous_decode.c, layer_ops.c)
     linked into one library of PyTorch operators, built once per source, flags, compilers, CPU and PyTorch
-    version; its path. The C++ file is compiled against the headers PyTorch's wheel ships, with its C++ ABI. Raises RuntimeError when a
-    step fails."""
+    version; its path. The C++ file is compiled against the headers PyTorch's wheel ships, with its C++ ABI.
+    Raises RuntimeError when a step fails."""
     cc, cxx = compiler(), cxx_compiler()
     if cc is None or cxx is None:
         raise RuntimeError("no C and C++ compilers (or MINI_ENGINE_C_KERNELS=0)")

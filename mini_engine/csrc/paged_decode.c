@@ -221,7 +221,7 @@ int paged_decode_f32(const float *q, const float *kpool, const float *vpool, con
 #endif
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
-enum { KEYS = 16, RT_MAX = WRT > RT ? WRT : RT };
+enum { KEYS = 16, RT_MAX = WRT > RT ? WRT : RT, KB_MAX = WKB > KB ? WKB : KB, PC_MAX = WPC > PC ? WPC : PC };
 _Static_assert(KEYS % KB == 0 && HEAD_DIM % PC == 0 && KEYS % WKB == 0 && HEAD_DIM % WPC == 0,
                "the score and output passes must divide their loops");
 /* Wide tiles, where a chunk's rows fill them (a prefill chunk, not a verify chunk): with AVX-512 a tile of three
@@ -280,9 +280,9 @@ static inline size_t head_row(const int32_t *table, int t, int block_size, int h
   return ((size_t)table[t / block_size] * block_size + t % block_size) * ROW + (size_t)h * HEAD_DIM;
 }
 
-/* One work item: KV head h of sequence s, query rows r0 .. r0 + TILE - 1 (TILE = RT x LANES), in tiles of RT
-   row vectors, scores KB keys and outputs PC columns at a time. Always inlined with constant RT, KB and PC, so
-   that its arrays of sums are unrolled onto registers, as in f32_gemm.c. */
+/* One work item: KV head h of sequence s, query rows r0 .. r0 + rt x LANES - 1 (rt row vectors), its scores kb
+   keys and its outputs pc columns at a time. Always inlined with constant rt, kb and pc (RT, KB, PC or WRT, WKB,
+   WPC), so that its arrays of sums are unrolled onto registers, as in f32_gemm.c. */
 static inline __attribute__((always_inline)) void chunk_tile(const int rt, const int kb, const int pc,
                                                              const float *q, const float *kpool, const float *vpool,
                                                              const int32_t *tables, const int32_t *visible,
@@ -341,7 +341,7 @@ static inline __attribute__((always_inline)) void chunk_tile(const int rt, const
       continue;
     vf sc[RT_MAX][KEYS];
     for (int i0 = 0; i0 < KEYS; i0 += kb) {
-      vf acc[RT_MAX][KEYS];
+      vf acc[RT_MAX][KB_MAX];
       for (int v = 0; v < rt; v++)
         for (int i = 0; i < kb; i++) acc[v][i] = (vf){0};
       for (int d = 0; d < HEAD_DIM; d++) {
@@ -376,7 +376,7 @@ static inline __attribute__((always_inline)) void chunk_tile(const int rt, const
       }
     }
     for (int d0 = 0; d0 < HEAD_DIM; d0 += pc) { /* rt x pc independent sums: the multiply-adds do not queue */
-      vf acc[RT_MAX][HEAD_DIM];
+      vf acc[RT_MAX][PC_MAX];
       for (int v = 0; v < rt; v++)
         for (int e = 0; e < pc; e++) acc[v][e] = o[v][d0 + e] * alpha[v];
       for (int i = 0; i < KEYS; i++) {
