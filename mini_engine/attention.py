@@ -210,6 +210,9 @@ class AttentionMetadata:
     # C kernel's arguments), built with the step so that every layer passes the same tensors; chunks of up to
     # MAX_VERIFY_TOKENS go through `verify` instead
     chunk_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # prefill chunk i's attention form (`prefill_form`), decided at the step's first layer and kept for the others:
+    # every layer has the same shapes, and the tuner's lookup is Python a layer cannot afford at 32 tokens
+    chunk_forms: dict[int, str] = field(default_factory=dict)
 
     @property
     def has_cache(self) -> bool:
@@ -402,7 +405,11 @@ def prefill_chunk_attention(q, k_cache, v_cache, meta: AttentionMetadata, i: int
     [n,Hq,D]. On a paged cache on a CPU, the C kernel that reads the pool in place (`cpu_kernels.paged_chunk`)
     competes with a copy of the context + SDPA (`prefill_form`); `form` forces one of the two."""
     n, ctx = meta.query_lens[i], meta.context_lens[i]
-    if i in meta.chunk_tables and (form or prefill_form(q, k_cache, v_cache, meta, i, backend)) == IN_PLACE:
+    if i in meta.chunk_tables and form is None:
+        form = meta.chunk_forms.get(i)
+        if form is None:
+            form = meta.chunk_forms[i] = prefill_form(q, k_cache, v_cache, meta, i, backend)
+    if i in meta.chunk_tables and form == IN_PLACE:
         tables, visible = meta.chunk_tables[i]
         return paged_chunk(q.unsqueeze(0), k_cache, v_cache, tables, visible)[0]
     qs = q.transpose(0, 1).unsqueeze(0)  # [1,Hq,n,D]

@@ -463,7 +463,11 @@ def f32_pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def f32_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """y = x W^T for fp32 x [M, K] and W packed by `f32_pack`; [M, N] fp32."""
+    """y = x W^T for fp32 x [M, K] and W packed by `f32_pack`; [M, N] fp32. Through the C++ operator
+    (`torch.ops.mini_engine_cpp.f32_gemm`, the same checks) where it is built: a decode step makes 121 of these
+    calls, and the checks below and the ctypes call cost more in Python than the dispatcher's one call."""
+    if load_torch_ops():
+        return torch.ops.mini_engine_cpp.f32_gemm(x, packed)
     if packed.dim() != 3:
         raise ValueError(f"f32_gemm: packed must come from f32_pack ([N / P, K, P]), got {tuple(packed.shape)}")
     panels, k, panel = packed.shape

@@ -58,11 +58,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def store_fused(k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether `store_rows` runs as the fused C operator: an eager fp32 CPU step, int32 rows (the engine's
+    slot_mapping), each token's keys and values contiguous."""
+    return (fused(k) and k_rows.dtype == torch.float32 and rows.dtype == torch.int32 and rows.is_contiguous()
+            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2])
+
+
 def store_rows(k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                rows: torch.Tensor) -> None:
     """k_rows[rows] = k and v_rows[rows] = v: new keys and values k/v [T, Hkv, D] into the cache's rows [R, Hkv, D]."""
-    if (fused(k) and k_rows.dtype == torch.float32 and rows.dtype == torch.int64 and rows.is_contiguous()
-            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]):
+    if store_fused(k, v, k_rows, rows):
         torch.ops.mini_engine_cpp.store_rows(k, v, k_rows, v_rows, rows)
         return
     k_rows[rows] = k

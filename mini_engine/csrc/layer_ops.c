@@ -69,8 +69,9 @@ void rope_f32(const float *x, const float *cos_t, const float *sin_t, float *out
 
 /* The paged cache's write: token t's keys (W = kv heads x head size values, contiguous; tokens `k_stride` floats
    apart) go to row rows[t] of k_rows [R, W], its values likewise; the caller has checked every row lies in
-   [0, R). One copy per token where PyTorch's indexed store makes two operators per layer. */
-void store_rows_f32(const float *k, const float *v, float *k_rows, float *v_rows, const int64_t *rows, int T, int W,
+   [0, R). One copy per token where PyTorch's indexed store makes two operators per layer. rows are int32, the
+   type of the engine's slot_mapping (and of the Triton KV-store kernel's). */
+void store_rows_f32(const float *k, const float *v, float *k_rows, float *v_rows, const int32_t *rows, int T, int W,
                     long k_stride, long v_stride) {
   for (int t = 0; t < T; t++) {
     memcpy(k_rows + (size_t)rows[t] * W, k + (size_t)t * k_stride, sizeof(float) * (size_t)W);

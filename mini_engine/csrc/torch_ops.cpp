@@ -24,13 +24,15 @@ int int4_gemm_f32(const float *x, const uint8_t *packed, const void *sz, float *
 int int4_gemm_amx_f32(const float *x, const uint8_t *packed, const void *sz, float *y, int M, int N, int K,
                       int GS, int BN, int compact);
 int int8_gemm_f32(const float *x, const int8_t *q, const uint16_t *sbits, float *y, int M, int N, int K);
+int f32_gemm_f32(const float *x, const float *wp, float *y, int M, int N, int K);
+int f32_gemm_panel(void);
 int int8_gemm_amx_f32(const float *x, const int8_t *q, const uint16_t *sbits, float *y, int M, int N, int K);
 int contiguous_decode_f32(const float *q, const float *kc, const float *vc, const int32_t *slots, const int32_t *lens,
                           float *out, int S, int num_slots, int max_len, int HQ, int HKV, int HEAD_DIM, float scale);
 void rms_norm_f32(const float *x, const float *w, float *out, int T, int H, long stride, float eps);
 void silu_mul_f32(const float *gate_up, float *out, int T, int I, long stride);
 void rope_f32(const float *x, const float *cos_t, const float *sin_t, float *out, int T, int NH, int D, long stride);
-void store_rows_f32(const float *k, const float *v, float *k_rows, float *v_rows, const int64_t *rows, int T, int W,
+void store_rows_f32(const float *k, const float *v, float *k_rows, float *v_rows, const int32_t *rows, int T, int W,
                     long k_stride, long v_stride);
 }
 
@@ -86,6 +88,27 @@ at::Tensor int8_gemm(const at::Tensor &x, const at::Tensor &q, const at::Tensor 
   TORCH_CHECK(status != -2, "int8_gemm: the kernel could not allocate its scratch buffer");
   TORCH_CHECK(status != -3, "int8_gemm: this CPU or operating system does not allow AMX");
   TORCH_CHECK(status == 0, "int8_gemm does not take n=", n, ", k=", k);
+  return y;
+}
+
+// The fp32 product on a weight packed by cpu_kernels.f32_pack ([N / P, K, P]). Eager steps call it 121 times each
+// (decode) and the Python wrapper's checks and ctypes call cost more than the dispatcher's one call; the checks
+// are the same here, raised as ValueError.
+at::Tensor f32_gemm(const at::Tensor &x, const at::Tensor &packed) {
+  TORCH_CHECK_VALUE(packed.dim() == 3, "f32_gemm: packed must come from f32_pack ([N / P, K, P]), got ", packed.sizes());
+  const int64_t panels = packed.size(0), k = packed.size(1), panel = packed.size(2);
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.size(1) == k,
+                    "f32_gemm needs fp32 CPU activations [M, ", k, "], got ", x.scalar_type(), " ", x.sizes(), " on ",
+                    x.device());
+  TORCH_CHECK_VALUE(panel == f32_gemm_panel() && packed.scalar_type() == at::kFloat && packed.is_contiguous(),
+                    "f32_gemm: packed must come from f32_pack (panels of ", f32_gemm_panel(), " rows), got ",
+                    packed.scalar_type(), " ", packed.sizes());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), panels * panel}, x.options());
+  if (x.size(0) == 0) return y;
+  TORCH_CHECK_VALUE(f32_gemm_f32(xc.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), (int)x.size(0),
+                                 (int)(panels * panel), (int)k) == 0,
+                    "f32_gemm does not take k=", k, ", n=", panels * panel);
   return y;
 }
 
@@ -172,9 +195,9 @@ void store_rows(const at::Tensor &k, const at::Tensor &v, at::Tensor k_rows, at:
                     x->stride(1) == k_rows.size(2),
                 "store_rows: k and v must be fp32 [", t, ", ", k_rows.size(1), ", ", k_rows.size(2),
                 "], each token's values contiguous");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.size(0) == t && rows.is_contiguous(),
-              "store_rows: rows must be int64 [", t, "]");
-  const int64_t *idx = rows.data_ptr<int64_t>();
+  TORCH_CHECK(rows.scalar_type() == at::kInt && rows.dim() == 1 && rows.size(0) == t && rows.is_contiguous(),
+              "store_rows: rows must be int32 [", t, "]");
+  const int32_t *idx = rows.data_ptr<int32_t>();
   for (int64_t i = 0; i < t; i++)  // before any write: a bad row writes nothing
     TORCH_CHECK(idx[i] >= 0 && idx[i] < r, "store_rows: rows must lie in [0, ", r, "), got ", idx[i]);
   store_rows_f32(k.data_ptr<float>(), v.data_ptr<float>(), k_rows.data_ptr<float>(), v_rows.data_ptr<float>(), idx,
@@ -188,6 +211,8 @@ TORCH_LIBRARY(mini_engine_cpp, m) {
   m.def("int4_gemm_amx(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("int8_gemm_amx(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("f32_gemm(Tensor x, Tensor packed) -> Tensor");
+  m.impl("f32_gemm", c10::DispatchKey::CPU, TORCH_FN(f32_gemm));
   m.def("contiguous_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor context_lens) -> Tensor");
   m.impl("int4_gemm", c10::DispatchKey::CPU, TORCH_FN(int4_gemm<int4_gemm_f32>));
   m.impl("int4_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(int4_gemm<int4_gemm_amx_f32>));

@@ -88,14 +88,30 @@ def test_store_rows_equals_the_indexed_store_and_refuses_rows_outside_the_cache(
     qkv = torch.randn(7, 12, 64, generator=g)
     k, v = qkv[:, 6:9], qkv[:, 9:12]  # views, as the model's k and v are
     k_rows, v_rows = torch.zeros(40, 3, 64), torch.zeros(40, 3, 64)
-    rows = torch.tensor([3, 17, 18, 0, 39, 5, 6])
+    rows = torch.tensor([3, 17, 18, 0, 39, 5, 6], dtype=torch.int32)
     ops.store_rows(k, v, k_rows, v_rows, rows)
     expected_k, expected_v = torch.zeros(40, 3, 64), torch.zeros(40, 3, 64)
     expected_k[rows], expected_v[rows] = k, v
     assert torch.equal(k_rows, expected_k) and torch.equal(v_rows, expected_v)
     before = k_rows.clone()
     with pytest.raises(RuntimeError, match=r"rows must lie in \[0, 40\), got 40"):
-        ops.store_rows(k, v, k_rows, v_rows, torch.tensor([1, 2, 3, 4, 5, 6, 40]))
+        ops.store_rows(k, v, k_rows, v_rows, torch.tensor([1, 2, 3, 4, 5, 6, 40], dtype=torch.int32))
     assert torch.equal(k_rows, before), "a bad row is found before anything is written"
-    with pytest.raises(RuntimeError, match="store_rows: rows must be int64"):
-        ops.store_rows(k, v, k_rows, v_rows, rows.int())
+    with pytest.raises(RuntimeError, match="store_rows: rows must be int32"):
+        ops.store_rows(k, v, k_rows, v_rows, rows.long())
+
+
+def test_the_engines_paged_cache_write_takes_the_fused_store(real, chat_prompts, monkeypatch):
+    """The engine's slot_mapping (int32) must be what the fused store takes: a type mismatch would quietly send
+    every write back to PyTorch's two indexed stores a layer (it once did)."""
+    from mini_engine.engine import LLM
+    from mini_engine.sampling import SamplingParams
+
+    model, tok = real
+    taken = []
+    store_fused = layer_ops.store_fused
+    monkeypatch.setattr(layer_ops, "store_fused", lambda *a: taken.append(store_fused(*a)) or taken[-1])
+    out = LLM.from_model(model, tok, kv_cache="paged").generate(
+        chat_prompts[:2], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert all(len(o.token_ids) == 3 for o in out)
+    assert taken and all(taken), f"{taken.count(False)} of {len(taken)} cache writes fell back to PyTorch's store"
