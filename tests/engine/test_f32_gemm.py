@@ -75,3 +75,20 @@ def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="f32_pack"):
         cpu_kernels.f32_gemm(torch.randn(2, 32), w)  # a weight that was never packed
     assert not cpu_kernels.f32_gemm_supported(panel + 1)
+
+
+def test_a_large_packed_weight_starts_on_a_huge_page_and_holds_the_panels():
+    """f32_pack puts a weight of 2 MiB or more on a 2 MiB boundary (advised as huge-page memory on Linux), and the
+    panels are the weight's rows column after column, as a small weight's are."""
+    panel = cpu_kernels.f32_panel()
+    for rows, k in ((2 * panel, 40), (64 * panel, 576)):  # 15 KB, and 7 MB (the model's gate/up product)
+        w = torch.randn(rows, k)
+        packed = cpu_kernels.f32_pack(w)
+        assert torch.equal(packed, w.view(rows // panel, panel, k).transpose(1, 2)) and packed.is_contiguous()
+        if w.nbytes >= cpu_kernels.HUGE_PAGE and cpu_kernels._madvise() is not None:
+            assert packed.data_ptr() % cpu_kernels.HUGE_PAGE == 0
+        x = torch.randn(3, k)
+        torch.testing.assert_close(cpu_kernels.f32_gemm(x, packed), reference(x, w), rtol=1e-5, atol=1e-4)
+    for numel in (1, 1000, 3 << 20):
+        t = cpu_kernels.huge_page_empty(numel)
+        assert t.shape == (numel,) and t.dtype == torch.float32
