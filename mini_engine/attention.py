@@ -69,6 +69,17 @@ class DecodeGroup:
     # reads max_context.
     lens: list[int] | None = None
     slot_ids: torch.Tensor | None = None  # contiguous cache: each decode's slot [decodes] int32, for the C kernel
+    # the form of the attention (`paged_decode_form`, `contiguous_decode_form`), decided at the step's first layer
+    # and kept for the others, keyed by (backend, FLOP counting)
+    forms: dict[tuple, str] = field(default_factory=dict)
+
+    def form(self, backend: str, decide) -> str:
+        """The step's form for `backend`: decide() the first time, then kept."""
+        key = (backend, counting_mode_active())
+        form = self.forms.get(key)
+        if form is None:
+            form = self.forms[key] = decide()
+        return form
 
     @staticmethod
     def _seqs_and_tokens(query_lens, device):
@@ -210,9 +221,10 @@ class AttentionMetadata:
     # C kernel's arguments), built with the step so that every layer passes the same tensors; chunks of up to
     # MAX_VERIFY_TOKENS go through `verify` instead
     chunk_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # prefill chunk i's attention form (`prefill_form`), decided at the step's first layer and kept for the others:
-    # every layer has the same shapes, and the tuner's lookup is Python a layer cannot afford at 32 tokens
-    chunk_forms: dict[int, str] = field(default_factory=dict)
+    # prefill chunk i's attention form (`prefill_form`), decided at the step's first layer and kept for the others,
+    # keyed by (i, backend, FLOP counting): every layer has the same shapes, and the tuner's lookup is Python a
+    # layer cannot afford at 32 tokens
+    chunk_forms: dict[tuple, str] = field(default_factory=dict)
 
     @property
     def has_cache(self) -> bool:
@@ -406,9 +418,10 @@ def prefill_chunk_attention(q, k_cache, v_cache, meta: AttentionMetadata, i: int
     competes with a copy of the context + SDPA (`prefill_form`); `form` forces one of the two."""
     n, ctx = meta.query_lens[i], meta.context_lens[i]
     if i in meta.chunk_tables and form is None:
-        form = meta.chunk_forms.get(i)
+        key = (i, backend, counting_mode_active())
+        form = meta.chunk_forms.get(key)
         if form is None:
-            form = meta.chunk_forms[i] = prefill_form(q, k_cache, v_cache, meta, i, backend)
+            form = meta.chunk_forms[key] = prefill_form(q, k_cache, v_cache, meta, i, backend)
     if i in meta.chunk_tables and form == IN_PLACE:
         tables, visible = meta.chunk_tables[i]
         return paged_chunk(q.unsqueeze(0), k_cache, v_cache, tables, visible)[0]
@@ -464,7 +477,7 @@ def decode_attention(q, k_cache, v_cache, group: DecodeGroup, backend: str = "to
     qs = q[group.tokens]  # [S,Hq,D]
     if group.block_tables is not None:
         return paged_decode_torch(qs, k_cache, v_cache, group, backend)
-    if contiguous_decode_form(qs, k_cache, v_cache, group, backend) == IN_PLACE:
+    if group.form(backend, lambda: contiguous_decode_form(qs, k_cache, v_cache, group, backend)) == IN_PLACE:
         return contiguous_decode(qs, k_cache, v_cache, group.slot_ids, group.context_lens)
     return _contiguous_sdpa(qs, k_cache, v_cache, group, backend)
 
@@ -580,7 +593,7 @@ def paged_decode_torch(qs, k_cache, v_cache, group: DecodeGroup, backend: str = 
     mixed lengths, far fewer positions than the batch's longest for every row."""
     n = qs.shape[0]
     if chunk is None:
-        form = paged_decode_form(qs, k_cache, v_cache, group, backend)
+        form = group.form(backend, lambda: paged_decode_form(qs, k_cache, v_cache, group, backend))
         if form == IN_PLACE:
             return paged_decode(qs, k_cache, v_cache, group.block_tables, group.context_lens)
         chunk = int(form.split()[0])

@@ -187,3 +187,29 @@ def test_sign_folded_rope_equals_rotate_half():
     x1, x2 = x.chunk(2, dim=-1)
     expected = torch.addcmul(x * c, torch.cat([-x2, x1], dim=-1), plain_sin)  # x*cos + rotate_half(x)*sin
     torch.testing.assert_close(apply_rope(x, c, s), expected, rtol=0, atol=0)  # the fold is exact
+
+
+def test_a_step_decides_its_attention_form_once_and_apart_for_flop_counting(monkeypatch):
+    """The decode attention's form is decided at a step's first layer and kept for the others; a FLOP counter
+    (which must see PyTorch's ops, never the C kernel) gets a decision of its own."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import mini_engine.attention as attention
+    from mini_engine.attention import AttentionMetadata, decode_attention
+
+    decided = []
+    form_for = attention.paged_decode_form
+    monkeypatch.setattr(attention, "paged_decode_form", lambda *a, **k: decided.append(1) or form_for(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(2, 6, 16, 3, 64, generator=g)
+    meta = AttentionMetadata.build([1, 1], [20, 37], block_tables=[[0, 1], [2, 3, 4]], block_size=16)
+    q = torch.randn(2, 9, 64, generator=g)
+    first = decode_attention(q, *pool, meta.decode)
+    for _ in range(3):  # the step's other layers
+        torch.testing.assert_close(decode_attention(q, *pool, meta.decode), first)
+    assert len(decided) == 1, "the form is decided once per step"
+    with FlopCounterMode(display=False):
+        counted = decode_attention(q, *pool, meta.decode)
+    assert len(decided) == 2 and meta.decode.forms[("torch", True)] == "2 at a time", \
+        "under a FLOP counter the step decides again, and never for the C kernel"
+    torch.testing.assert_close(counted, first, rtol=1e-5, atol=1e-5)

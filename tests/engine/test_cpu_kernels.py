@@ -138,14 +138,16 @@ def test_the_engines_prefill_chunks_take_either_form_alike(force_forms):
 
     query_lens, context_lens = [1, 30, 1, 19], [9, 70, 33, 19]
     q, k_pool, v_pool, tables, _ = random_case(7, context_lens)
-    meta = AttentionMetadata.build(query_lens, context_lens, block_tables=[t[:-(-c // 16)] for t, c in
-                                                                          zip(tables.tolist(), context_lens)],
-                                   block_size=16)
     qs = torch.randn(sum(query_lens), 9, 64, generator=torch.Generator().manual_seed(3))
     outs = {}
     for form in (IN_PLACE, "copy"):
         force_forms(paged_prefill=form)
+        # a step of its own for each form: a step decides its chunks' form once, at its first layer
+        meta = AttentionMetadata.build(query_lens, context_lens, block_tables=[t[:-(-c // 16)] for t, c in
+                                                                              zip(tables.tolist(), context_lens)],
+                                       block_size=16)
         outs[form] = attention_with_cache(qs, k_pool, v_pool, meta, "torch")
+        assert set(meta.chunk_forms.values()) == {form}
     torch.testing.assert_close(outs[IN_PLACE], outs["copy"], rtol=1e-5, atol=1e-5)
 
 
