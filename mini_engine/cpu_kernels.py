@@ -17,7 +17,8 @@ The sources:
   refuse (`has_amx` says which), and csrc/amx.h holds what they share.
 These products and the contiguous decode are also PyTorch operators written in C++ (csrc/torch_ops.cpp,
 `load_torch_ops`), which torch.compile graphs call without going through Python. The same library holds
-csrc/layer_ops.c, a layer's small operations fused into one operator each for eager steps (`layer_ops`).
+csrc/layer_ops.c, a layer's small operations fused into one operator each for eager steps (`layer_ops`); eager
+steps call the fp32 product through it too (`f32_gemm`).
 Whether they run is measured, like every other form (`attention.paged_decode_form`,
 `attention.contiguous_decode_form`, `attention.prefill_form`, `attention.verify_form`, the "int4_product" and
 "int8_product" ops of `quant.choose_form`): on a machine where they lose, or
@@ -331,7 +332,7 @@ def _lib(name: str):
 @functools.cache
 def load_torch_ops() -> bool:
     """csrc/torch_ops.cpp built (`build_torch_ops`) and loaded: whether `torch.ops.mini_engine_cpp` holds the
-    int4 and int8 products and the contiguous cache's decode attention. False without compilers, on a CPU
+    int4, int8 and fp32 products, the contiguous cache's decode attention and a layer's small operations. False without compilers, on a CPU
     without AVX2, or when the build fails (said once); the graphs then call the Python-registered operators."""
     if cxx_compiler() is None or b"avx2" not in _cpu_signature():
         return False

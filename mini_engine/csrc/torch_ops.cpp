@@ -1,8 +1,8 @@
 // The int4 and int8 product kernels (int4_gemm.c, int8_gemm.c and their AMX twins, int4_gemm_amx.c and
 // int8_gemm_amx.c) and the contiguous cache's decode attention (contiguous_decode.c) as PyTorch operators written
 // in C++, for torch.compile graphs: `torch.ops.mini_engine_cpp.int4_gemm`, `.int4_gemm_amx`, `.int8_gemm`,
-// `.int8_gemm_amx` and `.contiguous_decode`; and the small operations of a layer (layer_ops.c: `.rms_norm`,
-// `.silu_mul`, `.rope`, `.store_rows`), for eager steps.
+// `.int8_gemm_amx` and `.contiguous_decode`; and, for eager steps, the fp32 product (f32_gemm.c: `.f32_gemm`) and
+// the small operations of a layer (layer_ops.c: `.rms_norm`, `.silu_mul`, `.rope`, `.store_rows`).
 //
 // Why: a graph calls an operator through the dispatcher. The same kernels registered from Python
 // (`mini_engine::int4_gemm`, quant.py) make each call box its arguments into Python objects, run the ctypes
