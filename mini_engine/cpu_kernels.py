@@ -332,8 +332,9 @@ def _lib(name: str):
 @functools.cache
 def load_torch_ops() -> bool:
     """csrc/torch_ops.cpp built (`build_torch_ops`) and loaded: whether `torch.ops.mini_engine_cpp` holds the
-    int4, int8 and fp32 products, the contiguous cache's decode attention and a layer's small operations. False without compilers, on a CPU
-    without AVX2, or when the build fails (said once); the graphs then call the Python-registered operators."""
+    int4, int8 and fp32 products, the contiguous cache's decode attention and a layer's small operations. False
+    without compilers, on a CPU without AVX2, or when the build fails (said once); the graphs then call the
+    Python-registered operators, and eager steps the ctypes kernels and PyTorch's ops."""
     if cxx_compiler() is None or b"avx2" not in _cpu_signature():
         return False
     try:

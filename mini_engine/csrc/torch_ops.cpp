@@ -95,7 +95,8 @@ at::Tensor int8_gemm(const at::Tensor &x, const at::Tensor &q, const at::Tensor 
 // (decode) and the Python wrapper's checks and ctypes call cost more than the dispatcher's one call; the checks
 // are the same here, raised as ValueError.
 at::Tensor f32_gemm(const at::Tensor &x, const at::Tensor &packed) {
-  TORCH_CHECK_VALUE(packed.dim() == 3, "f32_gemm: packed must come from f32_pack ([N / P, K, P]), got ", packed.sizes());
+  TORCH_CHECK_VALUE(packed.dim() == 3, "f32_gemm: packed must come from f32_pack ([N / P, K, P]), got ",
+                    packed.sizes());
   const int64_t panels = packed.size(0), k = packed.size(1), panel = packed.size(2);
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.size(1) == k,
                     "f32_gemm needs fp32 CPU activations [M, ", k, "], got ", x.scalar_type(), " ", x.sizes(), " on ",
