@@ -27,6 +27,7 @@
    it reads the current one (measured on a 2-core AMD EPYC, 16
    sequences of 1,024 positions: 1.60 ms a layer without the prefetch, 0.74 ms with it; the copy and SDPA took
    1.87). */
+#include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -58,8 +59,6 @@ _Static_assert(HEAD_DIM % 8 == 0, "the chunk kernel sums 8 output columns at a t
 #endif
 
 #if SCORES16
-#include <immintrin.h>
-
 /* q . k for 16 keys (rows ROW floats apart) at once. Each key's products with q are summed down to one vector
    of 16 partial sums, and the 16 vectors are then reduced together (pairs interleaved, then 128-bit lanes
    exchanged), 45 instructions for 16 sums where summing each vector across its lanes alone would take about
@@ -253,17 +252,25 @@ static inline vf vmax(vf a, vf b) {
 
 /* Lane-wise expf, inline: a call (glibc's vector expf) would make the compiler spill the score vectors
    around it, since a call may overwrite every vector register. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2,
-   a degree-7 polynomial in r, then 2^n put into the exponent bits. Arguments below -87 give about 1e-38, not 0,
-   which the sums cannot notice (every row's largest score contributes exp(0) = 1). */
+   a degree-7 polynomial in r, then times 2^n. Arguments below -87 give about 1e-38, not 0, which the sums
+   cannot notice (every row's largest score contributes exp(0) = 1).
+   With 16 AVX-512 lanes, n is rounded by one instruction (vrndscaleps) and 2^n applied by another
+   (vscalefps), where the portable form takes five conversions and compares, and an integer shift and add, to do
+   both: the same results bit for bit (they differ only where x log2(e) is exactly half-way, and then only in
+   which n and r they pick), and the 32-token chunk over 1,056 positions went from 8.90-9.19 to 8.58-8.81 ms for
+   the 30 layers on a 2-core Xeon with AMX. */
 static inline vf vexp(vf x) {
   const vf lo = (vf){0} - 87.f;
   x = vmax(x, lo);
-  vf fx = x * 1.44269504088896341f + 0.5f;
+#if LANES == 16 && defined(__AVX512F__)
+  const vf nf = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vf fx = x * 1.44269504088896341f + 0.5f;
   vi n = __builtin_convertvector(fx, vi); /* truncates toward zero: step down where that rounded up */
-  vf nf = __builtin_convertvector(n, vf);
-  const vi up = nf > fx;
-  n += up;  /* -1 in the lanes that rounded up */
-  nf = __builtin_convertvector(n, vf);
+  n += __builtin_convertvector(n, vf) > fx; /* -1 in the lanes that rounded up */
+  const vf nf = __builtin_convertvector(n, vf);
+#endif
   const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
   vf p = (vf){0} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -272,7 +279,11 @@ static inline vf vexp(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
+#if LANES == 16 && defined(__AVX512F__)
+  return (vf)_mm512_scalef_ps((__m512)p, (__m512)nf);
+#else
   return p * (vf)((n + 127) << 23);
+#endif
 }
 
 /* Where position t of a sequence keeps KV head h's values in a pool: its block's row, then the head. */
