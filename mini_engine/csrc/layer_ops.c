@@ -11,13 +11,16 @@
    59 us inside a step against 25 us when called twice in a row (benchmarks/RESULTS.md, 2026-12-02 evening).
    Every loop is over a row's contiguous values, so GCC vectorises it (-O3 -march=native -ffast-math, expf
    through glibc's vector math library). Rows are shared among threads only where there are many of them
-   (a long prefill chunk); below that, a parallel region costs more than the work. */
+   (a long prefill chunk); below that, a parallel region costs more than the work. silu_mul, whose exponential
+   makes it the heaviest of them, counts values instead: a 32-token chunk's 32 x 1,536 took 21.9 us on one
+   thread, and sharing it cut the cached prefix request's model step (32 tokens after 1,024 cached) from
+   48.05-48.74 to 47.19-47.77 ms on a 2-core Xeon with AMX (benchmarks/RESULTS.md, 2026-12-03). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-enum { PARALLEL_ROWS = 64 };
+enum { PARALLEL_ROWS = 64, PARALLEL_VALUES = 16384 }; /* rows, or values for silu_mul */
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)), x and out [T, H] with rows `stride` floats apart in x. */
 void rms_norm_f32(const float *x, const float *w, float *out, int T, int H, long stride, float eps) {
@@ -37,7 +40,7 @@ void rms_norm_f32(const float *x, const float *w, float *out, int T, int H, long
 /* out[t] = silu(g[t]) * u[t] = g / (1 + exp(-g)) * u, where row t of gate_up (rows `stride` floats apart) holds
    g (its first I values) then u (the next I); out [T, I]. */
 void silu_mul_f32(const float *gate_up, float *out, int T, int I, long stride) {
-#pragma omp parallel for if (T >= PARALLEL_ROWS) schedule(static)
+#pragma omp parallel for if ((long)T * I >= PARALLEL_VALUES) schedule(static)
   for (int t = 0; t < T; t++) {
     const float *g = gate_up + (size_t)t * stride, *u = g + I;
     float *ot = out + (size_t)t * I;
