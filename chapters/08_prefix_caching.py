@@ -201,13 +201,13 @@ prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": lon
 P = next(i for i, ts in enumerate(zip(*prompts)) if len(set(ts)) > 1)  # tokens every prompt shares
 print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, the first {P} shared")
 
-runs = {}
+runs, engines = {}, {}
 for caching in (False, True):
     llm = LLM.from_model(model, tok, enable_prefix_caching=caching, block_size=16, max_num_seqs=8,
-                         max_model_len=max(map(len, prompts)) + 16)
+                         max_model_len=max(map(len, prompts)) + 16, record_trace=True)
     outs = [llm.generate([p], me.SamplingParams(max_tokens=1), use_tqdm=False)[0]
             for p in tqdm(prompts, desc=f"prefix caching {'on' if caching else 'off'}")]
-    runs[caching] = outs
+    runs[caching], engines[caching] = outs, llm.engine
 same_answers = all(a.token_ids == b.token_ids for a, b in zip(runs[False], runs[True]))
 print(f"{'':20}{'TTFT p50':>11}{'TTFT p99':>11}{'prompt tokens computed':>24}{'hit rate':>10}")
 for caching, outs in runs.items():
@@ -316,9 +316,10 @@ print(f"prompt tokens computed: {prefill_tokens} for four samples (the contiguou
 # ## 6. Measured against the formula
 #
 # `formulas.prefix_cache_savings` counts prefill FLOPs: without the cache a request computes its P + S
-# tokens; with a hit of C tokens it computes P + S − C of them, attending to all P + S. On a CPU a prefill
-# is compute-bound, so the TTFT ratio should approach the FLOP ratio; the engine's per-step costs
-# (scheduling, the LM head, sampling, Python) are the same either way, and bring the measured ratio below.
+# tokens; with a hit of C tokens it computes P + S − C of them, attending to all P + S. On a CPU a long
+# prefill is compute-bound, so one might expect the TTFT ratio to approach the FLOP ratio; the engine's
+# per-step costs (scheduling, the LM head, sampling, Python) are the same either way, and bring the measured
+# ratio below. So does something larger, which the steps below show.
 
 # %%
 S = int(np.median([len(p) for p in prompts[1:]])) - P
@@ -330,17 +331,56 @@ print(f"TTFT ratio off / on (p50 of the requests that could hit): measured {meas
       f"FLOP ratio {flop_ratio:.1f}x")
 
 # %% [markdown]
-# Why the measured ratio stays below the FLOP ratio on a CPU: the uncached prompt's prefill multiplies the
-# weights by hundreds of rows at a time, near the CPU's peak; the cached request's 32-token step multiplies
-# them by 32 rows, and there the step is neither compute-bound nor memory-bound alone. Its weight products
-# read the whole model (424 MB in fp32) for a few GFLOP of work, so how well a kernel overlaps streaming the
-# weights with its arithmetic sets their speed, and the dozens of small operations per layer (norms, RoPE,
-# the cache write), each a few microseconds of dispatch, add up to a noticeable share of a 60 ms step. Both
-# were worked on for this chapter's target: the C product (`csrc/f32_gemm.c`) now spreads its requests for the
-# next block of weights over the whole time it spends on the current one (1.46x faster at 33 rows), and
-# the small operations run as one fused C operator each (`layer_ops.py`, as vLLM's `rms_norm` and
-# `silu_and_mul` kernels). On the 2-core Xeon this was written on they took the ratio from 14x to 18x in
-# the same sitting; the FLOP ratio above is a ceiling no engine reaches.
+# Where the two TTFTs go, step by step. The engine splits a long prompt into chunks of at most
+# `max_num_batched_tokens` tokens, one chunk a step, so the uncached request's TTFT is several steps and
+# the cached request's is one. The trace of each engine (`record_trace=True`) times every step:
+
+# %%
+def steps_of(engine, request_id):
+    """(tokens computed, milliseconds) of each step that ran a chunk of the request."""
+    return [(sum(n for rid, _, n, _ in s.chunks if rid == request_id), (s.end - s.start) * 1e3)
+            for s in engine.trace if any(rid == request_id for rid, *_ in s.chunks)]
+
+
+# The request whose cached TTFT is the median of those that could hit (a request's first step at a new
+# shape can include the one-time timing of a kernel choice), on both engines.
+hits = sorted(range(1, len(prompts)), key=lambda i: runs[True][i].metrics.ttft_s)
+median_request = hits[len(hits) // 2]
+req_steps = {c: steps_of(engines[c], runs[c][median_request].request_id) for c in (False, True)}
+for caching, steps in req_steps.items():
+    print(f"request {median_request}, caching {'on ' if caching else 'off'}: " + "; ".join(
+        f"{n} tokens in {ms:.0f} ms ({ms / n:.2f} ms a token)" for n, ms in steps))
+
+fig, ax = plt.subplots(figsize=(9, 1.8))
+longest = max(sum(ms for _, ms in steps) for steps in req_steps.values())
+for row, caching in enumerate((True, False)):
+    left = 0.0
+    for i, (n, ms) in enumerate(req_steps[caching]):
+        ax.barh(row, ms, left=left, color=f"C{i}", edgecolor="white")
+        wide = ms > 0.1 * longest  # a short segment gets its label beside it
+        ax.text(left + ms / 2 if wide else left + ms + 0.01 * longest, row, f"{n} tok ({ms:.0f} ms)",
+                ha="center" if wide else "left", va="center", fontsize=8)
+        left += ms
+ax.set_yticks([0, 1], ["caching on", "caching off"])
+ax.set_xlabel("ms until the first token (one segment per engine step)")
+ax.set_title(f"Request {median_request}'s prefill, step by step")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Why the measured ratio stays below the FLOP ratio on a CPU, as the milliseconds a token above show: the
+# uncached prompt's prefill multiplies the weights by hundreds of rows at a time, near the CPU's peak; the
+# cached request's short step multiplies them by a few dozen rows at most (32 in `bench --workload prefix`),
+# and there the step is neither compute-bound nor memory-bound alone. The FLOP ratio prices every token the
+# same, and cannot see this. The short step's weight products read the whole model (424 MB in fp32) for a few
+# GFLOP of work, so how well a kernel overlaps streaming the weights with its arithmetic sets their speed, and
+# the dozens of small operations per layer (norms, RoPE, the cache write), each a few microseconds of
+# dispatch, add up to a noticeable share of a 50 ms step. Both were worked on for this chapter's target: the C
+# product (`csrc/f32_gemm.c`) now spreads its requests for the next block of weights over the whole time it
+# spends on the current one (1.46x faster at 33 rows), and the small operations run as one fused C operator
+# each (`layer_ops.py`, as vLLM's `rms_norm` and `silu_and_mul` kernels). On the 2-core Xeon this was written
+# on they took the ratio from 14x to 18x in the same sitting; the FLOP ratio above is a ceiling no engine
+# reaches.
 #
 # The calculator below prices the same trade on any model and GPU: the seed's 2,000-token system prompt
 # and 50-token questions on Llama-2-13B give its "about 40×" as a FLOP ratio, but on an A100's roofline so
