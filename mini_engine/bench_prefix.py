@@ -51,6 +51,7 @@ class PrefixRun:
     cached_tokens: int         # of those, served from the prefix cache
     output_tokens: int
     seconds: float             # wall time of the measured requests
+    steps: list[list[tuple[int, float]]]  # per measured request: (tokens computed, seconds) of each step it ran in
 
     @property
     def computed_tokens(self) -> int:
@@ -76,7 +77,7 @@ def run_shared_prefix(model, tok, work: SharedPrefixWorkload, caching: bool, max
 
     longest = len(work.prefix) + max(len(q) for q in work.questions + [work.warm_question]) + max_tokens
     engine_kwargs = {"max_model_len": longest, **engine_kwargs}
-    llm = LLM.from_model(model, tok, enable_prefix_caching=caching, **engine_kwargs)
+    llm = LLM.from_model(model, tok, enable_prefix_caching=caching, record_trace=True, **engine_kwargs)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate([work.prefix + work.warm_question], params, use_tqdm=False)
     t0 = time.perf_counter()
@@ -87,8 +88,14 @@ def run_shared_prefix(model, tok, work: SharedPrefixWorkload, caching: bool, max
     else:
         outs = llm.generate(work.prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - t0
+    steps = {o.request_id: [] for o in outs}
+    for s in llm.engine.trace:
+        for rid, _, n, _ in s.chunks:
+            if rid in steps:
+                steps[rid].append((n, s.end - s.start))
     return PrefixRun(caching, [o.metrics.ttft_s for o in outs], sum(len(o.prompt_token_ids) for o in outs),
-                     sum(o.num_cached_tokens for o in outs), sum(len(o.token_ids) for o in outs), seconds)
+                     sum(o.num_cached_tokens for o in outs), sum(len(o.token_ids) for o in outs), seconds,
+                     [steps[o.request_id] for o in outs])
 
 
 def predicted_ttft_ratio(model, prefix_len: int, question_len: int, block_size: int) -> float:
@@ -142,6 +149,12 @@ def bench_prefix(requests: int, device: str, dtype: str, prefix_len: int = 1024,
     predicted = predicted_ttft_ratio(model, prefix_len, question_len, block_size)
     print_fn(f"  TTFT p50 off / on: {measured:.1f}x measured; {predicted:.1f}x predicted by the FLOP ratio "
              "(formulas.prefix_cache_savings)")
+    # The request with the median cached TTFT, step by step on both engines: the uncached prompt is chunked
+    # (`max_num_batched_tokens`), the cached one is its question alone.
+    median = sorted(range(len(ttft[1].ttft)), key=ttft[1].ttft.__getitem__)[len(ttft[1].ttft) // 2]
+    for r in ttft:
+        print_fn(f"  request {median}, caching {'on ' if r.caching else 'off'}: " + "; ".join(
+            f"{n} tokens in {sec * 1e3:.1f} ms ({sec * 1e3 / n:.2f} ms a token)" for n, sec in r.steps[median]))
     if chunk_forms:
         print_fn(f"one layer's attention for a prefill chunk over the paged cache (median over the "
                  f"{model.config.num_layers} layers' pools): the C kernel reading the pool in place against the "

@@ -12,12 +12,18 @@ def test_prefix_bench_measures_ttft_throughput_and_the_serving_workload():
     off, on = res["ttft"]
     assert off.cached_tokens == 0 and off.computed_tokens == off.prompt_tokens == 3 * 45
     assert on.cached_tokens == 3 * cached_prefix_tokens(45, 40, 16) == 3 * 32
+    # each measured request's steps compute exactly its uncached prompt tokens (and its one output token
+    # comes from the last of them, which samples)
+    assert [sum(n for n, _ in steps) for steps in off.steps] == [45] * 3
+    assert [sum(n for n, _ in steps) for steps in on.steps] == [45 - 32] * 3
+    assert all(sec > 0 for r in (off, on) for steps in r.steps for _, sec in steps)
     t_off, t_on = res["throughput"]
     assert t_off.output_tokens == t_on.output_tokens == 9 and t_on.cached_tokens > 0
     s_off, s_on = res["serving"]
     assert s_off.tokens == s_on.tokens and s_on.system.endswith("on")
     text = "\n".join(lines)
-    phrases = ["CPU:", "TTFT p50 off / on", "predicted by the FLOP ratio", "output tok/s", "on / off"]
+    phrases = ["CPU:", "TTFT p50 off / on", "predicted by the FLOP ratio", "caching off: 45 tokens in",
+               "caching on : 13 tokens in", "output tok/s", "on / off"]
     if cpu_kernels.compiler() is not None:  # the prefill chunk's two attention forms, side by side
         phrases += ["5 tokens over    45 positions: in place", "45 tokens over    45 positions: in place"]
     for phrase in phrases:
