@@ -69,7 +69,7 @@ from tqdm.auto import tqdm
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.devices import default_device
-from mini_engine.engine import LLM, LLMEngine
+from mini_engine.engine import LLM, LLMEngine, request_steps
 from mini_engine.hardware import describe_machine, tune_products
 from mini_engine.metrics import percentile
 from mini_engine.paging import BlockManager, hash_block
@@ -336,17 +336,12 @@ print(f"TTFT ratio off / on (p50 of the requests that could hit): measured {meas
 # the cached request's is one. The trace of each engine (`record_trace=True`) times every step:
 
 # %%
-def steps_of(engine, request_id):
-    """(tokens computed, milliseconds) of each step that ran a chunk of the request."""
-    return [(sum(n for rid, _, n, _ in s.chunks if rid == request_id), (s.end - s.start) * 1e3)
-            for s in engine.trace if any(rid == request_id for rid, *_ in s.chunks)]
-
-
 # The request whose cached TTFT is the median of those that could hit (a request's first step at a new
 # shape can include the one-time timing of a kernel choice), on both engines.
 hits = sorted(range(1, len(prompts)), key=lambda i: runs[True][i].metrics.ttft_s)
 median_request = hits[len(hits) // 2]
-req_steps = {c: steps_of(engines[c], runs[c][median_request].request_id) for c in (False, True)}
+req_steps = {c: [(n, sec * 1e3) for n, sec in request_steps(engines[c].trace, runs[c][median_request].request_id)]
+             for c in (False, True)}
 for caching, steps in req_steps.items():
     print(f"request {median_request}, caching {'on ' if caching else 'off'}: " + "; ".join(
         f"{n} tokens in {ms:.0f} ms ({ms / n:.2f} ms a token)" for n, ms in steps))

@@ -73,7 +73,7 @@ def run_shared_prefix(model, tok, work: SharedPrefixWorkload, caching: bool, max
     the prefix in the cache. one_at_a_time: each request alone (its TTFT is its prefill); otherwise all at once."""
     from tqdm import tqdm
 
-    from .engine import LLM
+    from .engine import LLM, request_steps
 
     longest = len(work.prefix) + max(len(q) for q in work.questions + [work.warm_question]) + max_tokens
     engine_kwargs = {"max_model_len": longest, **engine_kwargs}
@@ -88,14 +88,9 @@ def run_shared_prefix(model, tok, work: SharedPrefixWorkload, caching: bool, max
     else:
         outs = llm.generate(work.prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - t0
-    steps = {o.request_id: [] for o in outs}
-    for s in llm.engine.trace:
-        for rid, _, n, _ in s.chunks:
-            if rid in steps:
-                steps[rid].append((n, s.end - s.start))
     return PrefixRun(caching, [o.metrics.ttft_s for o in outs], sum(len(o.prompt_token_ids) for o in outs),
                      sum(o.num_cached_tokens for o in outs), sum(len(o.token_ids) for o in outs), seconds,
-                     [steps[o.request_id] for o in outs])
+                     [request_steps(llm.engine.trace, o.request_id) for o in outs])
 
 
 def predicted_ttft_ratio(model, prefix_len: int, question_len: int, block_size: int) -> float:
