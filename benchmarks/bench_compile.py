@@ -70,7 +70,7 @@ def main() -> int:
 
     from tqdm import tqdm
 
-    from mini_engine.hardware import describe_machine
+    from mini_engine.course.hardware import describe_machine
 
     results = {}
     for way in tqdm(WAYS, desc="cold compiles (a minute or two each on a 2-core CPU)"):

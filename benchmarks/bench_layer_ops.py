@@ -25,11 +25,11 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from mini_engine import layer_ops
-    from mini_engine.bench_prefix import SharedPrefixWorkload
+    from mini_engine.backends.cpu import layer_ops
+    from mini_engine.bench.prefix import SharedPrefixWorkload
     from mini_engine.engine import LLM
-    from mini_engine.hardware import describe_machine, tune_products
-    from mini_engine.loader import load_model
+    from mini_engine.course.hardware import describe_machine, tune_products
+    from mini_engine.loading.loader import load_model
     from mini_engine.sampling import SamplingParams
 
     model, tok = load_model("smollm2-135m")

@@ -35,8 +35,8 @@ VLLM_CONFIGS = {
 
 def workload(requests: int):
     """The ladder's workload, built with mini_engine's tokenizer; and the EOS token id."""
-    from mini_engine.bench_ladder import LadderWorkload
-    from mini_engine.loader import load_model
+    from mini_engine.bench.ladder import LadderWorkload
+    from mini_engine.loading.loader import load_model
     _, tok = load_model("smollm2-135m", device="cpu")
     return LadderWorkload.build(tok, requests), tok.eos_token_id
 
@@ -48,7 +48,7 @@ def export_hf_folder(dest: Path) -> Path:
     import torch
     import transformers
 
-    from mini_engine.loader import embedded_gguf_path
+    from mini_engine.loading.loader import embedded_gguf_path
     path = embedded_gguf_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
@@ -88,7 +88,7 @@ def run_vllm(config: str, requests: int, dtype: str, out: Path) -> None:
 def ours(requests: int, dtype: str) -> dict:
     """mini_engine's paged + prefix caching rung (vLLM's default features) and its top rung, on the GPU."""
     import mini_engine as me
-    from mini_engine.bench_ladder import compile_engine_available, engine_kwargs_for, run_engine_rung
+    from mini_engine.bench.ladder import compile_engine_available, engine_kwargs_for, run_engine_rung
 
     model, tok = me.load_model("smollm2-135m", device="cuda", dtype=dtype)
     work, _ = workload(requests)

@@ -47,7 +47,7 @@ import torch
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.devices import default_device, timed
-from mini_engine.hardware import cpu_info, describe_machine, format_tuned_forms, measure_ceilings, tune_products
+from mini_engine.course.hardware import cpu_info, describe_machine, format_tuned_forms, measure_ceilings, tune_products
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
@@ -291,7 +291,7 @@ print(f"64 tokens / 1 token: measured {pass_s[64] / pass_s[1]:.1f}x, roofline {r
 # decode speed, and the decode speed you will actually measure.
 
 # %%
-from mini_engine.hardware import measure_matmul_flops
+from mini_engine.course.hardware import measure_matmul_flops
 from mini_engine.metrics import TokenTimer
 
 other_dtype = "bfloat16" if dtype == "float32" else "float32"

@@ -52,8 +52,8 @@ from IPython.display import display
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.devices import default_device, pick, synchronize, timed
-from mini_engine.hardware import measure_ceilings
-from mini_engine.widgets import naive_cost_widget
+from mini_engine.course.hardware import measure_ceilings
+from mini_engine.course.widgets import naive_cost_widget
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"

@@ -57,10 +57,10 @@ import mini_engine as me
 from mini_engine import formulas
 from mini_engine.devices import default_device, pick, timed
 from mini_engine.generate import decode_step, prefill
-from mini_engine.hardware import measure_ceilings
+from mini_engine.course.hardware import measure_ceilings
 from mini_engine.kv_cache import ContiguousKVCache
 from mini_engine.metrics import TokenTimer
-from mini_engine.widgets import roofline_widget
+from mini_engine.course.widgets import roofline_widget
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"

@@ -56,9 +56,9 @@ from mini_engine import formulas
 from mini_engine.config import PRESETS
 from mini_engine.devices import default_device, pick, synchronize
 from mini_engine.generate import decode_step, prefill
-from mini_engine.hardware import measure_ceilings
+from mini_engine.course.hardware import measure_ceilings
 from mini_engine.kv_cache import ContiguousKVCache
-from mini_engine.widgets import kv_memory_widget
+from mini_engine.course.widgets import kv_memory_widget
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
@@ -418,7 +418,7 @@ display(kv_memory_widget("llama-2-13b", gpu_gib=80.0))
 # fixed cost of launching some forty small operations per layer, each of which touches only a few kilobytes.
 
 # %%
-from mini_engine.hardware import format_tuned_forms, matmul_floor_tok_s
+from mini_engine.course.hardware import format_tuned_forms, matmul_floor_tok_s
 
 print(format_tuned_forms(rows=1))
 step_s = float(np.median(np.diff(cached_t)))  # one decode step, from the stamps above

@@ -61,7 +61,7 @@ from mini_engine import formulas, simulate
 from mini_engine.devices import default_device, pick
 from mini_engine.engine import LLM, LLMEngine
 from mini_engine.metrics import percentile
-from mini_engine.widgets import batching_widget
+from mini_engine.course.widgets import batching_widget
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
@@ -434,7 +434,7 @@ plt.show()
 # Only the order of the sums changes, so results agree to float rounding (`tests/engine/test_linear.py`).
 
 # %%
-from mini_engine.hardware import format_tuned_forms, matmul_floor_tok_s, tune_products
+from mini_engine.course.hardware import format_tuned_forms, matmul_floor_tok_s, tune_products
 
 tune_products(model, (1, 4, 16))
 for b in (1, 4, 16):

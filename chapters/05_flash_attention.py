@@ -79,9 +79,9 @@ from IPython.display import display
 
 from mini_engine import PRESETS
 from mini_engine.devices import default_device, default_dtype, pick, timed
-from mini_engine.formulas import human_bytes
+from mini_engine.course.formulas import human_bytes
 from mini_engine.kernels import attention_reference, flash_attention, flash_attention_varlen
-from mini_engine.online_softmax import online_softmax_states, online_softmax_stepper, softmax_attention
+from mini_engine.course.online_softmax import online_softmax_states, online_softmax_stepper, softmax_attention
 
 # The kernel module itself (the package's attribute of the same name is the function flash_attention).
 fa = importlib.import_module("mini_engine.kernels.flash_attention")
@@ -246,7 +246,7 @@ print(f"doubling N from {ns[-2]} to {ns[-1]}: naive intermediates x{mem_rows[-1]
 # `BLOCK_M × BLOCK_N` one in registers. `formulas.attention_hbm_bytes` counts both, per head:
 
 # %%
-from mini_engine.formulas import attention_hbm_bytes
+from mini_engine.course.formulas import attention_hbm_bytes
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.15, 1]})
 rect = lambda ax, x, y, w, h, color, text, **kw: (ax.add_patch(plt.Rectangle((x, y), w, h, color=color, alpha=0.55, **kw)),
@@ -329,7 +329,7 @@ print("after tile 2:", acc2 / l2, " exact over all keys:", softmax_attention(s, 
 print(f"max moved from {m1:.3f} to {m2:.3f}: old sums were scaled by exp(m1 - m2) = {np.exp(m1 - m2):.3f}")
 
 # %% [markdown]
-# `mini_engine.online_softmax` runs the same recurrence for any number of tiles and yields the state
+# `mini_engine.course.online_softmax` runs the same recurrence for any number of tiles and yields the state
 # after each one. Every intermediate state is the exact answer for its prefix; the last one is the
 # exact answer, full stop.
 
@@ -634,7 +634,7 @@ plt.show()
 # %% [markdown]
 # ### The same loop on a CPU, in C
 #
-# The engine has a CPU twin of this chapter's kernel: `paged_chunk` in `mini_engine/csrc/paged_decode.c`,
+# The engine has a CPU twin of this chapter's kernel: `paged_chunk` in `mini_engine/backends/cpu/csrc/paged_decode.c`,
 # which attends a prefill chunk to the paged KV cache (chapter 07) on a CPU. A GPU gives each query row of a
 # tile to its own thread. A CPU core has 16 lanes in an AVX-512 vector register instead, so the kernel puts 16
 # query rows in them: one vector holds one key's score for 16 rows. The running max, the rescaling and the
@@ -648,7 +648,7 @@ plt.show()
 # against it.
 
 # %%
-from mini_engine import cpu_kernels
+from mini_engine.backends.cpu import cpu_kernels
 
 chunk_rows = []
 if device == "cpu" and cpu_kernels.compiler() is not None:

@@ -68,9 +68,9 @@ from IPython.display import HTML, display
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.devices import default_device, pick
-from mini_engine.hardware import describe_machine, matmul_floor_tok_s, tune_products
+from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, tune_products
 from mini_engine.speculative import DraftModelProposer, NgramProposer, rejection_sample
-from mini_engine.widgets import speculative_widget
+from mini_engine.course.widgets import speculative_widget
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
@@ -407,7 +407,7 @@ for b, c in costs.items():
 # (at most k), so requests whose drafts keep failing draft one at a time.
 
 # %%
-from mini_engine import bench_speculative as spec_bench
+from mini_engine.bench.runs import speculative as spec_bench
 
 NGRAM = {"method": "ngram", "k": 4}
 tune_products(model, rows=(2, 4, 8, 16, 32, 64, 128, 256))  # a verify step's row counts: tuned off the clock

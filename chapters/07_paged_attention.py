@@ -71,14 +71,14 @@ from tqdm.auto import tqdm
 
 import mini_engine as me
 from mini_engine import formulas, simulate
-from mini_engine.bench import ServingWorkload, run_engine
-from mini_engine.bench_paging import time_decode_steps
+from mini_engine.bench.runs import ServingWorkload, run_engine
+from mini_engine.bench.paging import time_decode_steps
 from mini_engine.devices import default_device, pick
 from mini_engine.engine import LLM, LLMEngine
-from mini_engine.hardware import describe_machine, tune_products
+from mini_engine.course.hardware import describe_machine, tune_products
 from mini_engine.metrics import percentile
 from mini_engine.paging import BlockManager
-from mini_engine.widgets import fragmentation_widget, kv_budget_widget
+from mini_engine.course.widgets import fragmentation_widget, kv_budget_widget
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
@@ -350,7 +350,7 @@ plt.show()
 # A paged decode has to find each sequence's blocks wherever they lie. On a GPU the Triton kernel reads them
 # in place, following the block table. On a CPU the engine times two ways and keeps the faster, per batch and
 # context size: copy each sequence's blocks out of the pool and run SDPA on the copy (which reads the cached
-# keys and values twice), or a small C kernel (`mini_engine/csrc/paged_decode.c`) that reads them in place and
+# keys and values twice), or a small C kernel (`mini_engine/backends/cpu/csrc/paged_decode.c`) that reads them in place and
 # asks for the next block while it reads the current one, since the CPU's prefetcher cannot guess where that
 # block lies. A prefill chunk (many query tokens of one sequence, each seeing its own prefix) has the same
 # choice, with a second kernel in that file laid out as FlashAttention is: 16 query rows sit in the lanes of
@@ -360,7 +360,7 @@ plt.show()
 # %%
 from collections import Counter
 
-from mini_engine.autotune import TUNER
+from mini_engine.backends.cpu.autotune import TUNER
 
 for op in ("paged_decode", "paged_prefill"):
     forms = Counter(choice.form for key, choice in TUNER.report() if key[0] == op)

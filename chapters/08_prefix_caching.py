@@ -70,10 +70,10 @@ import mini_engine as me
 from mini_engine import formulas
 from mini_engine.devices import default_device
 from mini_engine.engine import LLM, LLMEngine, request_steps
-from mini_engine.hardware import describe_machine, tune_products
+from mini_engine.course.hardware import describe_machine, tune_products
 from mini_engine.metrics import percentile
 from mini_engine.paging import BlockManager, hash_block
-from mini_engine.widgets import prefix_cache_widget
+from mini_engine.course.widgets import prefix_cache_widget
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"

@@ -61,10 +61,10 @@ from tqdm.auto import tqdm
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.bench_ladder import LABELS, RUNGS, SEED_CLAIMS, LadderWorkload, agreement, bench_ladder
+from mini_engine.bench.ladder import LABELS, RUNGS, SEED_CLAIMS, LadderWorkload, agreement, bench_ladder
 from mini_engine.devices import default_device, pick
 from mini_engine.engine import LLM
-from mini_engine.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings, tune_products
+from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings, tune_products
 from mini_engine.metrics import percentile
 from mini_engine.speculative import NgramProposer
 
@@ -303,8 +303,8 @@ print(f"weights: {formulas.weight_bytes(shape, nbytes) / 1e6:.0f} MB per decode 
 # %%
 from openai import OpenAI
 
-from mini_engine.bench_server import tuned_env, warm_server
-from mini_engine.loadtest import PROMPTS, format_table, plot_sweep, start_server, sweep
+from mini_engine.bench.server import tuned_env, warm_server
+from mini_engine.serving.loadtest import PROMPTS, format_table, plot_sweep, start_server, sweep
 
 with tuned_env():
     server = start_server("--device", device, "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs",
@@ -427,7 +427,7 @@ for k, v in summary:
 # against the batched row.
 
 # %%
-from mini_engine.bench_ladder import engine_kwargs_for, run_engine_rung
+from mini_engine.bench.ladder import engine_kwargs_for, run_engine_rung
 
 first3 = LadderWorkload(work.prompts[:3], work.max_tokens[:3], work.kinds[:3], work.shared_prefix_len)
 solo = run_engine_rung(model, tok, first3, "prefix", progress=False,

@@ -65,10 +65,11 @@ import torch
 from tqdm.auto import tqdm
 
 import mini_engine as me
-from mini_engine import formulas, quality
+from mini_engine import formulas
+from mini_engine.course import quality
 from mini_engine.devices import default_device, pick
 from mini_engine.engine import LLM
-from mini_engine.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings, tune_products
+from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings, tune_products
 from mini_engine.quant import choose_form, from_scales_and_zeros, quantize_int4, weight_bytes
 
 device = default_device()
@@ -249,14 +250,14 @@ for name, w in grids.items():
 #
 # Five copies of the model: fp32 and bf16 (all weights in that dtype), int8 (every product's weights as int8
 # with one scale per row, quantized at load from the fp32 weights) and int4 (the GGUF's Q4_1 codes repacked;
-# the tied embedding / LM head is int8 per row in both quantized models, see `mini_engine/quant.py`), and
+# the tied embedding / LM head is int8 per row in both quantized models, see `mini_engine/quant/__init__.py`), and
 # int4c, the same codes stored in fewer bytes (section 6 explains it; its row is here to be compared). The
 # quantized models compute in bf16 like the bf16 model, so the bf16 row and theirs differ only in how the
 # weights are stored (with fp32 activations they cast them to bf16 for the packed kernels anyway: `load_model(...,
 # dtype="float32", quantization="int4")` is what `python -m mini_engine bench --quantization int4` runs). Their
 # products run torch's packed int4 / int8 kernels, chosen per row count by the autotuner as the float products
 # are. With fp32 activations on an x86 CPU with AVX2, the int4 and int8 products have one more candidate each:
-# the project's C kernels (`mini_engine/csrc/int4_gemm.c`, `int8_gemm.c`), which read the same codes and keep x
+# the project's C kernels (`mini_engine/backends/cpu/csrc/int4_gemm.c`, `int8_gemm.c`), which read the same codes and keep x
 # in fp32. A compiled decode step calls them as C++ operators (`csrc/torch_ops.cpp`), with no Python per call.
 # On an Intel CPU with AMX (matrix tiles, Sapphire Rapids and later) there are two more: the same products on
 # the tile instructions (`int4_gemm_amx.c`, `int8_gemm_amx.c`), which turn each weight into bf16 once and then
@@ -346,7 +347,7 @@ plt.show()
 # threads, one stream:
 
 # %%
-from mini_engine.bench import llama_cpp_available, run_llama_cpp_isolated
+from mini_engine.bench.runs import llama_cpp_available, run_llama_cpp_isolated
 
 llama_tok_s = None
 row = run_llama_cpp_isolated(single_prompt, NEW) if device == "cpu" and llama_cpp_available() else None

@@ -80,7 +80,7 @@ if mine is not None:
 
 # %% [markdown]
 # ## 2. Counting FLOPs
-# Compare your counter with the closed form in `mini_engine.formulas` (which counts every parameter,
+# Compare your counter with the closed form in `mini_engine.course.formulas` (which counts every parameter,
 # embedding included, so it is a little higher than the linear layers alone).
 
 # %%

@@ -104,7 +104,7 @@ for b in (1, 16, 256):
 # An A100 (312 TFLOP/s bf16, 2.04 TB/s) and this machine's measured ceilings.
 
 # %%
-from mini_engine.hardware import measure_ceilings
+from mini_engine.course.hardware import measure_ceilings
 
 ceil = measure_ceilings("cpu", torch.float32, quick=True)
 for name, peak, bw, nbytes in (("A100 bf16", 312e12, 2.039e12, 2), ("this CPU fp32", ceil.peak_flops, ceil.peak_bw, 4)):

@@ -69,7 +69,7 @@ import tracemalloc
 import numpy as np
 
 from mini_engine.kernels.flash_attention import attention_reference
-from mini_engine.online_softmax import softmax_attention
+from mini_engine.course.online_softmax import softmax_attention
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 print(f"device: {device}; your kernel runs {'compiled' if device == 'cuda' else 'in the Triton interpreter'}")

@@ -165,7 +165,7 @@ if result:
 
 # %% [markdown]
 # ## 3. What paging buys
-# The same accounting at serving scale (`mini_engine.simulate`): a KV budget that holds 64 reservations of
+# The same accounting at serving scale (`mini_engine.course.simulate`): a KV budget that holds 64 reservations of
 # 2048 tokens, filled by requests of a chat-like length mix averaging 512 tokens.
 
 # %%

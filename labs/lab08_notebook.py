@@ -17,7 +17,7 @@
 # Open `labs/lab08_prefix_caching.py` and fill in the functions marked `TODO`: `hash_block` and `block_hashes`
 # (the hash chain), then `allocate`, `free`, `release`, `lookup`, `cache_full_blocks` and `admit` of `PrefixCache`.
 # This notebook hashes a few prompts with your code, serves a stream of requests that share a system prompt
-# through your cache and checks its hits against the closed form in `mini_engine.formulas`, shrinks the pool
+# through your cache and checks its hits against the closed form in `mini_engine.course.formulas`, shrinks the pool
 # until least-recently-used eviction starts to cost hits, turns hits into time to first token, and then runs
 # the grader, the same tests CI runs against the reference solution:
 #
@@ -57,7 +57,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import display
 
-from mini_engine import formulas, widgets
+from mini_engine import formulas
+
+from mini_engine.course import widgets
 
 
 def attempt(part, fn):

@@ -58,7 +58,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from mini_engine.loader import embedded_gguf_path
+from mini_engine.loading.loader import embedded_gguf_path
 
 
 def attempt(part, fn):

@@ -1,12 +1,20 @@
-"""mini_engine: a small, readable, real LLM inference engine for the course."""
-from . import formulas, simulate
+"""mini_engine: a small, readable, real LLM inference engine for the course (mini_engine/README.md is the guide)."""
+import importlib
+
 from .config import PRESETS, ModelConfig
 from .engine import LLM, CompletionOutput, LLMEngine, RequestOutput
 from .engine_config import EngineConfig
 from .generate import SpeculativeStats, generate_batch, generate_cached, generate_naive, generate_speculative
-from .loader import load_model
+from .loading.loader import load_model
 from .sampling import SamplingParams
 
-__all__ = ["formulas", "simulate", "LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "EngineConfig", "ModelConfig", "PRESETS", "load_model", "generate_naive", "generate_cached", "generate_batch",
-           "generate_speculative",
-           "SpeculativeStats", "SamplingParams"]
+__all__ = ["formulas", "simulate", "LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "ModelConfig", "PRESETS", "load_model", "generate_naive", "generate_cached", "generate_batch",
+           "generate_speculative", "SpeculativeStats", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # `me.formulas` and `me.simulate` are public API; they live with the course support and load on first use.
+    if name in ("formulas", "simulate"):
+        return importlib.import_module(f"mini_engine.course.{name}")
+    raise AttributeError(f"module 'mini_engine' has no attribute {name!r}")

@@ -61,7 +61,7 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import DEFAULT_SERVING_RUNGS, SERVING_RUNGS, SINGLE_STREAM_RUNGS, bench, bench_serving
+    from .bench.runs import DEFAULT_SERVING_RUNGS, SERVING_RUNGS, SINGLE_STREAM_RUNGS, bench, bench_serving
     rungs = args.rung or []
     serving = [r for r in rungs if r in SERVING_RUNGS]
     single = [r for r in rungs if r in SINGLE_STREAM_RUNGS]
@@ -74,8 +74,8 @@ def cmd_bench(args) -> None:
             if value is not None and value < 1:
                 raise ValueError(f"--{name} must be >= 1")
     if args.ladder:
-        from .bench_ladder import RUNGS as LADDER_RUNGS
-        from .bench_ladder import bench_ladder
+        from .bench.ladder import RUNGS as LADDER_RUNGS
+        from .bench.ladder import bench_ladder
         if rungs or args.workload != "single":
             raise ValueError("--ladder runs its own workload up every rung; it takes no --rung or --workload")
         bench_ladder(args.device, args.dtype, requests=args.requests, batch=args.batch, sample=args.sample, k=args.k,
@@ -83,7 +83,7 @@ def cmd_bench(args) -> None:
                      plot=args.plot or "build/ladder.png")
         return
     if args.workload == "server":
-        from .bench_server import bench_server
+        from .bench.server import bench_server
         if rungs:
             raise ValueError("--workload server measures the HTTP server against offline LLM.generate; no --rung")
         bench_server(32 if args.requests is None else args.requests, 64 if args.tokens is None else args.tokens,
@@ -96,7 +96,7 @@ def cmd_bench(args) -> None:
         if getattr(args, name) is None:
             setattr(args, name, default)
     if args.workload == "paging":
-        from .bench_paging import bench_paging
+        from .bench.paging import bench_paging
         if rungs:
             raise ValueError("--workload paging compares the two KV caches; it takes no --rung")
         if args.requests < 1 or args.batch < 1 or args.max_model_len < 2:
@@ -104,7 +104,7 @@ def cmd_bench(args) -> None:
         for slots in slot_counts:
             bench_paging(args.requests, slots, args.device, args.dtype, max_model_len=args.max_model_len)
     elif args.workload == "prefix":
-        from .bench_prefix import bench_prefix
+        from .bench.prefix import bench_prefix
         if rungs:
             raise ValueError("--workload prefix compares prefix caching on and off; it takes no --rung")
         if args.requests < 1 or args.batch < 1 or args.prefix_len < 1 or args.question_len < 1:
@@ -112,7 +112,7 @@ def cmd_bench(args) -> None:
         bench_prefix(args.requests, args.device, args.dtype, prefix_len=args.prefix_len,
                      question_len=args.question_len, batch=args.batch)
     elif args.workload == "speculative":
-        from .bench_speculative import bench_speculative
+        from .bench.speculative import bench_speculative
         if rungs:
             raise ValueError("--workload speculative compares n-gram speculation on and off; it takes no --rung")
         if args.batch < 1 or args.tokens < 1 or args.k < 1:
@@ -132,7 +132,7 @@ def cmd_bench(args) -> None:
 
 def cmd_serve(args) -> None:
     import mini_engine as me
-    from .server import ServerConfig, serve
+    from .serving.server import ServerConfig, serve
     config = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                           max_waiting=args.max_waiting)  # checked before the weights load
     llm = me.LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
@@ -144,7 +144,7 @@ def cmd_serve(args) -> None:
 
 
 def cmd_loadtest(args) -> None:
-    from .loadtest import format_table, plot_sweep, run_loadtest
+    from .serving.loadtest import format_table, plot_sweep, run_loadtest
     rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate]
     results = [run_loadtest(args.url, rate, args.requests, max_tokens=args.max_tokens, api_key=args.api_key,
                             seed=args.seed) for rate in rates]

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
-from .cpu_kernels import (contiguous_decode, contiguous_decode_supported, load_torch_ops, paged_chunk, paged_decode,
+from .backends.cpu.autotune import TUNER, Autotuner, counting_mode_active, row_bucket
+from .backends.cpu.cpu_kernels import (contiguous_decode, contiguous_decode_supported, load_torch_ops, paged_chunk, paged_decode,
                           paged_decode_supported)
 from .paging import slot_mapping as block_slot_mapping
 

@@ -45,7 +45,7 @@ import torch
 from .attention import AttentionMetadata
 from .compiled_decode import CompiledDecode
 from .engine_config import EngineConfig, SpeculativeConfig
-from .formulas import human_bytes
+from .course.formulas import human_bytes
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .paging import BlockManager
 from .sampling import SamplingParams, make_generator, sample, sample_seed
@@ -270,7 +270,7 @@ class LLMEngine:
             return NgramProposer(spec.ngram_min, spec.ngram_max)
         draft = spec.model
         if isinstance(draft, (str, os.PathLike)):
-            from .loader import load_model
+            from .loading.loader import load_model
             draft, _ = load_model(str(draft), device=str(self.model.device),
                                   dtype=spec.dtype or _dtype_name(self.model.dtype), quantization=spec.quantization)
         elif spec.dtype is not None and _dtype_name(draft.dtype) != spec.dtype:
@@ -566,7 +566,7 @@ class LLM:
                  enable_prefix_caching: bool | None = None, chunked_prefill_tokens: int | None = 512,
                  scheduling: str = "continuous", speculative: dict | None = None, attention_backend: str = "auto",
                  compile: bool | str = False, quantization: str | None = None, **engine_kwargs):
-        from .loader import load_model
+        from .loading.loader import load_model
 
         config = EngineConfig(  # checked before the weights load
             model=model, device=device, dtype=dtype, kv_cache=kv_cache, block_size=block_size,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import layer_ops
+from .backends.cpu import layer_ops
 from .config import ModelConfig
 
 

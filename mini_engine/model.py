@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import layer_ops
+from .backends.cpu import layer_ops
 from .attention import BACKENDS, AttentionMetadata, attention_no_cache, attention_with_cache
 from .config import ModelConfig
-from .products import Linear
+from .backends.cpu.products import Linear
 
 
 class RMSNorm(nn.Module):

@@ -37,7 +37,7 @@ def plain_forms(monkeypatch):
     """Product forms pinned, untimed (float: F.linear; int4, int8: torch's packed kernels), here and in a server
     subprocess, for tests of the benches, whose tuning would cost a minute; the tuner's choices are put back
     after."""
-    from mini_engine.autotune import TUNER
+    from mini_engine.backends.cpu.autotune import TUNER
 
     before = dict(TUNER.choices)
     pins = {"product": "linear", "int4_product": "int4pack", "int8_product": "int8pack"}

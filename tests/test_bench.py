@@ -2,9 +2,9 @@
 (The numbers themselves belong in benchmarks/RESULTS.md, never in a pass/fail test.)"""
 import pytest
 
-from mini_engine import cpu_kernels
-from mini_engine.bench import bench, bench_serving
-from mini_engine.bench_paging import bench_paging
+from mini_engine.backends.cpu import cpu_kernels
+from mini_engine.bench.runs import bench, bench_serving
+from mini_engine.bench.paging import bench_paging
 
 pytest.importorskip("transformers")
 
@@ -22,7 +22,7 @@ def test_single_stream_bench_prints_each_rung_hf_and_the_ratios():
 
 
 def test_single_stream_bench_with_int4_adds_the_quantized_rows_and_llama_cpp(plain_forms):
-    from mini_engine.bench import llama_cpp_available
+    from mini_engine.bench.runs import llama_cpp_available
     lines = []
     rows = bench(["cached"], 3, "cpu", "float32", with_hf=False, print_fn=lines.append, quantization="int4")
     expected = ["mini_engine cached", "mini_engine int4 cached"]
@@ -83,7 +83,7 @@ def test_paging_bench_compares_the_two_caches_at_equal_memory():
 
 
 def test_speculative_bench_compares_ngram_on_and_off_on_both_workloads():
-    from mini_engine.bench_speculative import bench_speculative
+    from mini_engine.bench.speculative import bench_speculative
     lines = []
     runs = bench_speculative(batches=(1, 2), max_tokens=3, requests_at_batch_1=1, print_fn=lines.append)
     assert [(p.workload, p.batch, p.speculative, s.speculative, f.speculative) for p, s, f in runs] == \
@@ -102,7 +102,7 @@ def test_llama_cpp_row_prefills_the_whole_prompt_every_run(monkeypatch):
     import sys
     import types
 
-    from mini_engine.bench import run_llama_cpp
+    from mini_engine.bench.runs import run_llama_cpp
 
     cached_at_start = []
 
@@ -132,7 +132,7 @@ def test_a_crash_in_a_child_process_is_an_error_here_and_costs_only_its_row():
     RuntimeError in this process, which goes on."""
     import ctypes
 
-    from mini_engine.bench import in_child_process
+    from mini_engine.bench.runs import in_child_process
     assert in_child_process(max, 3, 7) == 7
     with pytest.raises(RuntimeError, match="crashed its process"):
         in_child_process(ctypes.string_at, 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mini_engine.bench_ladder import LABELS, RUNGS, LadderWorkload, bench_ladder
+from mini_engine.bench.ladder import LABELS, RUNGS, LadderWorkload, bench_ladder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ def test_ladder_runs_every_rung_and_compares_outputs(tmp_path):
 def test_server_bench_answers_every_request(plain_forms):
     pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from mini_engine.bench_server import bench_server
+    from mini_engine.bench.server import bench_server
     lines = []
     res = bench_server(requests=3, max_tokens=4, tune=False, progress=False,
                        engine_kwargs={"max_model_len": 128, "max_num_seqs": 4}, print_fn=lines.append)

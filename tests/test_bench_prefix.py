@@ -1,8 +1,8 @@
 """`python -m mini_engine bench --workload prefix` at toy sizes: every measurement is made and printed, and the
 cache is hit exactly where the block arithmetic says. (The numbers belong in benchmarks/RESULTS.md.)"""
-from mini_engine import cpu_kernels
-from mini_engine.bench_prefix import bench_prefix
-from mini_engine.formulas import cached_prefix_tokens
+from mini_engine.backends.cpu import cpu_kernels
+from mini_engine.bench.prefix import bench_prefix
+from mini_engine.course.formulas import cached_prefix_tokens
 
 
 def test_prefix_bench_measures_ttft_throughput_and_the_serving_workload():

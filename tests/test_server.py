@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (`mini_engine.server`) through the official `openai` client and raw HTTP: greedy
+"""The OpenAI-compatible server (`mini_engine.serving.server`) through the official `openai` client and raw HTTP: greedy
 answers equal the offline `LLM.generate` text, streamed or not; 32 concurrent streams finish and share steps; a
 character split across byte tokens arrives whole; bad requests get OpenAI-shaped 400s while others stream on; a
 client that goes away leaves nothing held; /metrics parses; --api-key, --max-waiting (503), ignore_eos, n and stop
@@ -19,14 +19,14 @@ import torch
 
 import mini_engine as me
 from mini_engine.__main__ import main
-from mini_engine.detokenizer import IncrementalDetokenizer
+from mini_engine.serving.detokenizer import IncrementalDetokenizer
 from mini_engine.engine import LLM
-from mini_engine.loadtest import free_port, run_loadtest, start_server
+from mini_engine.serving.loadtest import free_port, run_loadtest, start_server
 
 openai = pytest.importorskip("openai")  # the [serve] extra
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
-from mini_engine.server import ServerConfig, build_app  # noqa: E402 (needs fastapi)
+from mini_engine.serving.server import ServerConfig, build_app  # noqa: E402 (needs fastapi)
 
 ENGINE = dict(max_model_len=256, max_num_seqs=32, block_size=16)
 MODEL = "smollm2-135m"

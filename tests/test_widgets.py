@@ -4,7 +4,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from mini_engine import widgets  # noqa: E402
+from mini_engine.course import widgets  # noqa: E402
 
 
 class View:

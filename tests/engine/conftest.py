@@ -9,7 +9,7 @@ import torch
 
 import mini_engine as me
 from mini_engine.config import ModelConfig
-from mini_engine.loader import embedded_gguf_path
+from mini_engine.loading.loader import embedded_gguf_path
 from mini_engine.model import LlamaModel
 
 PROMPTS = [

@@ -8,7 +8,7 @@ import torch
 
 from mini_engine.attention import AttentionMetadata, DecodeGroup, attention_with_cache, paged_decode_torch
 from mini_engine.config import ModelConfig
-from mini_engine.layer_ops import apply_rope
+from mini_engine.backends.cpu.layer_ops import apply_rope
 from mini_engine.model import rope_tables
 from mini_engine.paging import BlockManager
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import mini_engine as me
-from mini_engine import cpu_kernels
+from mini_engine.backends.cpu import cpu_kernels
 from mini_engine.attention import IN_PLACE
-from mini_engine.autotune import TUNER
+from mini_engine.backends.cpu.autotune import TUNER
 from mini_engine.engine import LLM
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C compiler on this machine")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mini_engine import cpu_kernels
+from mini_engine.backends.cpu import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.f32_panel() is None,
                                 reason="the C fp32 kernel needs a C compiler and an x86 CPU with AVX2")

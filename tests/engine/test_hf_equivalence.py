@@ -101,7 +101,7 @@ def test_tokenizer_and_chat_template_match_hf(real, hf_real):
 def test_the_benches_hf_model_holds_the_weights_transformers_loads(real, hf_real, chat_prompts):
     """bench.load_hf(..., model) builds HF's model from ours instead of running transformers' GGUF loader (a
     second against 15-25 s): it must hold exactly the tensors that loader gives, and compute the same logits."""
-    from mini_engine.bench import load_hf
+    from mini_engine.bench.runs import load_hf
     model, _ = real
     ref, _ = hf_real
     built = load_hf("cpu", torch.float32, model)

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mini_engine import cpu_kernels, layer_ops
+from mini_engine.backends.cpu import cpu_kernels
+
+from mini_engine.backends.cpu import layer_ops
 from mini_engine.generate import generate_cached
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load_torch_ops(),

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from mini_engine.attention import attention_in_fp32, run_attention
-from mini_engine.autotune import Autotuner, forced_from_env, row_bucket
-from mini_engine.products import FORMS, PACKERS, Linear, candidate_forms, choose_form, prepare_weight
+from mini_engine.backends.cpu.autotune import Autotuner, forced_from_env, row_bucket
+from mini_engine.backends.cpu.products import FORMS, PACKERS, Linear, candidate_forms, choose_form, prepare_weight
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
@@ -79,7 +79,7 @@ def test_a_copied_layer_uses_its_own_weight(form):
 def test_a_packed_form_this_machine_cannot_run_is_left_out(monkeypatch):
     """oneDNN may lack a kernel for a dtype on some CPU or build: the tuner must then keep to the other forms
     rather than fail in the middle of a step."""
-    import mini_engine.products as products
+    import mini_engine.backends.cpu.products as products
 
     def refuse(w):
         raise RuntimeError("no oneDNN kernel here")
@@ -93,7 +93,7 @@ def test_a_packed_form_this_machine_cannot_run_is_left_out(monkeypatch):
 def test_compiled_products_reach_a_packed_form_only_through_the_custom_operator(monkeypatch):
     """torch.compile traces the products and cannot trace a packed (opaque) weight: a graph gets the tuned choice
     among the forms it can trace, where a packed form counts only through the `packed_product` operator."""
-    import mini_engine.products as products
+    import mini_engine.backends.cpu.products as products
 
     tuner = Autotuner(forced={"product": "onednn"})
     if products.onednn_available() and products._PACKED_OP is not None:
@@ -107,7 +107,7 @@ def test_compiled_products_reach_a_packed_form_only_through_the_custom_operator(
 def test_a_compiled_packed_product_runs_the_layers_own_packed_copy(form):
     """Inside a graph the packed form is the operator `packed_product`: F.linear's result, computed on the packed
     copy the layer keeps for its eager calls (no second copy), and re-packed after an in-place change."""
-    import mini_engine.products as products
+    import mini_engine.backends.cpu.products as products
 
     if products._PACKED_OP is None:
         pytest.skip("this torch cannot register the packed_product operator")
@@ -145,7 +145,7 @@ def test_a_layer_with_two_packed_forms_keeps_a_copy_for_each():
 def test_timing_streams_the_weights_from_memory_below_the_flop_cap():
     """A form is timed on copies of the weight that together exceed the last-level cache (as a decode step
     streams every weight once) unless the pass would pass TIMING_FLOPS; at most 64."""
-    from mini_engine.products import TIMING_BYTES, TIMING_FLOPS, last_level_cache_bytes, timing_copies
+    from mini_engine.backends.cpu.products import TIMING_BYTES, TIMING_FLOPS, last_level_cache_bytes, timing_copies
     nbytes, macs = 576 * 3072 * 4, 576 * 3072
     for rows in (1, 16, 32, 64, 512):
         copies = timing_copies(nbytes, rows, macs)
@@ -264,7 +264,7 @@ def test_forms_can_be_forced_from_the_environment():
 def test_choices_saved_by_one_tuner_start_another_without_timing(tmp_path, monkeypatch):
     """MINI_ENGINE_TUNED: a process (a server started from a notebook) begins with another's choices; a case
     the file lacks is timed as usual, and a forced op keeps its forced form."""
-    import mini_engine.autotune as autotune
+    import mini_engine.backends.cpu.autotune as autotune
     monkeypatch.setenv("MINI_ENGINE_TUNE_CACHE", "0")  # only the file named here, not the machine's store
     tuner = Autotuner(repeats=2)
     w = torch.randn(32, 16)
@@ -288,7 +288,7 @@ def test_choices_saved_by_one_tuner_start_another_without_timing(tmp_path, monke
 def test_the_process_tuner_keeps_its_timed_choices_for_the_next_process_on_this_machine(tmp_path, monkeypatch):
     """The machine's store: what one process timed, the next starts with; a forced form is not kept; another
     thread count is another machine; MINI_ENGINE_TUNE_CACHE=0 keeps nothing."""
-    import mini_engine.autotune as autotune
+    import mini_engine.backends.cpu.autotune as autotune
     monkeypatch.setenv("MINI_ENGINE_CACHE", str(tmp_path))
     monkeypatch.delenv("MINI_ENGINE_TUNED", raising=False)
     monkeypatch.delenv("MINI_ENGINE_FORMS", raising=False)

@@ -35,14 +35,14 @@ def test_attention_backend_auto_and_bad_name(real):
 
 
 def test_our_gguf_reader_reads_what_the_gguf_package_reads():
-    """mini_engine.gguf_file against gguf.GGUFReader on the embedded file: every metadata field (value and type),
+    """mini_engine.loading.gguf_file against gguf.GGUFReader on the embedded file: every metadata field (value and type),
     every tensor's name, shape, type and bytes; and the loader's torch dequantization gives gguf's floats."""
     import numpy as np
     import torch
 
     gguf = pytest.importorskip("gguf")
-    from mini_engine.gguf_file import read_gguf
-    from mini_engine.loader import _dequantize, embedded_gguf_path
+    from mini_engine.loading.gguf_file import read_gguf
+    from mini_engine.loading.loader import _dequantize, embedded_gguf_path
 
     path = embedded_gguf_path()
     ours, ref = read_gguf(path), gguf.GGUFReader(path)
@@ -64,7 +64,7 @@ def test_our_gguf_reader_reads_what_the_gguf_package_reads():
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):
-    from mini_engine.gguf_file import read_gguf
+    from mini_engine.loading.gguf_file import read_gguf
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"NOPE" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import mini_engine as me
-from mini_engine import quality, quant
-from mini_engine.autotune import Autotuner
-from mini_engine.loader import embedded_gguf_path
+from mini_engine.course import quality
+from mini_engine import quant
+from mini_engine.backends.cpu.autotune import Autotuner
+from mini_engine.loading.loader import embedded_gguf_path
 from mini_engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,7 @@ import torch
 
 import mini_engine as me
 from mini_engine import quant
-from mini_engine.autotune import Autotuner, Choice
+from mini_engine.backends.cpu.autotune import Autotuner, Choice
 from mini_engine.sampling import SamplingParams
 
 from test_quant import (AMX, C_INT4, check_quality, needs_int4_kernel, pack_halves, pin_forms,  # noqa: F401

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mini_engine as me
-from mini_engine import loader
+from mini_engine.loading import loader
 from mini_engine.config import ModelConfig
 from mini_engine.engine import LLM
 from mini_engine.model import LlamaModel

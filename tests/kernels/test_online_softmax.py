@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from mini_engine import online_softmax
-from mini_engine.online_softmax import (
+from mini_engine.course import online_softmax
+from mini_engine.course.online_softmax import (
     online_softmax_attention, online_softmax_states, plot_online_softmax, softmax_attention)
 
 

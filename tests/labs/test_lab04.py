@@ -16,7 +16,7 @@ from mini_engine import engine, generate, scheduler, simulate
 from mini_engine.config import ModelConfig
 from mini_engine.kv_cache import ContiguousKVCache
 from mini_engine.model import LlamaModel
-from mini_engine.simulate import simulate_continuous
+from mini_engine.course.simulate import simulate_continuous
 
 LAB = "lab04_continuous_batching"
 # The engine's scheduler, its batching simulator (which the tests below compare against), its serving engine

@@ -118,7 +118,7 @@ def test_repack_one_hand_made_block(impl):
 def test_repacked_gguf_tensor_dequantizes_exactly(impl):
     """A real Q4_1 tensor of the embedded model: your repacking, dequantized, equals gguf's dequantization."""
     gguf = pytest.importorskip("gguf")
-    from mini_engine.loader import embedded_gguf_path
+    from mini_engine.loading.loader import embedded_gguf_path
     reader = gguf.GGUFReader(embedded_gguf_path())
     t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     n, k = (int(s) for s in reversed(t.shape))
@@ -160,7 +160,7 @@ def test_gguf_tensor_with_compact_scales_stays_within_half_a_code(impl):
     """The real Q4_1 tensor, repacked, with d and m in 8 bits: every weight moves by at most 15 half-codes of d
     plus half a code of m, and the relative error stays small."""
     gguf = pytest.importorskip("gguf")
-    from mini_engine.loader import embedded_gguf_path
+    from mini_engine.loading.loader import embedded_gguf_path
     reader = gguf.GGUFReader(embedded_gguf_path())
     t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     n, k = (int(s) for s in reversed(t.shape))

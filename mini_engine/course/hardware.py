@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .devices import synchronize
+from ..devices import synchronize
 
 
 # The instruction sets that decide which product forms win (flag names as Linux's /proc/cpuinfo spells them).
@@ -55,7 +55,7 @@ def describe_machine(device: str = "cpu") -> str:
 def tuned_forms(tuner=None) -> list[dict]:
     """The forms the autotuner has chosen so far in this process, one row per case, with each candidate's
     best time (ms) and the winner's speedup over the plain form."""
-    from .autotune import TUNER
+    from ..backends.cpu.autotune import TUNER
     rows = []
     for (op, *key), choice in (tuner or TUNER).report():
         rows.append({"op": op, "case": tuple(key), "form": choice.form, "times_ms": choice.times_ms,
@@ -153,8 +153,8 @@ def matmul_floor_tok_s(model, batch: int = 1, repeats: int = 3, plain: bool = Fa
 def tune_products(model, rows=(1,)) -> None:
     """Decide the product form of every weight of `model` for each row count in `rows` now, so that the
     timing runs stay out of later measurements (as a benchmark's warm-up does)."""
-    from .products import Linear
-    from .quant import QuantLinear
+    from ..backends.cpu.products import Linear
+    from ..quant import QuantLinear
     with torch.inference_mode():
         for layer in model.modules():
             if isinstance(layer, Linear) and layer.weight.device.type == "cpu":

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from . import formulas as F
 from . import simulate as S
-from .config import PRESETS
+from ..config import PRESETS
 
 _SLIDER = dict(continuous_update=False, style={"description_width": "initial"})
 

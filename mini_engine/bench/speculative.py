@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import LLM
-from .formulas import expected_tokens_per_step
-from .sampling import SamplingParams
+from ..engine import LLM
+from ..course.formulas import expected_tokens_per_step
+from ..sampling import SamplingParams
 
 TEXTS = [
     "Tides rise and fall twice a day because the moon pulls on the oceans. The side of the earth facing the moon "
@@ -104,8 +104,8 @@ def bench_speculative(device: str = "cpu", dtype: str = "float32", batches=(1, 1
     requests; prints one table."""
     from tqdm.auto import tqdm
 
-    from .hardware import describe_machine, tune_products
-    from .loader import load_model
+    from ..course.hardware import describe_machine, tune_products
+    from ..loading.loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     ngram = {"method": "ngram", "k": k, "ngram_min": 1, "ngram_max": 4}

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from .bench_speculative import GROUNDED_TASKS
-from .bench_speculative import QUESTIONS as SPEC_QUESTIONS
-from .bench_speculative import TEXTS as SPEC_TEXTS
-from .metrics import TokenTimer, percentile
-from .sampling import SamplingParams
+from .speculative import GROUNDED_TASKS
+from .speculative import QUESTIONS as SPEC_QUESTIONS
+from .speculative import TEXTS as SPEC_TEXTS
+from ..metrics import TokenTimer, percentile
+from ..sampling import SamplingParams
 
 RUNGS = ("hf", "naive", "cached", "compiled", "continuous", "paged", "prefix", "speculative", "compiled_engine")
 SINGLE_STREAM = ("naive", "cached", "compiled")
@@ -157,7 +157,7 @@ class LadderWorkload:
 
 def default_size(device: str) -> dict:
     """The ladder's size on this device: requests, contiguous batch (HF's too), single-stream sample."""
-    from .devices import pick
+    from ..devices import pick
     return pick({"requests": 32, "batch": 16, "sample": 2}, {"requests": 256, "batch": 64, "sample": 4}, device)
 
 
@@ -388,8 +388,8 @@ def run_single_stream(model, tok, work: LadderWorkload, sample: list[int], rung:
 
     from tqdm.auto import tqdm
 
-    from .formulas import kv_cache_bytes
-    from .generate import generate_cached, generate_naive
+    from ..course.formulas import kv_cache_bytes
+    from ..generate import generate_cached, generate_naive
 
     loop = {"naive": generate_naive, "cached": generate_cached,
             "compiled": functools.partial(generate_cached, compile=True)}[rung]
@@ -433,8 +433,8 @@ def _track_peaks(engine) -> list[int]:
 def run_engine_rung(model, tok, work: LadderWorkload, rung: str, progress: bool, **engine_kwargs) -> LadderRow:
     """The serving engine with `engine_kwargs`, every request queued at once, after a short warm-up on the same
     engine (the prefix cache is emptied after it, so the measured run starts cold)."""
-    from .engine import LLM
-    from .formulas import kv_bytes_per_token
+    from ..engine import LLM
+    from ..course.formulas import kv_bytes_per_token
 
     llm = LLM.from_model(model, tok, **engine_kwargs)
     compiled = engine_kwargs.get("compile", False)
@@ -482,7 +482,7 @@ def engine_kwargs_for(rung: str, work: LadderWorkload, device: str, batch: int, 
     """Each engine rung's configuration: every one adds one thing to the one before it. max_model_len is the
     engine's default for the device (or the workload's longest request, if longer). The paged rungs get the
     contiguous cache's memory as blocks (`num_kv_blocks`) and the engine's default batch limit."""
-    from .engine_config import DEFAULT_LIMITS
+    from ..engine_config import DEFAULT_LIMITS
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
     length = max_model_len or max(DEFAULT_LIMITS[kind][1], work.longest)
@@ -508,9 +508,9 @@ def bench_ladder(device: str = "cpu", dtype: str = "float32", requests: int | No
     """Run the ladder and print its report (and save the chart to `plot`). `model`/`tok`: weights already loaded
     (the notebook's); otherwise the embedded model is loaded. Sizes default by device (`default_size`);
     `max_tokens_cap` and a short `system_prompt` make a quick run (a smoke test)."""
-    from .formulas import kv_bytes_per_token
-    from .hardware import describe_machine, tune_products
-    from .loader import load_model
+    from ..course.formulas import kv_bytes_per_token
+    from ..course.hardware import describe_machine, tune_products
+    from ..loading.loader import load_model
 
     unknown = [r for r in rungs if r not in RUNGS]
     if unknown:
@@ -537,7 +537,7 @@ def bench_ladder(device: str = "cpu", dtype: str = "float32", requests: int | No
         started = time.perf_counter()
         if rung == "hf":
             try:
-                from .bench import load_hf
+                from .runs import load_hf
                 hf = load_hf(device, model.dtype, model)
             except ImportError:
                 print_fn("transformers is not installed: HF row skipped (pip install -e '.[dev]')")

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .metrics import percentile
-from .sampling import SamplingParams
+from ..metrics import percentile
+from ..sampling import SamplingParams
 
 # Engine options the server's command line takes, by the LLM keyword they set.
 SERVE_FLAGS = {"kv_cache": "--kv-cache", "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len",
@@ -51,7 +51,7 @@ def serve_args(device: str, dtype: str, engine_kwargs: dict) -> list[str]:
 def tuned_env():
     """MINI_ENGINE_TUNED set, while inside, to a file of this process's tuned choices: a server started inside
     begins with them (`start_server` passes the environment on)."""
-    from .autotune import TUNER
+    from ..backends.cpu.autotune import TUNER
     before = os.environ.get("MINI_ENGINE_TUNED")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tuned.json"
@@ -90,7 +90,7 @@ def _with_cpu(fn, server_pid: int) -> dict:
 def warm_server(url: str, prompts: list[str], up_to: int, max_tokens: int = 8) -> float:
     """Bursts of 1, 2, 4, ... `up_to` requests at once (short answers): every batch size and prompt chunk the
     measured runs bring is met once, so the server tunes its product forms now. Returns the seconds it took."""
-    from .loadtest import run_loadtest
+    from ..serving.loadtest import run_loadtest
 
     t0, n = time.perf_counter(), 1
     while True:
@@ -104,7 +104,7 @@ def warm_server(url: str, prompts: list[str], up_to: int, max_tokens: int = 8) -
 
 def run_offline(model, tok, prompts: list[str], max_tokens: int, engine_kwargs: dict, progress: bool) -> dict:
     """`LLM.generate` on the chat-templated prompts, all queued at once; the same summary keys as run_loadtest."""
-    from .engine import LLM
+    from ..engine import LLM
 
     llm = LLM.from_model(model, tok, **engine_kwargs)
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
@@ -148,9 +148,9 @@ def bench_server(requests: int = 32, max_tokens: int = 64, device: str = "cpu", 
                  progress: bool = True, print_fn=print) -> dict:
     """The whole measurement; prints one table and returns {"offline", "all_at_once", "rate", "double_rate"
     (run_loadtest dicts), "R", "warmup_s", "tune_s"}."""
-    from .hardware import describe_machine, tune_products
-    from .loader import load_model
-    from .loadtest import PROMPTS, run_loadtest, start_server
+    from ..course.hardware import describe_machine, tune_products
+    from ..loading.loader import load_model
+    from ..serving.loadtest import PROMPTS, run_loadtest, start_server
 
     if requests < 1 or max_tokens < 1:
         raise ValueError("requests and max_tokens must be >= 1")

@@ -94,8 +94,8 @@ def greedy_agreement(model, reference, prompts: list[list[int]], max_new_tokens:
     """Teacher-forced greedy agreement of `model` with `reference` over `prompts` (token ids): see the module
     docstring. free_running=True also decodes with `model` and records where each prompt's tokens first differ.
     reference_tokens: the reference's greedy continuations when already known (`reference_greedy`)."""
-    from .generate import generate_cached
-    from .sampling import SamplingParams
+    from ..generate import generate_cached
+    from ..sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     if reference_tokens is None:
@@ -119,8 +119,8 @@ def greedy_agreement(model, reference, prompts: list[list[int]], max_new_tokens:
 
 def reference_greedy(reference, prompts: list[list[int]], max_new_tokens: int = 32) -> list[list[int]]:
     """The reference's greedy continuation of each prompt (EOS ignored, so every one has max_new_tokens)."""
-    from .generate import generate_cached
-    from .sampling import SamplingParams
+    from ..generate import generate_cached
+    from ..sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     return [generate_cached(reference, prompt, max_new_tokens, params) for prompt in prompts]

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .attention import resolve_backend
-from .config import ModelConfig
-from .model import LlamaModel
+from ..attention import resolve_backend
+from ..config import ModelConfig
+from ..model import LlamaModel
 from .tokenizer import Tokenizer, bpe_from_gguf_metadata
 
 EMBEDDED = {
@@ -62,7 +62,7 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
     chapter 10) or "int8" (per channel); `dtype` is then the activations' dtype. `head`: how the LM head and
     tied embedding are stored under quantization ("int8", "int4", "split" or "float"; None: the measured
     default, `quant.default_head`)."""
-    from .quant import check_quantization, quantize_model
+    from ..quant import check_quantization, quantize_model
     check_quantization(quantization)
     backend = resolve_backend(attention_backend, device)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -106,7 +106,7 @@ def _dequantize(t) -> torch.Tensor:
     """A GGUF tensor as fp32 [rows, row]. Q4_1 and Q8_0 (all this model holds) in torch, computed as the gguf
     package computes them (d * q + m and d * q in fp32, so the same floats: tests/engine/test_loader.py), a few
     times faster than its numpy; any other type through the gguf package."""
-    from .quant import split_q4_1, split_q8_0
+    from ..quant import split_q4_1, split_q8_0
     shape = (int(np.prod(t.shape[1:], dtype=np.int64)), t.shape[0])
     if t.tensor_type == 3:  # Q4_1
         codes, d, m = split_q4_1(np.array(t.data), shape)  # a copy: torch takes no read-only map
@@ -125,7 +125,7 @@ def _read_gguf(path: Path, keep_q4_1: bool = False):
     """(config, float weights, tokenizer, q4_1): with keep_q4_1, q4_1 maps each Q4_1 weight's key to its own
     (codes, d, m) (`quant.split_q4_1`), rows already in the model's order."""
     from .gguf_file import read_gguf
-    from .quant import split_q4_1
+    from ..quant import split_q4_1
 
     gguf_file = read_gguf(path)
     fields = gguf_file.metadata

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generate import generate_cached, generate_naive
-from .hardware import describe_machine, format_tuned_forms, matmul_floor_tok_s, tune_products
-from .metrics import TokenTimer, percentile
-from .sampling import SamplingParams
+from ..generate import generate_cached, generate_naive
+from ..course.hardware import describe_machine, format_tuned_forms, matmul_floor_tok_s, tune_products
+from ..metrics import TokenTimer, percentile
+from ..sampling import SamplingParams
 
 SINGLE_STREAM_RUNGS = ("naive", "cached", "compiled")
 SERVING_RUNGS = ("continuous", "static", "dynamic", "compiled-engine", "compiled-engine-max-autotune")
@@ -76,7 +76,7 @@ def run_mini(model, rung: str, prompt: list[int], new_tokens: int, print_fn=prin
     row = _single_stream(name, f"1 x {len(prompt)}+{new_tokens}",
                          lambda cb: loop(model, prompt, new_tokens, params, on_token=cb), str(model.device))
     if rung != "naive":
-        from .formulas import kv_cache_bytes
+        from ..course.formulas import kv_cache_bytes
         c = model.config
         row.kv_bytes = kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim, len(prompt) + new_tokens, 1,
                                       model.dtype.itemsize)
@@ -94,7 +94,7 @@ def load_hf(device: str, dtype: torch.dtype, model=None):
     transformers.logging.set_verbosity_error()
     if model is not None and model.quantization is None:
         return hf_from_model(model).to(device=device, dtype=dtype).eval()
-    from .loader import embedded_gguf_path
+    from ..loading.loader import embedded_gguf_path
     path = embedded_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return hf.to(device).eval()
@@ -170,7 +170,7 @@ def run_llama_cpp(prompt: list[int], new_tokens: int, threads: int | None = None
     of `repeats` runs after a warm-up, as our rows are measured after theirs."""
     import llama_cpp
 
-    from .loader import embedded_gguf_path
+    from ..loading.loader import embedded_gguf_path
     threads = threads or torch.get_num_threads()
     llm = llama_cpp.Llama(model_path=str(embedded_gguf_path()), n_threads=threads, n_threads_batch=threads,
                           n_ctx=max(512, len(prompt) + new_tokens + 8), verbose=False)
@@ -241,7 +241,7 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     """Single stream: HF transformers (in `hf_dtype`, default the same dtype) then our rungs, one prompt. With
     `quantization`, the quantized model's cached and compiled rows follow (its compiled rung also with the C++
     wrapper), then llama.cpp on the same GGUF when llama-cpp-python is installed (`with_llama_cpp`)."""
-    from .loader import load_model
+    from ..loading.loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     prompt = tok.encode(tok.apply_chat_template(BENCH_PROMPT))
@@ -312,7 +312,7 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
 def print_quantized(model, qmodel, quant_rows: list[Row], float_rows: list[Row], by_name: dict, dtype: str,
                     print_fn=print) -> None:
     """The quantized rows against HF cached, our float rows and llama.cpp; the weights' bytes against bf16's."""
-    from .quant import weight_bytes
+    from ..quant import weight_bytes
     hf = by_name.get("HF transformers (cached)")
     llama = next((r for r in by_name.values() if r.system.startswith("llama.cpp")), None)
     floats = {r.system.removeprefix("mini_engine "): r for r in float_rows}
@@ -375,7 +375,7 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
     `engine_kwargs` go to the engine (kv_cache, num_kv_blocks, max_model_len: the workload's longest request
     by default; compile=True compiles every batch-size bucket before the clock starts, the row's `compile_s`);
     `progress` shows vLLM's progress bar over requests."""
-    from .engine import LLM
+    from ..engine import LLM
 
     engine_kwargs = {"max_model_len": work.longest, **engine_kwargs}
     llm = LLM.from_model(model, tok, scheduling=policy, max_num_seqs=batch, chunked_prefill_tokens=chunk,
@@ -447,8 +447,8 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     """The serving workload on every rung (our engine on `kv_cache`: chapter 04 ran it on "contiguous"), and
     HF transformers' static batches first unless with_hf=False; with `quantization`, each rung again with the
     quantized model, in the same run."""
-    from .formulas import kv_bytes_per_token
-    from .loader import load_model
+    from ..course.formulas import kv_bytes_per_token
+    from ..loading.loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     work = ServingWorkload.uniform(requests, low, high, vocab=model.config.vocab_size)

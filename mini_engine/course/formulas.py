@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import PRESETS, ModelConfig
+from ..config import PRESETS, ModelConfig
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 KiB, MiB, GiB = 1024, 1024**2, 1024**3

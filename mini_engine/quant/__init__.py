@@ -126,9 +126,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
-from .autotune import TUNER, Autotuner, Walk, counting_mode_active, row_bucket
-from .engine_config import QUANTIZATIONS  # ("int4", "int4_compact", "int8")
+from ..backends.cpu import cpu_kernels
+from ..backends.cpu.autotune import TUNER, Autotuner, Walk, counting_mode_active, row_bucket
+from ..engine_config import QUANTIZATIONS  # ("int4", "int4_compact", "int8")
 
 GROUP_SIZE = 32
 # The group sizes torch's CPU int4 kernel takes; its packing also wants out_features divisible by 16.
@@ -582,7 +582,7 @@ def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
 def _timing_states(layer: "QuantLinear", rows: int, dtype: torch.dtype):
     """x of `rows` rows and `products.timing_copies` copies of the layer's tensors (a decode step streams each
     weight from memory once)."""
-    from .products import timing_copies
+    from ..backends.cpu.products import timing_copies
     copies = timing_copies(layer.qweight.nbytes + layer.scales.nbytes, rows,
                            layer.in_features * layer.out_features)
     gen = torch.Generator().manual_seed(0)
@@ -836,7 +836,7 @@ class Int4Linear(QuantLinear):
 
     def _device_forward(self, x):
         if x.device.type == "cuda":
-            from .kernels.quant_matmul import w4a16_matmul
+            from ..kernels.quant_matmul import w4a16_matmul
             return w4a16_matmul(x, self.qweight, self.kernel_scales(), self.group_size)
         return super()._device_forward(x)
 

@@ -43,9 +43,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from .detokenizer import IncrementalDetokenizer
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 
-log = logging.getLogger("mini_engine.server")
+log = logging.getLogger("mini_engine.serving.server")
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # OpenAI takes up to 4 stop strings; vLLM sets no bound
 
 

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from .attention import IN_PLACE, AttentionMetadata, _decode_sdpa, paged_decode_torch, prefill_chunk_attention
-from .cpu_kernels import paged_decode, paged_decode_supported
-from .bench import Row, ServingWorkload, format_table, run_engine
-from .devices import synchronize
-from .kv_cache import ContiguousKVCache, PagedKVCache
+from ..attention import IN_PLACE, AttentionMetadata, _decode_sdpa, paged_decode_torch, prefill_chunk_attention
+from ..backends.cpu.cpu_kernels import paged_decode, paged_decode_supported
+from .runs import Row, ServingWorkload, format_table, run_engine
+from ..devices import synchronize
+from ..kv_cache import ContiguousKVCache, PagedKVCache
 
 
 def decode_step_inputs(model, batch: int, context: int, block_size: int | None, seed: int = 0, query_len: int = 1):
@@ -125,8 +125,8 @@ def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_l
     """Both measurements; returns the serving rows (contiguous, paged) and {context: (contiguous s, paged s)}."""
     from tqdm import tqdm
 
-    from .hardware import describe_machine, tune_products
-    from .loader import load_model
+    from ..course.hardware import describe_machine, tune_products
+    from ..loading.loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     work = ServingWorkload.uniform(requests, low, high, vocab=model.config.vocab_size)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .bench import Row, ServingWorkload, format_table, run_engine
-from .metrics import percentile
-from .sampling import SamplingParams
+from .runs import Row, ServingWorkload, format_table, run_engine
+from ..metrics import percentile
+from ..sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def run_shared_prefix(model, tok, work: SharedPrefixWorkload, caching: bool, max
     the prefix in the cache. one_at_a_time: each request alone (its TTFT is its prefill); otherwise all at once."""
     from tqdm import tqdm
 
-    from .engine import LLM, request_steps
+    from ..engine import LLM, request_steps
 
     longest = len(work.prefix) + max(len(q) for q in work.questions + [work.warm_question]) + max_tokens
     engine_kwargs = {"max_model_len": longest, **engine_kwargs}
@@ -95,7 +95,7 @@ def run_shared_prefix(model, tok, work: SharedPrefixWorkload, caching: bool, max
 
 def predicted_ttft_ratio(model, prefix_len: int, question_len: int, block_size: int) -> float:
     """The FLOP ratio of a request with and without the cached prefix (formulas.prefix_cache_savings)."""
-    from .formulas import prefix_cache_savings
+    from ..course.formulas import prefix_cache_savings
     return float(prefix_cache_savings(prefix_len, question_len, 2, model.config, block_size).ttft_ratio)
 
 
@@ -104,9 +104,9 @@ def bench_prefix(requests: int, device: str, dtype: str, prefix_len: int = 1024,
                  low: int = 16, high: int = 256, tune_rows=tuple(1 << i for i in range(10)), progress: bool = True,
                  print_fn=print) -> dict:
     """All three measurements; returns {"ttft": (off, on), "throughput": (off, on), "serving": (off, on)}."""
-    from .bench_paging import time_prefill_chunk_forms
-    from .hardware import describe_machine, tune_products
-    from .loader import load_model
+    from .paging import time_prefill_chunk_forms
+    from ..course.hardware import describe_machine, tune_products
+    from ..loading.loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     tune_products(model, list(tune_rows))  # by default every row count a step of up to 512 tokens meets

@@ -1,0 +1,1 @@
+"""Optional backends that plug into the core after a model is loaded."""

@@ -1,0 +1,1 @@
+"""The optional CPU backend: C kernels, tuned product forms, fused layer operators."""

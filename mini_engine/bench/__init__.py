@@ -1,0 +1,1 @@
+"""`python -m mini_engine bench` and its workloads."""

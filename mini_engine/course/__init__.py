@@ -1,0 +1,1 @@
+"""Course support: formulas, simulators, widgets, quality measures, machine ceilings."""

@@ -1,0 +1,1 @@
+"""Loading checkpoints: the GGUF file, HF folders, and the tokenizer."""

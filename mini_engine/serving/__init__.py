@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (FastAPI + uvicorn) and its load generator (chapter 09)."""
