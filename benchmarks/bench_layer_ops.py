@@ -28,12 +28,13 @@ def main() -> None:
     from mini_engine.backends.cpu import layer_ops
     from mini_engine.bench.prefix import SharedPrefixWorkload
     from mini_engine.engine import LLM
-    from mini_engine.course.hardware import describe_machine, tune_products
+    from mini_engine.course.hardware import describe_machine
+    from mini_engine.backends.cpu import warm_up
     from mini_engine.loading.loader import load_model
     from mini_engine.sampling import SamplingParams
 
     model, tok = load_model("smollm2-135m")
-    tune_products(model, [1 << i for i in range(10)])
+    warm_up(model, [1 << i for i in range(10)])
     fused = layer_ops.fused
     ways = {"fused C operators": fused, "PyTorch ops": lambda x: False}
     per_round = 4

@@ -47,7 +47,8 @@ import torch
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.devices import default_device, timed
-from mini_engine.course.hardware import cpu_info, describe_machine, format_tuned_forms, measure_ceilings, tune_products
+from mini_engine.course.hardware import cpu_info, describe_machine, measure_ceilings
+from mini_engine.backends.cpu import format_tuned_forms, warm_up
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
@@ -204,7 +205,7 @@ plt.show()
 # %%
 if device == "cpu":
     t0 = time.perf_counter()
-    tune_products(model, (1, 16))
+    warm_up(model, (1, 16))
     print(f"tuned in {time.perf_counter() - t0:.1f} s")
     print(format_tuned_forms())
 else:

@@ -418,7 +418,8 @@ display(kv_memory_widget("llama-2-13b", gpu_gib=80.0))
 # fixed cost of launching some forty small operations per layer, each of which touches only a few kilobytes.
 
 # %%
-from mini_engine.course.hardware import format_tuned_forms, matmul_floor_tok_s
+from mini_engine.course.hardware import matmul_floor_tok_s
+from mini_engine.backends.cpu import format_tuned_forms
 
 print(format_tuned_forms(rows=1))
 step_s = float(np.median(np.diff(cached_t)))  # one decode step, from the stamps above

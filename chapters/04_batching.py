@@ -434,9 +434,10 @@ plt.show()
 # Only the order of the sums changes, so results agree to float rounding (`tests/engine/test_linear.py`).
 
 # %%
-from mini_engine.course.hardware import format_tuned_forms, matmul_floor_tok_s, tune_products
+from mini_engine.course.hardware import matmul_floor_tok_s
+from mini_engine.backends.cpu import format_tuned_forms, warm_up
 
-tune_products(model, (1, 4, 16))
+warm_up(model, (1, 4, 16))
 for b in (1, 4, 16):
     print(f"{b} row(s):\n{format_tuned_forms(rows=b)}\n")
 floor_rows = {b: (matmul_floor_tok_s(model, b), matmul_floor_tok_s(model, b, plain=True)) for b in (1, 4, 16)}

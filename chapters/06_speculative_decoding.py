@@ -68,7 +68,8 @@ from IPython.display import HTML, display
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.devices import default_device, pick
-from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, tune_products
+from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s
+from mini_engine.backends.cpu import warm_up
 from mini_engine.speculative import DraftModelProposer, NgramProposer, rejection_sample
 from mini_engine.course.widgets import speculative_widget
 
@@ -77,7 +78,7 @@ dtype = "float32" if device == "cpu" else "bfloat16"
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 # A verify pass runs 1 to k + 1 rows (up to 9 in the exercises): choose the product forms for those row
 # counts before any timing.
-tune_products(model, [1, 2, 4, 8, 16])
+warm_up(model, [1, 2, 4, 8, 16])
 NEW = pick(40, 160, device)  # tokens per generation: short on a CPU so the chapter runs in about two minutes
 GREEDY = me.SamplingParams(temperature=0.0, ignore_eos=True)
 print(describe_machine(device))
@@ -311,7 +312,7 @@ print(f"{st.target_steps} target passes for {len(results['input-grounded']['spec
 
 # %%
 draft_model = copy.deepcopy(model).to(torch.bfloat16)
-tune_products(draft_model, [1, 2])  # the draft runs one-token steps and short catch-ups
+warm_up(draft_model, [1, 2])  # the draft runs one-token steps and short catch-ups
 prompt = prompts["input-grounded"]
 bf16_out, bf16_stats, bf16_s = run_spec(prompt, DraftModelProposer(draft_model, model.config.vocab_size,
                                                                    max_len=len(prompt) + NEW + 8))
@@ -410,7 +411,7 @@ for b, c in costs.items():
 from mini_engine.bench.runs import speculative as spec_bench
 
 NGRAM = {"method": "ngram", "k": 4}
-tune_products(model, rows=(2, 4, 8, 16, 32, 64, 128, 256))  # a verify step's row counts: tuned off the clock
+warm_up(model, rows=(2, 4, 8, 16, 32, 64, 128, 256))  # a verify step's row counts: tuned off the clock
 engine_runs = {}
 for workload in ("grounded", "chat"):
     for batch in (1, 16):

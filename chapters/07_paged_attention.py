@@ -75,7 +75,8 @@ from mini_engine.bench.runs import ServingWorkload, run_engine
 from mini_engine.bench.paging import time_decode_steps
 from mini_engine.devices import default_device, pick
 from mini_engine.engine import LLM, LLMEngine
-from mini_engine.course.hardware import describe_machine, tune_products
+from mini_engine.course.hardware import describe_machine
+from mini_engine.backends.cpu import warm_up
 from mini_engine.metrics import percentile
 from mini_engine.paging import BlockManager
 from mini_engine.course.widgets import fragmentation_widget, kv_budget_widget
@@ -84,7 +85,7 @@ device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 per_token = formulas.kv_bytes_per_token_for(model.config, model.dtype.itemsize)
-tune_products(model, [1 << i for i in range(10)])  # the product forms (chapter 04), chosen before any timing
+warm_up(model, [1 << i for i in range(10)])  # the product forms (chapter 04), chosen before any timing
 print(describe_machine(device))
 print(f"device: {device}, dtype: {dtype}; KV cache: {per_token / 1024:.0f} KiB per token")
 

@@ -70,7 +70,8 @@ import mini_engine as me
 from mini_engine import formulas
 from mini_engine.devices import default_device
 from mini_engine.engine import LLM, LLMEngine, request_steps
-from mini_engine.course.hardware import describe_machine, tune_products
+from mini_engine.course.hardware import describe_machine
+from mini_engine.backends.cpu import warm_up
 from mini_engine.metrics import percentile
 from mini_engine.paging import BlockManager, hash_block
 from mini_engine.course.widgets import prefix_cache_widget
@@ -78,7 +79,7 @@ from mini_engine.course.widgets import prefix_cache_widget
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
-tune_products(model, [1 << i for i in range(10)])  # the product forms (chapter 04), chosen before any timing
+warm_up(model, [1 << i for i in range(10)])  # the product forms (chapter 04), chosen before any timing
 print(describe_machine(device))
 print(f"device: {device}, dtype: {dtype}")
 

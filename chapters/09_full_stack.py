@@ -64,7 +64,8 @@ from mini_engine import formulas
 from mini_engine.bench.ladder import LABELS, RUNGS, SEED_CLAIMS, LadderWorkload, agreement, bench_ladder
 from mini_engine.devices import default_device, pick
 from mini_engine.engine import LLM
-from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings, tune_products
+from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings
+from mini_engine.backends.cpu import warm_up
 from mini_engine.metrics import percentile
 from mini_engine.speculative import NgramProposer
 
@@ -72,7 +73,7 @@ device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 t0 = time.perf_counter()
-tune_products(model, [1 << i for i in range(9)])  # every row count a step brings, 1-256 (chapter 04), off the clock
+warm_up(model, [1 << i for i in range(9)])  # every row count a step brings, 1-256 (chapter 04), off the clock
 print(describe_machine(device))
 print(f"device: {device}, dtype: {dtype}; product forms tuned in {time.perf_counter() - t0:.1f} s")
 

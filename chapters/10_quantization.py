@@ -69,7 +69,8 @@ from mini_engine import formulas
 from mini_engine.course import quality
 from mini_engine.devices import default_device, pick
 from mini_engine.engine import LLM
-from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings, tune_products
+from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings
+from mini_engine.backends.cpu import warm_up
 from mini_engine.quant import choose_form, from_scales_and_zeros, quantize_int4, weight_bytes
 
 device = default_device()
@@ -614,7 +615,7 @@ from mini_engine.speculative import DraftModelProposer
 target, draft = models["fp32"], models["int4"]
 spec_prompt = prompts[2]
 for m in (target, draft):  # a verify pass runs k + 1 = 5 rows, a draft's catch-up 1-2: tune them off the clock
-    tune_products(m, [1, 2, 4, 8])
+    warm_up(m, [1, 2, 4, 8])
 plain_s = 1 / decode_tok_s(target, spec_prompt, NEW)
 stamps = []
 spec_out, spec_stats = me.generate_speculative(

@@ -1,6 +1,7 @@
 """hardware: the CPU is named in every benchmark, with the instruction sets that decide which forms win."""
 from mini_engine.backends.cpu.autotune import Autotuner
-from mini_engine.course.hardware import cpu_info, describe_machine, format_tuned_forms, tuned_forms
+from mini_engine.course.hardware import cpu_info, describe_machine
+from mini_engine.backends.cpu import format_tuned_forms, tuned_forms
 
 XEON = """processor\t: 0
 model name\t: Intel(R) Xeon(R) Platinum 8488C

@@ -509,7 +509,8 @@ def bench_ladder(device: str = "cpu", dtype: str = "float32", requests: int | No
     (the notebook's); otherwise the embedded model is loaded. Sizes default by device (`default_size`);
     `max_tokens_cap` and a short `system_prompt` make a quick run (a smoke test)."""
     from ..course.formulas import kv_bytes_per_token
-    from ..course.hardware import describe_machine, tune_products
+    from ..course.hardware import describe_machine
+    from ..backends.cpu import warm_up
     from ..loading.loader import load_model
 
     unknown = [r for r in rungs if r not in RUNGS]
@@ -528,7 +529,7 @@ def bench_ladder(device: str = "cpu", dtype: str = "float32", requests: int | No
     sample_idx = list(range(min(sample, requests)))
     t0 = time.perf_counter()
     if tune:  # every row bucket a step can bring, 1 to 256 (`autotune.row_bucket`), decided before any timing
-        tune_products(model, [1 << i for i in range(9)])
+        warm_up(model, [1 << i for i in range(9)])
     tune_s = time.perf_counter() - t0
     rows: list[LadderRow] = []
     engine_info: dict = {}

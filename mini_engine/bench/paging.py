@@ -125,7 +125,9 @@ def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_l
     """Both measurements; returns the serving rows (contiguous, paged) and {context: (contiguous s, paged s)}."""
     from tqdm import tqdm
 
-    from ..course.hardware import describe_machine, tune_products
+    from ..course.hardware import describe_machine
+
+    from ..backends.cpu import warm_up
     from ..loading.loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
@@ -133,7 +135,7 @@ def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_l
     if max_model_len < work.longest:
         raise ValueError(f"max_model_len {max_model_len} is shorter than the workload's longest request ({work.longest})")
     # Product-form tuning and lazy init stay out of the numbers: every row count a step can meet, decided now.
-    tune_products(model, [1 << i for i in range(10)])
+    warm_up(model, [1 << i for i in range(10)])
     warm = ServingWorkload.uniform(2, 4, 8, vocab=model.config.vocab_size, seed=1)
     run_engine(model, tok, "continuous", warm, 2, max_model_len=max_model_len)
     num_kv_blocks = -(-batch * max_model_len // block_size)  # the contiguous cache's bytes, as blocks

@@ -105,11 +105,12 @@ def bench_prefix(requests: int, device: str, dtype: str, prefix_len: int = 1024,
                  print_fn=print) -> dict:
     """All three measurements; returns {"ttft": (off, on), "throughput": (off, on), "serving": (off, on)}."""
     from .paging import time_prefill_chunk_forms
-    from ..course.hardware import describe_machine, tune_products
+    from ..course.hardware import describe_machine
+    from ..backends.cpu import warm_up
     from ..loading.loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
-    tune_products(model, list(tune_rows))  # by default every row count a step of up to 512 tokens meets
+    warm_up(model, list(tune_rows))  # by default every row count a step of up to 512 tokens meets
     work = SharedPrefixWorkload.random(requests, prefix_len, question_len, vocab=model.config.vocab_size)
     common = {"block_size": block_size, "max_num_seqs": batch}
     warm = SharedPrefixWorkload.random(1, 64, 8, vocab=model.config.vocab_size, seed=1)

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generate import generate_cached, generate_naive
-from ..course.hardware import describe_machine, format_tuned_forms, matmul_floor_tok_s, tune_products
+from ..course.hardware import describe_machine, matmul_floor_tok_s
+from ..backends.cpu import format_tuned_forms, warm_up
 from ..metrics import TokenTimer, percentile
 from ..sampling import SamplingParams
 
@@ -246,7 +247,7 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     prompt = tok.encode(tok.apply_chat_template(BENCH_PROMPT))
     if warmup:  # first calls pay for allocator growth, lazy init and tuning; keep them out of the numbers
-        tune_products(model, (1, len(prompt)))
+        warm_up(model, (1, len(prompt)))
         generate_cached(model, prompt, 4, SamplingParams(max_tokens=4, ignore_eos=True))
     rows = []
     if with_hf:
@@ -269,7 +270,7 @@ def bench(rungs: list[str], new_tokens: int, device: str, dtype: str, with_hf: b
     if quantization is not None:
         qmodel, _ = load_model("smollm2-135m", device=device, dtype=dtype, quantization=quantization)
         if warmup:
-            tune_products(qmodel, (1, len(prompt)))
+            warm_up(qmodel, (1, len(prompt)))
             generate_cached(qmodel, prompt, 4, SamplingParams(max_tokens=4, ignore_eos=True))
         qrungs = [r for r in rungs if r != "naive"]
         if "compiled" in qrungs and device == "cpu":
@@ -455,7 +456,7 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     warm = ServingWorkload.uniform(2, 4, 8, vocab=model.config.vocab_size, seed=1)
     # Allocator growth, lazy init and tuning stay out of the numbers: every product form a step of up to
     # 256 rows can meet is decided now.
-    tune_products(model, [1 << i for i in range(9)])
+    warm_up(model, [1 << i for i in range(9)])
     run_engine(model, tok, "continuous", warm, batch, kv_cache=kv_cache)
     rows = []
     if with_hf:
@@ -475,7 +476,7 @@ def bench_serving(rungs: list[str], requests: int, batch: int, device: str, dtyp
     quant_rows = []
     if quantization is not None:
         qmodel, _ = load_model("smollm2-135m", device=device, dtype=dtype, quantization=quantization)
-        tune_products(qmodel, [1 << i for i in range(9)])
+        warm_up(qmodel, [1 << i for i in range(9)])
         run_engine(qmodel, tok, "continuous", warm, batch, kv_cache=kv_cache)
         quant_rows = [run_serving_rung(qmodel, tok, rung, work, batch, progress, print_fn, kv_cache=kv_cache,
                                        name=f"mini_engine {quantization} {rung}") for rung in rungs]

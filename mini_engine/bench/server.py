@@ -148,7 +148,8 @@ def bench_server(requests: int = 32, max_tokens: int = 64, device: str = "cpu", 
                  progress: bool = True, print_fn=print) -> dict:
     """The whole measurement; prints one table and returns {"offline", "all_at_once", "rate", "double_rate"
     (run_loadtest dicts), "R", "warmup_s", "tune_s"}."""
-    from ..course.hardware import describe_machine, tune_products
+    from ..course.hardware import describe_machine
+    from ..backends.cpu import warm_up
     from ..loading.loader import load_model
     from ..serving.loadtest import PROMPTS, run_loadtest, start_server
 
@@ -162,7 +163,7 @@ def bench_server(requests: int = 32, max_tokens: int = 64, device: str = "cpu", 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     t0 = time.perf_counter()
     if tune:
-        tune_products(model, [1 << i for i in range(9)])
+        warm_up(model, [1 << i for i in range(9)])
     tune_s = time.perf_counter() - t0
     with tuned_env():
         server = start_server(*serve_args(device, dtype, engine_kwargs))

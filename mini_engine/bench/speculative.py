@@ -104,13 +104,15 @@ def bench_speculative(device: str = "cpu", dtype: str = "float32", batches=(1, 1
     requests; prints one table."""
     from tqdm.auto import tqdm
 
-    from ..course.hardware import describe_machine, tune_products
+    from ..course.hardware import describe_machine
+
+    from ..backends.cpu import warm_up
     from ..loading.loader import load_model
 
     model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     ngram = {"method": "ngram", "k": k, "ngram_min": 1, "ngram_max": 4}
     specs = (None, ngram, {**ngram, "adaptive": False})
-    tune_products(model, rows=[1 << i for i in range(9)])  # every row bucket, 1 to 256 (`autotune.row_bucket`)
+    warm_up(model, rows=[1 << i for i in range(9)])  # every row bucket, 1 to 256 (`autotune.row_bucket`)
     configs = [(workload, batch, spec) for workload in ("grounded", "chat") for batch in batches for spec in specs]
     runs = []
     for workload, batch, spec in tqdm(configs, desc="speculative bench", unit="run"):

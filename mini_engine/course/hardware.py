@@ -52,29 +52,6 @@ def describe_machine(device: str = "cpu") -> str:
     return line
 
 
-def tuned_forms(tuner=None) -> list[dict]:
-    """The forms the autotuner has chosen so far in this process, one row per case, with each candidate's
-    best time (ms) and the winner's speedup over the plain form."""
-    from ..backends.cpu.autotune import TUNER
-    rows = []
-    for (op, *key), choice in (tuner or TUNER).report():
-        rows.append({"op": op, "case": tuple(key), "form": choice.form, "times_ms": choice.times_ms,
-                     "speedup": choice.speedup})
-    return rows
-
-
-def format_tuned_forms(tuner=None, rows: int | None = None) -> str:
-    """The table of `tuned_forms`; with `rows`, only the weight products of that row bucket."""
-    lines = [f"{'op':<10} {'case':<52} {'chosen':<16} {'vs plain':>8}  candidates (best ms)"]
-    for r in tuned_forms(tuner):
-        if rows is not None and (r["op"] != "product" or r["case"][1] != rows):
-            continue
-        times = ", ".join(f"{n} {t:.2f}" for n, t in r["times_ms"].items()) or "forced"
-        case = " ".join(str(k).removeprefix("torch.") for k in r["case"])
-        lines.append(f"{r['op']:<10} {case:<52} {r['form']:<16} {r['speedup']:>7.2f}x  {times}")
-    return "\n".join(lines)
-
-
 @dataclass(frozen=True)
 class Ceilings:
     device: str
@@ -148,18 +125,3 @@ def matmul_floor_tok_s(model, batch: int = 1, repeats: int = 3, plain: bool = Fa
 
     with torch.inference_mode():
         return batch / _best_time(chain, str(model.device), repeats)
-
-
-def tune_products(model, rows=(1,)) -> None:
-    """Decide the product form of every weight of `model` for each row count in `rows` now, so that the
-    timing runs stay out of later measurements (as a benchmark's warm-up does)."""
-    from ..backends.cpu.products import Linear
-    from ..quant import QuantLinear
-    with torch.inference_mode():
-        for layer in model.modules():
-            if isinstance(layer, Linear) and layer.weight.device.type == "cpu":
-                for n in rows:
-                    layer.form_for(n)
-            elif isinstance(layer, QuantLinear) and layer.qweight.device.type == "cpu":
-                for n in rows:
-                    layer.form_for(n, model.dtype)
