@@ -45,8 +45,8 @@ import torch
 from .attention import AttentionMetadata
 from .compiled_decode import CompiledDecode
 from .engine_config import EngineConfig, SpeculativeConfig
-from .course.formulas import human_bytes
 from .kv_cache import ContiguousKVCache, PagedKVCache
+from .metrics import human_bytes
 from .paging import BlockManager
 from .sampling import SamplingParams, make_generator, sample, sample_seed
 from .scheduler import Chunk, Request, Scheduler, make_policy

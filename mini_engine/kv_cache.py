@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from .backends.cpu import layer_ops
 from .config import ModelConfig
 
 
@@ -39,10 +38,9 @@ class ContiguousKVCache:
             return self.data[i, 0], self.data[i, 1]  # views taken in the graph (see _store)
         return self._layers[i]
 
-    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions, backend: str = "torch") -> None:
-        """Store the new tokens' keys/values (k/v [T,Hkv,D]) at (slot, position) of layer i, an indexed copy
-        whatever the attention backend. The caller checks positions < max_len once per step (see
-        LlamaModel.forward)."""
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions) -> None:
+        """Store the new tokens' keys/values (k/v [T,Hkv,D]) at (slot, position) of layer i. The caller checks
+        positions < max_len once per step (see LlamaModel.forward)."""
         if torch.compiler.is_compiling():
             _store(self.data, self._layer_ids[i], k, v, slot_mapping, slice(None), positions)
             return
@@ -62,13 +60,7 @@ class PagedKVCache:
         self.data = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
                                 device=device, dtype=dtype)
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
-        # The same memory with one row per slot (block * block_size + offset): what a cache write indexes.
-        self._rows = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self._layers]
         self._layer_ids = _layer_ids(config.num_layers, device)
-
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype=torch.float32) -> int:
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -91,20 +83,18 @@ class PagedKVCache:
         src, dst = (torch.tensor(ids, device=self.data.device) for ids in zip(*pairs))
         self.data[:, :, dst] = self.data[:, :, src]
 
-    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions=None,
-              backend: str = "torch") -> None:
-        """Store the new tokens' keys/values (k/v [T,Hkv,D]) in their slots (`slot_mapping` [T], from the
-        block tables) of layer i: the KV-store kernel on the triton backend, an indexed copy otherwise.
-        `positions` is unused: a slot already says where a token goes."""
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions=None) -> None:
+        """Store the new tokens' keys/values (k/v [T,Hkv,D]) in their pool rows of layer i (`slot_mapping` [T],
+        block * block_size + offset, from the block tables). `positions` is unused: a slot already says where a
+        token goes."""
+        rows = slot_mapping.long()
+        blocks, offsets = rows // self.block_size, rows % self.block_size
         if torch.compiler.is_compiling():
-            rows = slot_mapping.long()
-            _store(self.data, self._layer_ids[i], k, v, rows // self.block_size, rows % self.block_size)
+            _store(self.data, self._layer_ids[i], k, v, blocks, offsets)
             return
-        if backend == "triton":
-            from .kernels import store_kv_cache  # imported here: only this backend needs triton
-            store_kv_cache(k, v, *self._layers[i], slot_mapping)
-            return
-        layer_ops.store_rows(k, v, *self._rows[i], slot_mapping)
+        k_cache, v_cache = self._layers[i]
+        k_cache[blocks, offsets] = k
+        v_cache[blocks, offsets] = v
 
 
 def _layer_ids(num_layers: int, device) -> list[torch.Tensor]:

@@ -7,12 +7,11 @@ with a [B, N] tensor and nothing else is the plain full-recompute forward of cha
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .backends.cpu import layer_ops
-from .attention import BACKENDS, AttentionMetadata, attention_no_cache, attention_with_cache
+from .attention import BACKENDS, AttentionMetadata, make_backends
 from .config import ModelConfig
-from .backends.cpu.products import Linear
 
 
 class RMSNorm(nn.Module):
@@ -22,11 +21,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return layer_ops.rms_norm(x, self.weight, self.eps)
+        # Normalised in fp32, as the reference does, so that bf16/fp16 runs keep the statistic exact.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of each head by the position's angle: x*cos + rotate_half(x)*sin, where
+    rotate_half(x) = [-x2, x1]. The table's sin carries the sign ([-sin, sin], see `rope_tables`), so
+    rotate_half(x)*sin is x.roll(D/2)*sin. x [T,H,D], cos/sin [T,1,D] in x's dtype."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin (see `layer_ops.apply_rope`) for every position, in fp32: [max_positions, head_dim]."""
+    """cos and sign-folded sin (see `apply_rope`) for every position, in fp32: [max_positions, head_dim]."""
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     freqs = torch.outer(torch.arange(config.max_position_embeddings, device=device).float(), inv_freq)
@@ -40,37 +47,36 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qk_size, self.v_size = q_size + kv_size, kv_size
         # q, k and v come from one matmul: one pass over the input instead of three.
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size)
-        self.o_proj = Linear(q_size, config.hidden_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
     def project(self, x, cos, sin):
         """x [T, hidden] -> rotated q [T,Hq,D], rotated k and v [T,Hkv,D]."""
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.qk_size, self.v_size], dim=-1)
         # q and k sit side by side in the fused output: rotate all their heads in one pass.
-        qk = layer_ops.rope(qk, cos, sin, self.num_heads + self.num_kv_heads)
+        qk = self.rotate(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v.view(t, self.num_kv_heads, self.head_dim)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, layer_idx: int, kv_cache, backend: str):
-        t = x.shape[0]
+    def rotate(self, qk, cos, sin):
+        """RoPE on q and k side by side, qk [T, (Hq + Hkv) x D] -> [T, Hq + Hkv, D]."""
+        return apply_rope(qk.view(qk.shape[0], self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, layer_idx: int, kv_cache, attention):
         q, k, v = self.project(x, cos, sin)
-        if kv_cache is None:
-            o = attention_no_cache(q, k, v, meta, backend)
-        else:
-            kv_cache.write(layer_idx, k, v, meta.slot_mapping, meta.positions, backend)
-            o = attention_with_cache(q, *kv_cache.layer(layer_idx), meta, backend)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(attention(q, k, v, meta, kv_cache, layer_idx).reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # one product for both halves of SwiGLU
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -81,8 +87,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, meta, layer_idx, kv_cache, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, layer_idx, kv_cache, backend)
+    def forward(self, x, cos, sin, meta, layer_idx, kv_cache, attention):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, layer_idx, kv_cache, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -93,11 +99,13 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.attention_backend = attention_backend
+        # name -> the attention object that runs it (attention.py); an optional backend may swap in its own
+        self.attention_backends = make_backends()
         self.quantization: str | None = None  # "int4" / "int8" once quant.quantize_model has replaced the products
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -174,8 +182,9 @@ class LlamaModel(nn.Module):
         cos = self.rope_cos[meta.positions, None].to(self.dtype)
         sin = self.rope_sin[meta.positions, None].to(self.dtype)
         x = self.embed_tokens(input_ids)
+        attention = self.attention_backends[backend]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, i, kv_cache, backend)
+            x = layer(x, cos, sin, meta, i, kv_cache, attention)
         if meta.logits_indices is not None:
             x = x[meta.logits_indices]
         return self.lm_head(self.norm(x))

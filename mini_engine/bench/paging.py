@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from ..attention import IN_PLACE, AttentionMetadata, _decode_sdpa, paged_decode_torch, prefill_chunk_attention
+from ..attention import AttentionMetadata, TorchAttention
+from ..backends.cpu.attention import IN_PLACE, CpuAttention
 from ..backends.cpu.cpu_kernels import paged_decode, paged_decode_supported
 from .runs import Row, ServingWorkload, format_table, run_engine
 from ..devices import synchronize
@@ -83,16 +84,15 @@ def time_paged_decode_forms(model, batch: int, context: int, block_size: int = 1
     layers = range(c.num_layers)
     if not paged_decode_supported(q, *paged.layer(0)):
         return {}
-    group = meta.decode
+    group, cpu = meta.decode, CpuAttention()
     chunks = [n for n in (batch, 8, 4, 2, 1) if n <= batch]
 
     def copy_form(n):
-        return lambda: [paged_decode_torch(q, *paged.layer(i), group, chunk=n) for i in layers]
+        return lambda: [cpu.paged_decode(q, *paged.layer(i), group, f"{n} at a time") for i in layers]
 
     def contiguous_form():
         for i in layers:
-            k, v = (kv[cmeta.decode.slots] for kv in contiguous.layer(i))
-            _decode_sdpa(q.unsqueeze(2), k, v, None, "torch")
+            TorchAttention.decode(cpu, q, *contiguous.layer(i), cmeta.decode, cmeta)
     forms = {"in place (C)": lambda: [paged_decode(q, *paged.layer(i), group.block_tables, group.context_lens)
                                       for i in layers],
              **{f"copy {n}": copy_form(n) for n in dict.fromkeys(chunks)},
@@ -113,8 +113,8 @@ def time_prefill_chunk_forms(model, chunk: int, context: int, block_size: int = 
     if not paged_decode_supported(q, *paged.layer(0)):
         return {}
     layers = range(c.num_layers)
-    forms = {name: (lambda form=form: [prefill_chunk_attention(q, *paged.layer(i), meta, 0, "torch", form)
-                                       for i in layers])
+    cpu = CpuAttention()
+    forms = {name: (lambda form=form: [cpu.prefill_chunk(q, *paged.layer(i), meta, 0, form) for i in layers])
              for name, form in (("in place (C)", IN_PLACE), ("copy + SDPA", "copy"))}
     return {name: t / len(layers) for name, t in median_alternated(forms, repeats).items()}
 

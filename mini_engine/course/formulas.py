@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import PRESETS, ModelConfig
+from ..metrics import human_bytes  # noqa: F401 (course code reads it from here too)
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -463,14 +464,6 @@ def prefix_cache_ttft(model, prefix_len, suffix_len, dtype_bytes, peak_flops, pe
     without = prefill_time(model, prompt_len, 0, dtype_bytes, peak_flops, peak_bw)
     with_hit = prefill_time(model, prompt_len - _arr(cached), cached, dtype_bytes, peak_flops, peak_bw)
     return without, with_hit
-
-
-def human_bytes(n: float) -> str:
-    """Binary units, as the course reports memory: 2147483648 → '2.00 GiB'."""
-    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..attention import resolve_backend
+from ..backends import cpu as cpu_backend
 from ..config import ModelConfig
 from ..model import LlamaModel
 from .tokenizer import Tokenizer, bpe_from_gguf_metadata
@@ -83,7 +84,9 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
     if quantization is not None:
         quantize_model(model, quantization, group_size=group_size, head=head,
                        q4_1=_fuse_q4_1(q4_1, config.num_layers))
-    return model.to(device=device, dtype=dtype).eval(), tokenizer
+    model = model.to(device=device, dtype=dtype).eval()
+    cpu_backend.install(model)  # the optional CPU speed-ups (nothing on a GPU, or with MINI_ENGINE_CPU_BACKEND=0)
+    return model, tokenizer
 
 
 # ---------------------------------------------------------------- GGUF

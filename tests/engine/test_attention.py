@@ -2,17 +2,24 @@
 
 The engine prepares a step's decodes once (`DecodeGroup`) and attends all of them in one grouped product;
 these tests pin that down for consecutive and scattered slots, unequal contexts and steps that mix decodes
-with prefill chunks, and check the sign-folded RoPE against the textbook rotate-half form."""
+with prefill chunks, and check the sign-folded RoPE against the textbook rotate-half form. "cpu" is the optional
+CPU backend's attention (`backends/cpu/attention.py`), whose forms must give the same results."""
 import pytest
 import torch
 
-from mini_engine.attention import AttentionMetadata, DecodeGroup, attention_with_cache, paged_decode_torch
+from mini_engine.attention import AttentionMetadata, DecodeGroup, attention_with_cache
+from mini_engine.backends.cpu.attention import CpuAttention, register_decode_op
 from mini_engine.config import ModelConfig
-from mini_engine.backends.cpu.layer_ops import apply_rope
-from mini_engine.model import rope_tables
+from mini_engine.model import apply_rope, rope_tables
 from mini_engine.paging import BlockManager
 
 D, MAX_LEN = 16, 40
+
+
+def attend(q, k_cache, v_cache, meta, backend):
+    if backend == "cpu":
+        return CpuAttention().with_cache(q, k_cache, v_cache, meta)
+    return attention_with_cache(q, k_cache, v_cache, meta, backend)
 
 
 def reference(q, k_cache, v_cache, meta):
@@ -43,7 +50,7 @@ STEPS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["torch", "naive"])
+@pytest.mark.parametrize("backend", ["torch", "naive", "cpu"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_cached_attention_equals_per_sequence_reference(step, heads, kv_heads, backend):
@@ -52,7 +59,7 @@ def test_cached_attention_equals_per_sequence_reference(step, heads, kv_heads, b
     k_cache, v_cache = torch.randn(2, 10, kv_heads, MAX_LEN, D).unbind(0)
     q = torch.randn(sum(query_lens), heads, D)
     meta = AttentionMetadata.build(query_lens, context_lens, slots)
-    got = attention_with_cache(q, k_cache, v_cache, meta, backend)
+    got = attend(q, k_cache, v_cache, meta, backend)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{step}: {m}")
 
@@ -88,7 +95,7 @@ def paged_copy(k_cache, v_cache, meta, block_size, generator):
     return pools, tables
 
 
-@pytest.mark.parametrize("backend", ["torch", "naive"])
+@pytest.mark.parametrize("backend", ["torch", "naive", "cpu"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_paged_attention_equals_the_contiguous_reference(step, block_size, backend):
@@ -101,7 +108,7 @@ def test_paged_attention_equals_the_contiguous_reference(step, block_size, backe
     meta = AttentionMetadata.build(query_lens, context_lens, slots)
     (k_pool, v_pool), tables = paged_copy(k_cache, v_cache, meta, block_size, g)
     paged = AttentionMetadata.build(query_lens, context_lens, block_tables=tables, block_size=block_size)
-    got = attention_with_cache(q, k_pool, v_pool, paged, backend)
+    got = attend(q, k_pool, v_pool, paged, backend)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{step}, block {block_size}: {m}")
 
@@ -117,7 +124,7 @@ def test_paged_decode_gives_the_same_result_however_many_sequences_are_copied_at
     meta = AttentionMetadata.build(query_lens, context_lens, slots)
     (k_pool, v_pool), tables = paged_copy(k_cache, v_cache, meta, 4, g)
     paged = AttentionMetadata.build(query_lens, context_lens, block_tables=tables, block_size=4)
-    got = paged_decode_torch(q, k_pool, v_pool, paged.decode, chunk=chunk)
+    got = CpuAttention().paged_decode(q, k_pool, v_pool, paged.decode, f"{chunk} at a time")
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5)
 
 
@@ -140,10 +147,12 @@ def test_paged_decode_reading_each_groups_own_longest_context_gives_the_same_res
     for order in (list(range(len(lens))), sorted(range(len(lens)), key=lambda i: -context_lens[i])):
         rows = torch.tensor(order)
         sub = DecodeGroup(slice(None), None, None, max(context_lens), group.mask[rows], block_tables[rows],
-                          lens[rows], [context_lens[i] for i in order])
-        got = paged_decode_torch(q[rows], k_pool, v_pool, sub, chunk=chunk)
+                          lens[rows])
+        got = CpuAttention().paged_decode(q[rows], k_pool, v_pool, sub, f"{chunk} at a time",
+                                          [context_lens[i] for i in order])
         torch.testing.assert_close(got, want[rows], rtol=1e-5, atol=1e-5)
-    got = torch.ops.mini_engine.decode_attention(q, k_pool, v_pool, group.mask, lens, None, block_tables, "torch")
+    register_decode_op()
+    got = torch.ops.mini_engine.decode_attention(q, k_pool, v_pool, group.mask, lens, None, block_tables)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -190,26 +199,24 @@ def test_sign_folded_rope_equals_rotate_half():
 
 
 def test_a_step_decides_its_attention_form_once_and_apart_for_flop_counting(monkeypatch):
-    """The decode attention's form is decided at a step's first layer and kept for the others; a FLOP counter
-    (which must see PyTorch's ops, never the C kernel) gets a decision of its own."""
+    """The CPU backend decides a decode's attention form at a step's first layer and keeps it for the others; a
+    FLOP counter (which must see PyTorch's ops, never the C kernel) gets a decision of its own."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import mini_engine.attention as attention
-    from mini_engine.attention import AttentionMetadata, decode_attention
-
     decided = []
-    form_for = attention.paged_decode_form
-    monkeypatch.setattr(attention, "paged_decode_form", lambda *a, **k: decided.append(1) or form_for(*a, **k))
+    form_for = CpuAttention.paged_decode_form
+    monkeypatch.setattr(CpuAttention, "paged_decode_form", lambda *a, **k: decided.append(1) or form_for(*a, **k))
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(2, 6, 16, 3, 64, generator=g)
     meta = AttentionMetadata.build([1, 1], [20, 37], block_tables=[[0, 1], [2, 3, 4]], block_size=16)
     q = torch.randn(2, 9, 64, generator=g)
-    first = decode_attention(q, *pool, meta.decode)
+    attention = CpuAttention()
+    first = attention.decode(q, *pool, meta.decode, meta)
     for _ in range(3):  # the step's other layers
-        torch.testing.assert_close(decode_attention(q, *pool, meta.decode), first)
+        torch.testing.assert_close(attention.decode(q, *pool, meta.decode, meta), first)
     assert len(decided) == 1, "the form is decided once per step"
     with FlopCounterMode(display=False):
-        counted = decode_attention(q, *pool, meta.decode)
-    assert len(decided) == 2 and meta.decode.forms[("torch", True)] == "2 at a time", \
+        counted = attention.decode(q, *pool, meta.decode, meta)
+    assert len(decided) == 2 and meta.extras[("paged decode", True)] == "2 at a time", \
         "under a FLOP counter the step decides again, and never for the C kernel"
     torch.testing.assert_close(counted, first, rtol=1e-5, atol=1e-5)

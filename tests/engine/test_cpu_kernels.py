@@ -5,7 +5,7 @@ import torch
 
 import mini_engine as me
 from mini_engine.backends.cpu import cpu_kernels
-from mini_engine.attention import IN_PLACE
+from mini_engine.backends.cpu.attention import IN_PLACE, CpuAttention, register_decode_op
 from mini_engine.backends.cpu.autotune import TUNER
 from mini_engine.engine import LLM
 
@@ -133,8 +133,8 @@ def test_the_decode_kernel_with_and_without_16_scores_at_once(defines, monkeypat
 
 def test_the_engines_prefill_chunks_take_either_form_alike(force_forms):
     """One step of two decodes and two prefill chunks (one after 40 cached positions, one fresh) through
-    `attention_with_cache`: the chunks read in place by the kernel give the copy + SDPA's result."""
-    from mini_engine.attention import AttentionMetadata, attention_with_cache
+    the CPU backend's attention: the chunks read in place by the kernel give the copy + SDPA's result."""
+    from mini_engine.attention import AttentionMetadata
 
     query_lens, context_lens = [1, 30, 1, 19], [9, 70, 33, 19]
     q, k_pool, v_pool, tables, _ = random_case(7, context_lens)
@@ -146,8 +146,8 @@ def test_the_engines_prefill_chunks_take_either_form_alike(force_forms):
         meta = AttentionMetadata.build(query_lens, context_lens, block_tables=[t[:-(-c // 16)] for t, c in
                                                                               zip(tables.tolist(), context_lens)],
                                        block_size=16)
-        outs[form] = attention_with_cache(qs, k_pool, v_pool, meta, "torch")
-        assert set(meta.chunk_forms.values()) == {form}
+        outs[form] = CpuAttention().with_cache(qs, k_pool, v_pool, meta)
+        assert {v for (key, _), v in meta.extras.items() if key[0] == "prefill"} == {form}
     torch.testing.assert_close(outs[IN_PLACE], outs["copy"], rtol=1e-5, atol=1e-5)
 
 
@@ -246,7 +246,8 @@ def test_a_compiled_graph_reaches_the_kernel_through_the_decode_operator(force_f
     q, k_pool, v_pool, tables, lens = random_case(5, [3, 40, 17, 64])
     group = DecodeGroup.from_tensors(lens, tables.shape[1] * 16, block_tables=tables)
     force_forms(**KERNELS)
-    got = torch.ops.mini_engine.decode_attention(q, k_pool, v_pool, group.mask, lens, None, tables, "torch")
+    register_decode_op()
+    got = torch.ops.mini_engine.decode_attention(q, k_pool, v_pool, group.mask, lens, None, tables)
     torch.testing.assert_close(got, reference(q, k_pool, v_pool, tables, lens), rtol=1e-5, atol=1e-5)
 
 
@@ -271,7 +272,7 @@ def test_real_model_chunked_prefill_over_a_cached_prefix_same_tokens_either_way(
                                                                                  monkeypatch):
     """Prompts cut into 20-token prefill chunks, each attending to the chunks before it, and a second round of the
     same prompts behind a shared cached prefix (prefix caching): the kernels give the copy's greedy tokens."""
-    import mini_engine.attention as attention
+    import mini_engine.backends.cpu.attention as attention
 
     model, tok = real
     chunk_queries = []  # query tokens per sequence of each paged_chunk call: the kernel did run
@@ -333,7 +334,8 @@ def test_a_compiled_graph_reaches_the_contiguous_cache_kernel_through_the_decode
     q, k_cache, v_cache, slots, lens = contiguous_case(8, [3, 80, 17], [2, 5, 0])
     group = DecodeGroup.from_tensors(lens, k_cache.shape[2], slots=slots)
     force_forms(contiguous_decode=IN_PLACE)
-    got = torch.ops.mini_engine.decode_attention(q, k_cache, v_cache, group.mask, lens, slots, None, "torch")
+    register_decode_op()
+    got = torch.ops.mini_engine.decode_attention(q, k_cache, v_cache, group.mask, lens, slots, None)
     torch.testing.assert_close(got, contiguous_reference(q, k_cache, v_cache, slots, lens), rtol=1e-5, atol=1e-5)
 
 

@@ -10,6 +10,7 @@ from mini_engine.backends.cpu import cpu_kernels
 
 from mini_engine.backends.cpu import layer_ops
 from mini_engine.generate import generate_cached
+from mini_engine.model import apply_rope
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load_torch_ops(),
                                 reason="the fused operators need C and C++ compilers and an x86 CPU with AVX2")
@@ -38,7 +39,7 @@ def test_rope_equals_apply_rope_on_the_qkv_products_view(rows):
     qk = qkv[:, :768]
     got = ops.rope(qk, cos, sin, 12)
     assert got.shape == (rows, 12, 64) and got.is_contiguous()
-    torch.testing.assert_close(got, layer_ops.apply_rope(qk.reshape(rows, 12, 64), cos, sin), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, apply_rope(qk.reshape(rows, 12, 64), cos, sin), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", ROWS)

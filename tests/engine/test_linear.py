@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from mini_engine.attention import attention_in_fp32, run_attention
+from mini_engine.backends.cpu.attention import attention_in_fp32, run_attention
 from mini_engine.backends.cpu.autotune import Autotuner, forced_from_env, row_bucket
 from mini_engine.backends.cpu.products import FORMS, PACKERS, Linear, candidate_forms, choose_form, prepare_weight
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...model import apply_rope
 from . import cpu_kernels
 
 
@@ -33,14 +34,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if fused(x) and x.dim() == 2 and weight.dtype == torch.float32:
         return torch.ops.mini_engine_cpp.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of each head by the position's angle: x*cos + rotate_half(x)*sin, where
-    rotate_half(x) = [-x2, x1]. The table's sin carries the sign ([-sin, sin]), so rotate_half(x)*sin is
-    x.roll(D/2)*sin: three ops instead of six, which counts when a decode step is mostly per-op overhead.
-    x [T,H,D], cos/sin [T,1,D] in x's dtype."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:

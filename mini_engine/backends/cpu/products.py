@@ -196,6 +196,16 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, tuner: Autotuner = TUNER):
         super().__init__(in_features, out_features, bias=False)
+        self._init_forms(tuner)
+
+    @classmethod
+    def adopt(cls, layer: nn.Linear, tuner: Autotuner = TUNER) -> "Linear":
+        """Turn a bias-free nn.Linear into this class in place, keeping its weight (`install` does this)."""
+        layer.__class__ = cls
+        layer._init_forms(tuner)
+        return layer
+
+    def _init_forms(self, tuner: Autotuner) -> None:
         self.tuner = tuner
         # (rows, dtype) -> form: the tuner's answer, kept here because a decode step makes 121 products and
         # each lookup through the tuner costs microseconds.
