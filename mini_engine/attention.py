@@ -109,10 +109,10 @@ class DecodeGroup:
         return isinstance(self.tokens, slice)
 
 
-def pad_tables(tables: list[list[int]], width: int, device) -> torch.Tensor:
-    """Block tables cut or padded to `width` blocks with block 0, as one int32 tensor. Padding lies past each
+def pad_tables(tables: list[list[int]], width: int, device, fill: int = 0) -> torch.Tensor:
+    """Block tables cut or padded to `width` blocks with block `fill`, as one int32 tensor. Padding lies past each
     sequence's context, so it is masked (torch) or never read (the kernels), but the index stays a real block."""
-    return torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32,
+    return torch.tensor([t[:width] + [fill] * (width - len(t[:width])) for t in tables], dtype=torch.int32,
                         device=device)
 
 

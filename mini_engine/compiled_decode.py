@@ -61,7 +61,7 @@ import weakref
 
 import torch
 
-from .attention import AttentionMetadata, DecodeGroup
+from .attention import AttentionMetadata, DecodeGroup, pad_tables
 
 
 def decode_graph(model, kv_cache, backend: str, tokens, positions, slot_mapping, context_lens, slots=None,
@@ -227,10 +227,9 @@ class CompiledDecode:
         lens = torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32, device=device)
         if self.paged:  # a padded row reads and writes position 0 of the scratch block
             bs, width = self.block_size, self.max_blocks
-            tables = [t + [self.scratch] * (width - len(t)) for t in rows] + [[self.scratch] * width] * pad
             slot_mapping = [t[p // bs] * bs + p % bs for t, p in zip(rows, positions)] + [self.scratch * bs] * pad
             where = torch.tensor(slot_mapping, dtype=torch.int32, device=device)
-            kwargs["block_tables"] = torch.tensor(tables, dtype=torch.int32, device=device)
+            kwargs["block_tables"] = pad_tables(list(rows) + [[]] * pad, width, device, fill=self.scratch)
         else:  # a padded row reads and writes position 0 of the scratch slot
             where = torch.tensor(list(rows) + [self.scratch] * pad, device=device)
             kwargs["slots"] = where

@@ -1,4 +1,4 @@
-"""Configuration dataclasses: what the model is (`ModelConfig`) and how the engine runs it (`EngineConfig`)."""
+"""What the model is (`ModelConfig`, chapter 00): a Llama decoder's shape, and the published shapes the formulas use."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,11 +29,6 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-
-    @property
-    def q_per_kv(self) -> int:
-        """Query heads sharing one KV head (1 = MHA, num_heads = MQA, in between = GQA)."""
-        return self.num_heads // self.num_kv_heads
 
     @property
     def num_params(self) -> int:

@@ -1,4 +1,4 @@
-"""Device choice and workload sizing, so one notebook is meaningful on a GPU and finishes on a CPU."""
+"""Device choice and workload sizing (chapter 00), so one notebook is meaningful on a GPU and finishes on a CPU."""
 from __future__ import annotations
 
 import time

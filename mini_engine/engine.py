@@ -27,13 +27,12 @@ its drafts plus one token). The scheduler appends what fits the step's leftover 
 request's decode chunk, the runner returns logits at all 1 + k positions, and the request's tokens come from
 the rejection sampler (greedy: accept while the draft is the argmax), one at a time with the stop checks after
 each. A chunk left without drafts goes through the plain sampler, drawing the random numbers it would without
-speculation; a sampling draft model draws from a stream of its own (`_draft_generator`). Parallel sampling
+speculation; a sampling draft model draws from a stream of its own (`make_generator(..., "draft")`). Parallel sampling
 (n > 1) with speculation is refused.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import os
 import numbers
@@ -48,9 +47,9 @@ from .engine_config import EngineConfig, SpeculativeConfig
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .metrics import human_bytes
 from .paging import BlockManager
-from .sampling import SamplingParams, make_generator, sample, sample_seed
+from .sampling import SamplingParams, make_generator, sample, stop_tokens
 from .scheduler import Chunk, Request, Scheduler, make_policy
-from .speculative import DraftModelProposer, NgramProposer, rejection_sample, target_probs_from_logits
+from .speculative import DraftModelProposer, NgramProposer, verify
 
 
 @dataclass(frozen=True)
@@ -372,15 +371,12 @@ class LLMEngine:
         """Queue a request (a string or token ids); it joins the batch at a step the policy allows.
         Returns its id. A bad request raises ValueError and changes nothing."""
         prompt, params = self.validate(prompt, params)
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos and self.eos_token_id is not None:
-            stop.add(self.eos_token_id)
-        now = time.perf_counter()
-        samples = [Request(next(self._ids), prompt, params, frozenset(stop), now, index=i) for i in range(params.n)]
+        stop, now = stop_tokens(params, self.eos_token_id), time.perf_counter()
+        samples = [Request(next(self._ids), prompt, params, stop, now, index=i) for i in range(params.n)]
         for s in samples:
             self._generators[s.request_id] = make_generator(params, self.model.device, s.index)
-            if isinstance(self.proposer, DraftModelProposer):
-                self._draft_generators[s.request_id] = _draft_generator(params, self.model.device, s.index)
+            if isinstance(self.proposer, DraftModelProposer):  # a sampling draft model draws from its own stream
+                self._draft_generators[s.request_id] = make_generator(params, self.model.device, s.index, "draft")
             self._request_of[s.request_id] = samples[0].request_id
         self._samples[samples[0].request_id] = samples
         if self.scheduler.blocks is not None:
@@ -474,7 +470,8 @@ class LLMEngine:
         for row, r in self.scheduler.samplers(chunks):  # forks draw from the row of the prefill they fork from
             c = sampling[row]
             if c.draft_token_ids:
-                out.append(self._verify(r, list(c.draft_token_ids), logits[offsets[row]:offsets[row + 1]]))
+                out.append(verify(logits[offsets[row]:offsets[row + 1]], list(c.draft_token_ids),
+                                  self._draft_probs.get(r.request_id), r.params, self._generators[r.request_id]))
                 if self.config.speculative.adaptive:  # one more than it accepted (len(out[-1]) - 1), up to k
                     self._num_drafts[r.request_id] = min(len(out[-1]), self.config.speculative.k)
             else:
@@ -489,18 +486,6 @@ class LLMEngine:
             for place, token in zip(places, tokens):
                 out[place] = token
         return out
-
-    def _verify(self, r: Request, drafts: list[int], logits: torch.Tensor) -> list[int]:
-        """The rejection sampler over one request's 1 + len(drafts) rows of logits."""
-        if r.params.greedy:  # one-hot target rows: accept while the draft is the argmax, then the argmax
-            best = logits.argmax(dim=-1).tolist()
-            accepted = next((i for i, (d, b) in enumerate(zip(drafts, best)) if d != b), len(drafts))
-            return best[:accepted + 1]
-        probs = target_probs_from_logits(logits, r.params)[None]
-        ids = torch.tensor([drafts], dtype=torch.int64, device=logits.device)
-        q = self._draft_probs.get(r.request_id)
-        q = None if q is None else q[:len(drafts)].to(logits.device)[None]  # drafts the budget cut have no row
-        return rejection_sample(probs, ids, q, [self._generators[r.request_id]])[0]
 
     def _finish_sample(self, r: Request) -> RequestOutput | None:
         """The request's output once its last sample has finished (None before)."""
@@ -532,15 +517,6 @@ class LLMEngine:
                                     if self.tokenizer is not None else None, s.finish_reason) for s in samples]
         return RequestOutput(r.request_id, r.prompt_ids, outputs[0].token_ids, outputs[0].text,
                              outputs[0].finish_reason, metrics, r.num_cached_tokens or 0, outputs)
-
-
-def _draft_generator(params: SamplingParams, device, index: int) -> torch.Generator | None:
-    """A sampling draft model's random stream, apart from the request's own: what the draft draws never
-    shifts the target's stream, and it depends on the request's seed alone."""
-    if params.greedy or params.seed is None:
-        return None
-    seed = int.from_bytes(hashlib.sha256(f"draft/{sample_seed(params.seed, index)}".encode()).digest()[:8], "little")
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _as_prompt_list(prompts) -> list:

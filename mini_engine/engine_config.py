@@ -1,4 +1,4 @@
-"""EngineConfig: every knob of the serving engine, checked where it is made.
+"""EngineConfig: every knob of the serving engine (chapter 04 on), checked where it is made.
 
 `speculative` (chapter 06) is a dict parsed into a `SpeculativeConfig` here, so a typo in it fails before
 any weights load.
@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .attention import resolve_backend
+
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHES = ("paged", "contiguous")
 SCHEDULING = ("static", "dynamic", "continuous")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "naive")
 
 # The contiguous cache reserves max_model_len positions for each of max_num_seqs slots up front. SmolLM2-135M
 # keeps 46 KB per token in fp32, so 64 slots x 2048 positions would pin 6 GB: a CPU gets a smaller default.
@@ -137,8 +138,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        resolve_backend(self.attention_backend, self.device)  # a bad name fails here, before any weights load
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_model_len", "chunked_prefill_tokens",
                      "dynamic_bucket_width"):
             value = getattr(self, name)
@@ -160,9 +160,7 @@ class EngineConfig:
         max_model_len = self.max_model_len or min(length, max_positions)
         if max_model_len > max_positions:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {max_positions} positions")
-        backend = self.attention_backend
-        if backend == "auto":
-            backend = "triton" if kind == "cuda" else "torch"
+        backend = resolve_backend(self.attention_backend, device)
         max_num_seqs, num_kv_blocks = self.max_num_seqs or seqs, self.num_kv_blocks
         if self.kv_cache == "paged":
             if num_kv_blocks is None:

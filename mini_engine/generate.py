@@ -11,8 +11,8 @@ import torch
 from .attention import AttentionMetadata
 from .compiled_decode import compiled_decode_step
 from .kv_cache import ContiguousKVCache
-from .sampling import SamplingParams, make_generator, sample
-from .speculative import rejection_sample, target_probs_from_logits
+from .sampling import SamplingParams, make_generator, sample, stop_tokens
+from .speculative import verify
 
 
 def _check(model, prompt_ids, max_new_tokens):
@@ -27,10 +27,7 @@ def _check(model, prompt_ids, max_new_tokens):
 
 
 def _stops(model, params: SamplingParams, eos_token_id):
-    if params.ignore_eos:
-        return set(params.stop_token_ids)
-    eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
-    return set(params.stop_token_ids) | ({eos} if eos is not None else set())
+    return stop_tokens(params, model.config.eos_token_id if eos_token_id is None else eos_token_id)
 
 
 def generate_naive(model, prompt_ids: list[int], max_new_tokens: int = 32, params: SamplingParams | None = None,
@@ -196,7 +193,7 @@ def generate_speculative(model, prompt_ids: list[int], proposer, k: int = 4, max
 
     t0 = time.perf_counter()
     logits = prefill(model, kv_cache, [list(prompt_ids)], [0])
-    done = commit(_verify(logits, [], None, params, gen))
+    done = commit(verify(logits, [], None, params, gen))
     stats.prefill_s = time.perf_counter() - t0
     while not done:
         seq = list(prompt_ids) + out           # the cache holds all but seq[-1]
@@ -213,7 +210,7 @@ def generate_speculative(model, prompt_ids: list[int], proposer, k: int = 4, max
         chunk = [seq[-1]] + drafts
         meta = AttentionMetadata.build([len(chunk)], [len(seq) + len(drafts)], slots=[0], device=model.device)
         logits = model(torch.tensor(chunk, device=model.device), meta, kv_cache)  # [n + 1, V]: p_0 .. p_n
-        tokens = _verify(logits, drafts, draft_probs, params, gen)
+        tokens = verify(logits, drafts, draft_probs, params, gen)
         stats.draft_s += t1 - t0
         stats.target_s += time.perf_counter() - t1
         stats.target_steps += 1
@@ -223,11 +220,3 @@ def generate_speculative(model, prompt_ids: list[int], proposer, k: int = 4, max
         done = commit(tokens)
     return out, stats
 
-
-def _verify(logits, drafts, draft_probs, params, gen) -> list[int]:
-    """The rejection sampler over one sequence's k + 1 target rows; with no drafts, an ordinary sample."""
-    probs = target_probs_from_logits(logits, params)[None]
-    ids = torch.tensor([drafts], dtype=torch.int64, device=logits.device).view(1, len(drafts))
-    q = None if draft_probs is None else draft_probs.to(logits.device)[None]
-    # One generator per sequence (a list): only the drafts actually proposed consume uniforms.
-    return rejection_sample(probs, ids, q, [gen])[0]

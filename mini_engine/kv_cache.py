@@ -1,4 +1,4 @@
-"""The two KV caches the engine can run on.
+"""The two KV caches the engine can run on (chapter 03, and chapter 07 for the paged one).
 
 `ContiguousKVCache`: every sequence slot reserves room for `max_len` positions up front. Layout follows the
 seed chapter: [layers, K/V, slots (batch), kv_heads, positions, head_dim]. Simple and fast to index, but a
@@ -15,28 +15,38 @@ import torch
 from .config import ModelConfig
 
 
-class ContiguousKVCache:
-    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, device="cpu", dtype=torch.float32):
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
-        self.num_slots, self.max_len = num_slots, max_len
-        self.data = torch.zeros(config.num_layers, 2, num_slots, config.num_kv_heads, max_len, config.head_dim,
-                                device=device, dtype=dtype)
+class KVCache:
+    """What both caches share: one zeroed tensor `data` [layers, K/V, ...] and each layer's two views of it. Zeros,
+    not empty: the torch path reads whole blocks or slots and masks the positions past a context, and a masked
+    NaN would still poison the weighted sum (0 * NaN)."""
+
+    def __init__(self, config: ModelConfig, shape: tuple[int, ...], device, dtype):
+        self.data = torch.zeros(config.num_layers, 2, *shape, device=device, dtype=dtype)
         # Views made once: slicing the big tensor anew on every layer of every step is measurable overhead.
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
-        self._layer_ids = _layer_ids(config.num_layers, device)
+        # Each layer's index as a tensor of its own, for `_store`.
+        self._layer_ids = [torch.tensor(i, device=device) for i in range(config.num_layers)]
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer i: [slots, kv_heads, max_len, head_dim] each."""
+        """Keys and values of layer i (contiguous: [slots, kv_heads, max_len, head_dim]; paged: [num_blocks,
+        block_size, kv_heads, head_dim])."""
         if torch.compiler.is_compiling():
             return self.data[i, 0], self.data[i, 1]  # views taken in the graph (see _store)
         return self._layers[i]
+
+
+class ContiguousKVCache(KVCache):
+    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, device="cpu", dtype=torch.float32):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        self.num_slots, self.max_len = num_slots, max_len
+        super().__init__(config, (num_slots, config.num_kv_heads, max_len, config.head_dim), device, dtype)
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping, positions) -> None:
         """Store the new tokens' keys/values (k/v [T,Hkv,D]) at (slot, position) of layer i. The caller checks
@@ -49,33 +59,18 @@ class ContiguousKVCache:
         v_cache[slot_mapping, :, positions] = v
 
 
-class PagedKVCache:
+class PagedKVCache(KVCache):
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device="cpu", dtype=torch.float32):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        # Zeros, not empty: the CPU path reads whole blocks and masks the positions past a context, and a
-        # masked NaN would still poison the weighted sum (0 * NaN).
-        self.data = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                                device=device, dtype=dtype)
-        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
-        self._layer_ids = _layer_ids(config.num_layers, device)
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        super().__init__(config, (num_blocks, block_size, config.num_kv_heads, config.head_dim), device, dtype)
 
     @property
     def max_len(self) -> int:
         """The most positions one sequence can hold: the whole pool."""
         return self.num_blocks * self.block_size
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer i: [num_blocks, block_size, kv_heads, head_dim] each."""
-        if torch.compiler.is_compiling():
-            return self.data[i, 0], self.data[i, 1]  # views taken in the graph (see _store)
-        return self._layers[i]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write (parallel sampling): every layer's keys and values of block src into block dst, for
@@ -97,24 +92,13 @@ class PagedKVCache:
         v_cache[blocks, offsets] = v
 
 
-def _layer_ids(num_layers: int, device) -> list[torch.Tensor]:
-    """Each layer's index as a tensor of its own, for `_store`."""
-    return [torch.tensor(i, device=device) for i in range(num_layers)]
-
-
 def _store(data: torch.Tensor, layer: torch.Tensor | int, k: torch.Tensor, v: torch.Tensor, *where) -> None:
     """Inside a compiled graph: write a layer's new keys and values (k/v [T,Hkv,D]) with ONE indexed store into
     the cache's base tensor, at data[layer, K or V, *where] (where: each token's row, as index tensors [T] and
-    slices).
-    Written through per-layer views, as the eager steps do, the compiler would copy the whole cache at every
-    layer to keep the views consistent (measured: 0.27 ms a layer for a 116-position cache); a store into the
-    graph's input itself is done in place.
-    `layer` is a 0-d tensor, one per layer (`_layer_ids`), so a graph input: with the index as a Python int, the
-    layer's offset into the cache was a constant of the generated code, and every layer's store kernel differed
-    from the others by that number alone, and Inductor compiled 30 copies of it. With the index an input, one
-    kernel serves every layer. On a 2-core EPYC (Zen 3), a cold compile of the fp32 decode step generated 35 C++
-    files in 74-81 s with an int, and 6 in 57-63 s with a tensor; the compiled step runs as fast
-    (`benchmarks/bench_compile.py`, which compiles it both ways: an int `layer` is the way this replaced)."""
+    slices). Written through per-layer views, as the eager steps do, the compiler would copy the whole cache at
+    every layer to keep the views consistent. `layer` is a 0-d tensor, a graph input: as a Python int it would
+    be a constant of the generated code, and Inductor would compile one store kernel per layer instead of one
+    for all (`benchmarks/bench_compile.py` measures both)."""
     t = k.shape[0]
     kv = torch.arange(2, device=k.device)[:, None].expand(2, t)  # K then V, for each token
     index = layer.expand(2, t) if isinstance(layer, torch.Tensor) else torch.full_like(kv, layer)

@@ -1,4 +1,4 @@
-"""Latency metrics: TTFT (prefill), TPOT (decode), end-to-end, throughput; timers that synchronise the device."""
+"""Latency metrics (chapters 01-02): TTFT (prefill), TPOT (decode), end-to-end, throughput; device-synchronised timers."""
 from __future__ import annotations
 
 import time

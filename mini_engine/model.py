@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import BACKENDS, AttentionMetadata, make_backends
+from .attention import AttentionMetadata, make_backends, resolve_backend
 from .config import ModelConfig
 
 
@@ -101,9 +101,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
-        self.attention_backend = attention_backend
+        self.attention_backend = resolve_backend(attention_backend, "cpu")
         # name -> the attention object that runs it (attention.py); an optional backend may swap in its own
         self.attention_backends = make_backends()
         self.quantization: str | None = None  # "int4" / "int8" once quant.quantize_model has replaced the products
@@ -156,9 +154,7 @@ class LlamaModel(nn.Module):
         """input_ids [B, N] with nothing else: full causal forward, logits [B, N, vocab] ([B, 1, vocab] with
         last_only: generation needs only the last position, and the vocab projection is a fifth of the model).
         input_ids [T] packed, with `meta` (and optionally a KV cache): logits [T or len(logits_indices), vocab]."""
-        backend = backend or self.attention_backend
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        backend = resolve_backend(backend or self.attention_backend, self.device)
         batched = input_ids.dim() == 2
         if batched:
             if meta is not None or kv_cache is not None:

@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k, top-p, seeded. Parameters are validated where they are made."""
+"""Sampling (chapter 01): greedy, temperature, top-k, top-p, seeded. Parameters are validated where they are made."""
 from __future__ import annotations
 
 import hashlib
@@ -35,21 +35,31 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _seed64(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
 def sample_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of a request seeded with `seed`: the seed itself for sample 0 (so n=1 draws
     what it always drew), otherwise 64 bits of SHA-256 over both, so that sample 1 of seed 0 is not sample 0
     of seed 1, as `seed + index` would make it."""
-    if index == 0:
-        return seed
-    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little")
+    return seed if index == 0 else _seed64(f"{seed}/{index}")
 
 
-def make_generator(params: SamplingParams, device="cpu", index: int = 0) -> torch.Generator | None:
+def make_generator(params: SamplingParams, device="cpu", index: int = 0, stream: str = "") -> torch.Generator | None:
     """A sample's own random stream: its draws depend on its seed and its index among the request's n samples
-    alone, not on what else is in the batch."""
+    alone, not on what else is in the batch. A named `stream` ("draft": a sampling draft model's) is another
+    stream of the same sample, so what it draws never shifts the sample's own."""
     if params.greedy or params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(sample_seed(params.seed, index))
+    seed = sample_seed(params.seed, index)
+    return torch.Generator(device=device).manual_seed(_seed64(f"{stream}/{seed}") if stream else seed)
+
+
+def stop_tokens(params: SamplingParams, eos_token_id: int | None) -> frozenset[int]:
+    """The tokens that end a sequence: the request's stop tokens, and EOS unless it is ignored."""
+    eos = set() if params.ignore_eos or eos_token_id is None else {eos_token_id}
+    return frozenset(params.stop_token_ids) | eos
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,57 +1,20 @@
-"""Requests, their states, and the scheduler that decides what runs at each step. Pure Python: no tensors.
+"""Requests, their states, and the scheduler that decides what runs at each step (chapter 04). Pure Python.
 
-A request's tokens are its prompt followed by what it has generated so far; `num_computed` of them already
-have their keys and values in the cache. One step of the engine runs, for every scheduled request, the
-next chunk of its uncomputed tokens: the rest of its prompt (prefill), part of it (a chunked prefill), or
-the one token it sampled last (decode). A request gets a new token only from a step that computes its
-last uncomputed token.
+A request's tokens are its prompt then its output so far; `num_computed` of them have their keys and values
+in the cache. Each step runs, for every scheduled request, a chunk of its uncomputed tokens: its prompt
+(prefill), part of it (chunked prefill), or the token it sampled last (decode); a chunk that reaches the
+last token samples the next. Three admission policies (below) decide when a waiting request may start.
+Chunked prefill caps a step at `token_budget` tokens, so a long prompt cannot stall everyone's decodes:
+decodes first (one token each, never skipped), then prompt chunks in arrival order, then new admissions.
 
-Three admission policies share the rest of the machinery:
-
-- static: a batch of up to `num_slots` requests is admitted only when the previous batch has fully
-  finished, so every batch advances at the pace of its longest request;
-- dynamic: like static, but the batch is one length bucket (prompts of similar length), released when it
-  is full or when its oldest request has waited `timeout_s`;
-- continuous (Orca's iteration-level scheduling): every step evicts finished requests and admits waiting
-  ones into the freed slots.
-
-Chunked prefill caps the tokens of one step at `token_budget`: decodes first (one token each, never
-skipped, so running requests keep their pace), then prompt chunks in arrival order with what is left, then
-the prompts of newly admitted requests.
-
-With a paged KV cache (chapter 07) the scheduler also owns the `paging.BlockManager`: a chunk takes the
-blocks its tokens fill when it is scheduled, and a request returns its blocks when it finishes. A step
-that needs a block when none is free preempts the most recently admitted running request (vLLM's
-recompute mode): its blocks go back to the pool, it goes back to the front of the queue, and when
-readmitted it recomputes its prompt and the output so far in one prefill. A prompt chunk shrinks to the
-free blocks before it preempts anyone, and a step that preempted admits nobody new. A waiting request is
-admitted only when the free blocks can hold everything it has to compute and still leave one block for each
-running request to grow into: a prompt admitted into the last free blocks would only be preempted, and
-recomputed, a few steps later (on chapter 04's serving workload with the KV memory of 4 slots, this
-headroom took the preemptions from 31 to 3, and the tokens computed twice from 25% to 3%).
-
-With prefix caching (chapter 08) a request being admitted first takes the cached blocks its tokens start
-with (`BlockManager.allocate_cached`) and starts computing after them; the admission check is sized after
-that lookup, and a hit on an evictable cached block counts against the free blocks. After every step the
-full blocks whose keys and values are now written join the cache (`BlockManager.cache_blocks`), before a
-finished request releases them. The policy's token budget counts only what a request will compute.
-
-Parallel sampling (`SamplingParams(n=...)`, paged cache): the request is queued as its sample 0, which
-carries the other samples in `forks`. Admission reserves a slot for every sample, and counts a block for
-each fork's first write. Sample 0 prefills the prompt once; the step that computes the prompt's last token
-forks the others from it (`BlockManager.fork`: they share all its blocks) and samples n first tokens from
-that one row of logits. From then on each sample is a request of its own: it decodes, finishes, or is
-preempted and recomputes alone, releasing only its own references. Its first write into the shared, partly
-filled last block copies it (`BlockManager.copy_on_write`); `block_copies` lists the step's copies, which
-the model runner makes before the step writes.
-
-Speculative decoding (chapter 06): a decoding request may carry drafts (`spec_token_ids`, set by the engine's
-proposer). After decodes, prompt chunks and admissions have been planned, each decode chunk grows by as many
-drafts as the leftover token budget and free blocks allow (`_add_drafts`): speculation only spends what the
-step would leave unused. `update` then appends the sampler's tokens one at a time (a stop, max_tokens or
-max_model_len ends the request there), counts as computed the request's last token and its accepted drafts
-only, registers full blocks for the prefix cache from those verified tokens, and gives back the blocks past
-them (`BlockManager.trim`): rejected drafts leave nothing behind. Preemption drops the drafts with the cache.
+Paged KV cache (chapter 07): the scheduler owns the `paging.BlockManager`; a chunk takes the blocks its
+tokens fill, a finished request returns them. When no block is free, the most recently admitted request is
+preempted by recompute (as in vLLM): its blocks go back to the pool, it goes first in the queue, and once
+readmitted recomputes prompt and output in one prefill. Prefix caching (chapter 08): admission first takes
+the cached blocks a request's tokens start with; after each step the full blocks now computed join the
+cache. Parallel sampling (`SamplingParams(n=...)`): sample 0 carries the others in `forks` and prefills the
+prompt once; then they fork, sharing its blocks, and run alone. Speculative decoding (chapter 06): decodes
+grow by their drafts (`spec_token_ids`) with what the step leaves; `update` keeps the accepted ones.
 """
 from __future__ import annotations
 
@@ -66,7 +29,7 @@ from .sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"  # sent back to the queue; its cache is dropped and recomputed on readmission
+    PREEMPTED = "preempted"  # back in the queue; its cache is dropped and recomputed on readmission
     FINISHED = "finished"
 
 
@@ -81,17 +44,15 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0          # tokens whose keys/values are in the cache
     slot: int | None = None        # lane while running: its row of a contiguous cache
-    finish_reason: str | None = None  # "stop" (a stop token), "length" (max_tokens or max_model_len) or "abort"
+    finish_reason: str | None = None  # "stop", "length" (max_tokens or max_model_len) or "abort"
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
-    num_cached_hint: int = 0       # what a prefix-cache lookup would serve now (set while waiting, for the budget)
+    num_cached_hint: int = 0       # what a prefix-cache lookup would serve now (for the policy's budget)
     index: int = 0                 # which of its prompt's n samples this is (parallel sampling)
-    forks: list[Request] = field(default_factory=list)  # samples that fork from this one once its prompt is computed
+    forks: list[Request] = field(default_factory=list)  # samples to fork once the prompt is computed
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled
-    # Speculative decoding: the proposer's guesses for the tokens after `tokens`, set before each step (the step
-    # verifies those the budget and the blocks leave room for), and the running counts for RequestMetrics.
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # the proposer's drafts for the next step
     num_draft_tokens: int = 0      # drafts verified by the target
     num_accepted_tokens: int = 0   # of those, accepted and emitted
 
@@ -115,10 +76,8 @@ class Request:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens start .. start + num_tokens − 1 of `request`, run in this step. `samples`: the chunk reaches
-    the request's last token, so the step samples its next one. A speculative decode chunk is the request's
-    last token followed by `draft_token_ids` (not in `request.tokens` yet): it wants logits at all its
-    positions, and the rejection sampler turns them into 1 to len(draft_token_ids) + 1 tokens."""
+    """Tokens start .. start + num_tokens − 1 of `request`, run in this step; `samples`: it reaches the last
+    token. A speculative decode adds `draft_token_ids` (not in `request.tokens` yet), with logits at each."""
     request: Request
     start: int
     num_tokens: int
@@ -127,40 +86,29 @@ class Chunk:
 
     @property
     def token_ids(self) -> list[int]:
-        """The ids this chunk runs: its slice of the request's tokens, then its drafts."""
         end = self.start + self.num_tokens - len(self.draft_token_ids)
         return self.request.tokens[self.start:end] + list(self.draft_token_ids)
 
     @property
     def num_logits(self) -> int:
-        """Rows of logits the step produces for this chunk."""
         return len(self.draft_token_ids) + 1 if self.samples else 0
 
-    @classmethod
-    def of(cls, request: Request, num_tokens: int) -> "Chunk":
-        start = request.num_computed
-        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
-
-
-# ---------------------------------------------------------------- admission policies
 
 class StaticPolicy:
-    """A new batch, first come first served, only once every request of the previous one has finished."""
+    """A new batch only once the previous one has finished: every batch moves at its longest request's pace."""
     name = "static"
 
-    def admit(self, waiting: list[Request], running: list[Request], free_slots: int, budget: float,
-              now: float) -> list[Request]:
+    def admit(self, waiting, running, free_slots, budget, now) -> list[Request]:
         return [] if running else waiting[:free_slots]
 
-    def seconds_until_admission(self, waiting: list[Request], running: list[Request], now: float) -> float:
+    def seconds_until_admission(self, waiting, running, now) -> float:
         return 0.0
 
 
 @dataclass
 class DynamicPolicy:
-    """Request-level batches of similar prompt length: requests fall into buckets of `bucket_width` tokens;
-    when the previous batch has finished, a full bucket runs at once, and a partial one only after its oldest
-    request has waited `timeout_s`: fewer wasted (padded) tokens per batch, paid for in queueing time."""
+    """Static batches of similar prompt length (buckets of `bucket_width` tokens): a full bucket runs at once,
+    a partial one when its oldest request has waited `timeout_s`. Less padding, more queueing."""
     batch_size: int
     bucket_width: int = 64
     timeout_s: float = 0.05
@@ -168,7 +116,7 @@ class DynamicPolicy:
 
     def _buckets(self, waiting: list[Request]) -> list[list[Request]]:
         buckets: dict[int, list[Request]] = {}
-        for r in waiting:  # waiting is in arrival order, so each bucket is too: its head is its oldest
+        for r in waiting:  # in arrival order, so each bucket's head is its oldest
             buckets.setdefault((r.num_tokens - 1) // self.bucket_width, []).append(r)
         return sorted(buckets.values(), key=lambda b: b[0].arrival_time)
 
@@ -179,22 +127,18 @@ class DynamicPolicy:
         if running:
             return []
         ready = [b for b in self._buckets(waiting) if self._ready(b, now)]
-        # Full buckets first (no waste, no wait), then the one whose oldest request has waited longest.
-        ready.sort(key=lambda b: (len(b) < self.batch_size, b[0].arrival_time))
+        ready.sort(key=lambda b: (len(b) < self.batch_size, b[0].arrival_time))  # full ones first, then oldest
         return ready[0][:free_slots] if ready else []
 
     def seconds_until_admission(self, waiting, running, now) -> float:
-        if running or not waiting:
-            return 0.0
         buckets = self._buckets(waiting)
-        if any(self._ready(b, now) for b in buckets):
+        if running or not buckets or any(self._ready(b, now) for b in buckets):
             return 0.0
         return min(b[0].arrival_time + self.timeout_s for b in buckets) - now
 
 
 class ContinuousPolicy:
-    """Iteration level: every step, waiting requests take the free slots in arrival order, as long as the
-    step's token budget has room to start their prompts."""
+    """Orca's iteration-level scheduling: every step, waiting requests take the free slots in arrival order."""
     name = "continuous"
 
     def admit(self, waiting, running, free_slots, budget, now) -> list[Request]:
@@ -220,11 +164,8 @@ def make_policy(name: str, num_slots: int, bucket_width: int = 64, timeout_s: fl
     raise ValueError(f"scheduling must be 'static', 'dynamic' or 'continuous', got {name!r}")
 
 
-# ---------------------------------------------------------------- the scheduler
-
 class Scheduler:
-    """Owns the queue, the running set, the lanes (a contiguous cache's slots) and, with a paged cache, the
-    block manager; plans each step and applies its results."""
+    """Owns the queue, the running set, the slots and the block manager; plans each step, applies its results."""
 
     def __init__(self, policy, num_slots: int, max_model_len: int, token_budget: int | None = None,
                  block_manager: BlockManager | None = None):
@@ -235,8 +176,7 @@ class Scheduler:
         self.policy, self.num_slots, self.max_model_len, self.token_budget = policy, num_slots, max_model_len, token_budget
         self.blocks = block_manager
         if block_manager is not None:
-            # One request may use the whole pool but no more: its length is capped there, as at max_model_len,
-            # so a request running alone can always take its next block.
+            # Capped at the whole pool, so a request running alone can always take its next block.
             self.max_model_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
@@ -267,19 +207,16 @@ class Scheduler:
         # Oldest first: a request that must make room preempts only requests admitted after it.
         for r in [r for r in self.running if not r.is_prefill]:
             if r.status is RequestStatus.RUNNING and self._make_room(r, chunks):
-                self._take_blocks(r, 1)
-                chunks.append(Chunk.of(r, 1))
+                chunks.append(self._chunk(r, 1))
         budget -= len(chunks)
         for r in list(self.running):
             if r.is_prefill and budget > 0 and r.status is RequestStatus.RUNNING and self._make_room(r, chunks):
-                n = int(min(r.num_uncomputed, budget, self._room(r)))
-                self._take_blocks(r, n)
-                chunks.append(Chunk.of(r, n))
+                n = int(min(r.num_uncomputed, budget, self._room(r)))  # shrink to the free blocks first
+                chunks.append(self._chunk(r, n))
                 budget -= n
         if self.num_preemptions == preemptions_before:  # blocks freed by a preemption go to running requests
             self._admit(budget, chunks, now)
-        # Decodes in slot order: with every slot busy their contiguous-cache rows are adjacent, which attention
-        # reads as one slice instead of gathering them.
+        # Decodes in slot order: with every slot busy their contiguous-cache rows are adjacent, one slice.
         decodes = sorted((c for c in chunks if not c.request.is_prefill), key=lambda c: c.request.slot)
         # A request preempted after its copy-on-write in this step gave the copy back: its copy must not run.
         scheduled = {c.request.request_id for c in chunks}
@@ -289,25 +226,18 @@ class Scheduler:
         return self._add_drafts(chunks, budget if self.token_budget is None else self.token_budget - spent)
 
     def _add_drafts(self, chunks: list[Chunk], budget: float) -> list[Chunk]:
-        """Speculative decoding: grow each decode chunk by its request's drafts, with what the step leaves
-        over. Drafts come last: they only spend tokens of the budget and free blocks nobody else in this step
-        wanted, so speculation never shrinks a prefill nor causes a preemption, and the blocks the rejected
-        drafts took go back to the pool when the step ends (`update`)."""
-        out = []
-        for c in chunks:
+        """Grow decodes by their drafts with the budget and blocks left over: never at a prefill's expense."""
+        for i, c in enumerate(chunks):
             r = c.request
             extra = int(min(len(r.spec_token_ids), budget, self._room(r) - c.num_tokens)) if c.samples else 0
             if extra > 0 and c.num_tokens == 1 and not r.is_prefill:
-                self._take_blocks(r, 1 + extra)
-                c = Chunk(r, c.start, 1 + extra, True, tuple(r.spec_token_ids[:extra]))
+                chunks[i] = self._chunk(r, 1 + extra, tuple(r.spec_token_ids[:extra]))
                 budget -= extra
-            out.append(c)
-        return out
+        return chunks
 
     def _admit(self, budget: float, chunks: list[Chunk], now: float) -> None:
-        caching = self.blocks is not None and self.blocks.enable_prefix_caching
-        if caching:  # tell the policy what each candidate will really compute (lookups change nothing)
-            left = budget
+        if self.blocks is not None and self.blocks.enable_prefix_caching:
+            left = budget  # tell the policy what each candidate will really compute (lookups change nothing)
             for r in self.waiting[:len(self.free_slots)]:
                 if left <= 0:
                     break
@@ -318,14 +248,11 @@ class Scheduler:
             if len(self.free_slots) < 1 + len(r.forks):
                 break  # a slot for every sample it will fork
             if self.blocks is not None:
-                # Sized after the cache lookup: hits need no new block, but a hit on an evictable block takes
-                # it out of the free count. Each fork copies (or starts) a block at its first decode.
+                # A hit on an evictable block leaves the free count; a fork copies (or starts) one at its first
+                # decode. Each running request keeps a block to grow into, or the newcomer would be preempted.
                 hits = self.blocks.lookup(r.tokens)
                 need = self.blocks.blocks_for(r.num_tokens) - len(hits) + len(r.forks)
-                # One free block is kept for each running request to grow into: a prompt let into the last free
-                # blocks would be preempted (and recomputed) as soon as the decodes cross a block boundary.
-                headroom = len(self.running)
-                if need + headroom > self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - promised:
+                if need + len(self.running) > self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - promised:
                     break  # first come, first served: nobody overtakes a request that does not fit yet
                 promised += need
             self.waiting.remove(r)
@@ -343,20 +270,17 @@ class Scheduler:
                 n = int(min(r.num_uncomputed, budget))
                 if self.blocks is not None:
                     promised -= self.blocks.num_new_blocks(r.request_id, r.num_computed + n)
-                self._take_blocks(r, n)
-                chunks.append(Chunk.of(r, n))
+                chunks.append(self._chunk(r, n))
                 budget -= n
 
     def _room(self, r: Request) -> float:
-        """Tokens r can still compute with the blocks it holds and the free ones (a block it shares where it
-        writes next costs a free block for its copy)."""
+        """Tokens r can still compute: its blocks and the free ones, less one per shared block it must copy."""
         if self.blocks is None:
             return math.inf
         return self.blocks.capacity(r.request_id, r.num_computed) - r.num_computed
 
     def _make_room(self, r: Request, chunks: list[Chunk]) -> bool:
-        """Make sure r can compute at least one more token, preempting the most recently admitted requests
-        that hold blocks (their chunks leave this step). False if r itself had to go."""
+        """Preempt the latest admitted holders of blocks (and their chunks) until r has room; False if r went."""
         while self._room(r) < 1:
             victim = next(v for v in reversed(self.running) if v is r or self.blocks.block_table(v.request_id))
             self.preempt(victim)
@@ -365,31 +289,28 @@ class Scheduler:
                 return False
         return True
 
-    def _take_blocks(self, r: Request, num_tokens: int) -> None:
-        """Grow r's block table to cover the tokens it computes in this step."""
-        if self.blocks is None or num_tokens == 0:
-            return
-        total = r.num_computed + num_tokens
-        if r.request_id in self.blocks.block_tables:
-            copies = self.blocks.copy_on_write(r.request_id, r.num_computed, total)
-            self._copies += [(r.request_id, src, dst) for src, dst in copies]
-            self.blocks.append_slots(r.request_id, total)
-        else:
-            self.blocks.allocate(r.request_id, total)
+    def _chunk(self, r: Request, num_tokens: int, drafts: tuple[int, ...] = ()) -> Chunk:
+        """r's next `num_tokens` tokens (ending with `drafts`), after growing its block table to hold them."""
+        if self.blocks is not None and num_tokens != 0:
+            total = r.num_computed + num_tokens
+            if r.request_id in self.blocks.block_tables:
+                copies = self.blocks.copy_on_write(r.request_id, r.num_computed, total)
+                self._copies += [(r.request_id, src, dst) for src, dst in copies]
+                self.blocks.append_slots(r.request_id, total)
+            else:
+                self.blocks.allocate(r.request_id, total)
+        start = r.num_computed
+        return Chunk(r, start, num_tokens, bool(drafts) or start + num_tokens == r.num_tokens, drafts)
 
     @staticmethod
     def samplers(chunks: list[Chunk]) -> list[tuple[int, Request]]:
-        """Who gets a token from this step, each with the row of the step's logits it samples: the request of
-        every chunk that `samples`, in chunk order, each followed by the samples that fork from it now (they
-        draw their first tokens from the logits of the one prefill)."""
+        """Who samples this step, with its row of logits: each sampling chunk's request, then its new forks."""
         rows = [c.request for c in chunks if c.samples]
         return [(row, s) for row, r in enumerate(rows) for s in (r, *r.forks)]
 
     def update(self, chunks: list[Chunk], sampled: list, now: float) -> list[Request]:
-        """Apply a step's results: `sampled` holds, per request of `samplers(chunks)` in that order (one per
-        chunk that `samples` when nothing forks), its new token, or with speculative decoding the list of
-        tokens the rejection sampler returned (accepted drafts, then one of the target's own). Returns the
-        requests that finished, their slots and blocks already free."""
+        """Apply a step's results: `sampled` holds, per request of `samplers(chunks)`, its token (or the tokens
+        the rejection sampler kept). Returns the requests that finished, their slots and blocks already free."""
         samplers = [r for _, r in self.samplers(chunks)]
         if len(sampled) != len(samplers):
             raise ValueError(f"sampled has {len(sampled)} tokens for {len(samplers)} sampling requests")
@@ -397,20 +318,16 @@ class Scheduler:
         for c in chunks:
             if c.request.request_id not in speculative:  # a speculative chunk counts what was accepted, below
                 self._computed(c.request, c.request.num_computed + c.num_tokens)
-        for c in chunks:
-            if c.samples and c.request.forks:
-                self._fork(c.request)
+        for parent in [c.request for c in chunks if c.samples and c.request.forks]:
+            self._fork(parent)
         finished = []
         for r, tokens in zip(samplers, sampled):
             tokens = [tokens] if isinstance(tokens, int) else list(tokens)
-            # One token at a time, checking stops after each: nothing past a stop, max_tokens or max_model_len.
             reason, emitted = None, 0
-            for token in tokens:
+            for emitted, token in enumerate(tokens, 1):  # nothing past a stop, max_tokens or max_model_len
                 r.output_ids.append(token)
                 r.token_times.append(now)
-                emitted += 1
-                reason = self._finish_reason(r, token)
-                if reason:
+                if reason := self._finish_reason(r, token):
                     break
             if r.request_id in speculative:
                 self._accept(speculative[r.request_id], emitted, len(tokens) - 1)
@@ -421,16 +338,13 @@ class Scheduler:
         return finished
 
     def _computed(self, r: Request, num_computed: int) -> None:
-        """r's keys and values are now written up to `num_computed`: full blocks join the prefix cache."""
         r.num_computed = num_computed
         if self.blocks is not None:
             self.blocks.cache_blocks(r.request_id, r.tokens, num_computed)
 
     def _accept(self, c: Chunk, emitted: int, accepted: int) -> None:
-        """Roll a speculative chunk back to what the rejection sampler kept. The cache now holds valid keys and
-        values for the request's last token and its accepted drafts; those of rejected drafts stop counting
-        (the context length is num_computed) and the blocks past the kept tokens go back to the pool. Only
-        then are full blocks registered, so no hash ever covers a rejected token."""
+        """Roll a speculative chunk back to what was accepted, freeing the blocks past it, and only then
+        register full blocks: no cached hash ever covers a rejected draft."""
         r = c.request
         r.num_draft_tokens += len(c.draft_token_ids)
         r.num_accepted_tokens += min(accepted, emitted)  # drafts past a stop token were not emitted
@@ -440,8 +354,7 @@ class Scheduler:
         r.spec_token_ids = []
 
     def _fork(self, parent: Request) -> None:
-        """The parent's prompt is computed: its other samples start running, sharing all its blocks (and each
-        holding the slot reserved at admission)."""
+        """The parent's prompt is computed: its other samples start running, sharing its blocks."""
         for f in parent.forks:
             self.blocks.fork(parent.request_id, f.request_id)
             f.num_computed, f.status = parent.num_computed, RequestStatus.RUNNING
@@ -450,21 +363,18 @@ class Scheduler:
         parent.forks = []
 
     def preempt(self, request: Request) -> None:
-        """Take a running request off its slot and blocks and put it first in the queue; its cache is lost, so
-        it recomputes prompt and output so far when readmitted (its sampling state is kept)."""
+        """Free a running request's slot and blocks and queue it first: it recomputes everything when readmitted."""
         if request.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {request.request_id} is {request.status.value}, not running")
         self._release(request)
-        request.status, request.num_computed = RequestStatus.PREEMPTED, 0
-        request.spec_token_ids = []
+        request.status, request.num_computed, request.spec_token_ids = RequestStatus.PREEMPTED, 0, []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, request)
 
     def abort(self, request: Request) -> None:
-        """Drop an unfinished request (a client went away): out of the queue or the batch, its slot and blocks
-        (and the slots reserved for the samples it has not forked yet) back at once; it and those samples end
-        with finish_reason "abort". A forked sample is a request of its own: abort each one."""
+        """Drop an unfinished request (a client went away) with the samples it has not forked yet: they
+        finish with "abort" and give back their slots and blocks. Forked samples are aborted one by one."""
         if request.status is RequestStatus.FINISHED:
             return
         if request.status is RequestStatus.RUNNING:
@@ -486,6 +396,5 @@ class Scheduler:
     def _finish_reason(self, r: Request, token: int) -> str | None:
         if token in r.stop_ids:
             return "stop"
-        if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        full = len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len
+        return "length" if full else None

@@ -318,3 +318,18 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
                                             inv_exponentials)
     lengths = (out >= 0).sum(dim=1).tolist()  # every row is its tokens, then -1 padding
     return [row[:n] for row, n in zip(out.tolist(), lengths)]
+
+
+def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
+           generator) -> list[int]:
+    """The tokens one sequence keeps from its 1 + len(drafts) rows of target logits: the drafts the rejection
+    sampler accepts, then one token of the target's own (with no drafts, an ordinary sample). `draft_probs`
+    [>= len(drafts), V]: a sampling draft model's distributions (None: a deterministic proposer)."""
+    if params.greedy:  # one-hot target rows: accept while the draft is the argmax, then the argmax
+        best = logits.argmax(dim=-1).tolist()
+        accepted = next((i for i, (d, b) in enumerate(zip(drafts, best)) if d != b), len(drafts))
+        return best[:accepted + 1]
+    probs = target_probs_from_logits(logits, params)[None]
+    ids = torch.tensor([drafts], dtype=torch.int64, device=logits.device).view(1, len(drafts))
+    q = None if draft_probs is None else draft_probs[:len(drafts)].to(logits.device)[None]
+    return rejection_sample(probs, ids, q, [generator])[0]  # only the drafts proposed consume uniforms

@@ -7,8 +7,8 @@ from .flash_attention import attention_reference, flash_attention, flash_attenti
 from .kv_store import store_kv_cache, store_kv_cache_reference
 from .paged_attention import paged_decode_attention, paged_decode_attention_reference
 from .quant_matmul import w4a16_matmul, w4a16_matmul_reference
-from .rejection_sampler import rejection_sampler, rejection_sampler_reference
+from .rejection_sampler import rejection_sampler
 
 __all__ = ["flash_attention", "flash_attention_varlen", "attention_reference",
            "paged_decode_attention", "paged_decode_attention_reference", "store_kv_cache", "store_kv_cache_reference",
-           "rejection_sampler", "rejection_sampler_reference", "w4a16_matmul", "w4a16_matmul_reference"]
+           "rejection_sampler", "w4a16_matmul", "w4a16_matmul_reference"]

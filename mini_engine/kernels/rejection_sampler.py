@@ -9,9 +9,9 @@ pure function of its inputs: the kernel and its torch reference choose the same 
 is what the tests check. The whole step is a few loads per draft plus one pass over V floats per sequence,
 tiny next to the target's forward pass; as one launch it avoids a dozen small torch ops per step on a GPU.
 
-Laid out like the other kernels: the kernel, its torch reference (which lives in `mini_engine.speculative`
-as the CPU path and is imported here, so there is one formulation to read), the launch configuration and
-wrapper, then `aot_specs` for compiling it ahead of time (aot.py).
+Laid out like the other kernels, but for its torch reference: that is the engine's own CPU path,
+`speculative.rejection_sample_from_randoms` (one formulation to read; the tests compare the two). Then the
+launch configuration and wrapper, and `aot_specs` for compiling it ahead of time (aot.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..speculative import rejection_sample_from_randoms as rejection_sampler_reference
 from .aot import KernelSpec
 from .gpus import GPUSpec
 
@@ -138,7 +137,7 @@ def _check_inputs(target_probs, draft_token_ids, num_drafts, draft_probs, unifor
 def rejection_sampler(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor,
                       draft_probs: torch.Tensor | None, uniforms: torch.Tensor,
                       inv_exponentials: torch.Tensor) -> torch.Tensor:
-    """The kernel's launch, with `rejection_sampler_reference`'s arguments and result: [S, k + 1] int64 rows of
+    """The kernel's launch, with `speculative.rejection_sample_from_randoms`'s arguments and result: [S, k + 1] int64 rows of
     accepted drafts, the drawn token, -1 padding. target_probs [S, k+1, V], draft_probs [S, k, V] or None,
     uniforms [S, k] and inv_exponentials [S, V] are fp32; num_drafts [S] int32 (drafts in each row)."""
     _check_inputs(target_probs, draft_token_ids, num_drafts, draft_probs, uniforms, inv_exponentials)
@@ -180,4 +179,4 @@ def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
     return specs
 
 
-__all__ = ["rejection_sampler", "rejection_sampler_reference", "launch_config", "LaunchConfig", "aot_specs"]
+__all__ = ["rejection_sampler", "launch_config", "LaunchConfig", "aot_specs"]

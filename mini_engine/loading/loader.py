@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from ..attention import resolve_backend
-from ..backends import cpu as cpu_backend
 from ..config import ModelConfig
 from ..model import LlamaModel
 from .tokenizer import Tokenizer, bpe_from_gguf_metadata
@@ -63,6 +62,7 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
     chapter 10) or "int8" (per channel); `dtype` is then the activations' dtype. `head`: how the LM head and
     tied embedding are stored under quantization ("int8", "int4", "split" or "float"; None: the measured
     default, `quant.default_head`)."""
+    from ..backends import cpu as cpu_backend
     from ..quant import check_quantization, quantize_model
     check_quantization(quantization)
     backend = resolve_backend(attention_backend, device)

@@ -126,6 +126,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends import cpu as cpu_backend
 from ..backends.cpu import cpu_kernels
 from ..backends.cpu.autotune import TUNER, Autotuner, Walk, counting_mode_active, row_bucket
 from ..engine_config import QUANTIZATIONS  # ("int4", "int4_compact", "int8")
@@ -591,7 +592,10 @@ def _timing_states(layer: "QuantLinear", rows: int, dtype: torch.dtype):
 
 
 def choose_form(layer: "QuantLinear", rows: int, dtype: torch.dtype, tuner: Autotuner | None = None) -> str:
-    """The tuned form for `rows` rows of `dtype` against this layer's shape and storage (timed on first use)."""
+    """The tuned form for `rows` rows of `dtype` against this layer's shape and storage (timed on first use);
+    the plain form where the CPU backend is off (MINI_ENGINE_CPU_BACKEND=0)."""
+    if not cpu_backend.enabled():
+        return "dequant"
     bucket, meta = row_bucket(rows), layer.meta
     key = (meta.out_features, meta.in_features, meta.group_size, bucket, str(dtype), "cpu") + \
         (("compact",) if meta.compact else ())  # compact scales have forms of their own (no int4pack)

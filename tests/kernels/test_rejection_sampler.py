@@ -4,7 +4,8 @@ tiles, empty residuals and ids outside the vocabulary."""
 import pytest
 import torch
 
-from mini_engine.kernels import rejection_sampler, rejection_sampler_reference
+from mini_engine.kernels import rejection_sampler
+from mini_engine.speculative import rejection_sample_from_randoms as rejection_sampler_reference
 from mini_engine.speculative import draw_randoms, num_drafts_of
 
 

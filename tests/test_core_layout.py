@@ -1,0 +1,47 @@
+"""The core a student reads (the top-level mini_engine/*.py files but the CLI) stays small and plain: it names
+the chapter that introduces each file, never imports the optional CPU backend, the benchmarks, the course
+support or the server, and does no work when imported."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mini_engine"
+CORE = sorted(p for p in PACKAGE.glob("*.py") if p.name != "__main__.py")
+OUTSIDE = ("backends", "bench", "course", "serving")  # subpackages the core must never import
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, anywhere in the file, as an absolute name."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = "mini_engine." * (node.level > 0) + (node.module or "")
+            names |= {base.rstrip(".")} | {f"{base}.{a.name}".replace("..", ".") for a in node.names}
+    return names
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_core_file_never_imports_what_lies_beside_the_core(path):
+    bad = sorted(m for m in imported_modules(path)
+                 if any(m == f"mini_engine.{o}" or m.startswith(f"mini_engine.{o}.") for o in OUTSIDE))
+    assert not bad, f"{path.name} imports {bad}: the core reads the same without them (see mini_engine/README.md)"
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_core_file_names_its_chapter(path):
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert "chapter" in doc.lower() or path.name == "__init__.py", f"{path.name}'s docstring names no chapter"
+
+
+def test_importing_the_engine_loads_nothing_beside_the_core():
+    """`import mini_engine` runs no backend, server, benchmark or course code (me.formulas loads on first use)."""
+    code = ("import sys, mini_engine\n"
+            "print(sorted(m for m in sys.modules if m.startswith('mini_engine.')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    bad = [m for m in eval(loaded) if m.split(".")[1] in OUTSIDE]
+    assert not bad, f"import mini_engine loaded {bad}"
