@@ -2,7 +2,8 @@
 import importlib
 
 from .config import PRESETS, ModelConfig
-from .engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+from .engine import LLM, LLMEngine
+from .outputs import CompletionOutput, RequestOutput
 from .engine_config import EngineConfig
 from .generate import SpeculativeStats, generate_batch, generate_cached, generate_naive, generate_speculative
 from .loading.loader import load_model

@@ -39,10 +39,9 @@ class DecodeGroup:
     """The sequences of a step that bring one new token each, prepared once per step: every layer reads the same
     rows, so slicing and masking are decided here once rather than in each layer."""
     tokens: slice | torch.Tensor   # their rows in the packed step; slice(None) when the step is all decodes
-    slots: slice | torch.Tensor | None  # contiguous cache: the slots read, a slice (a view) or a gather
-    rows: torch.Tensor | None      # where each decode sits among the slots read; None: one slot per decode
-    max_context: int               # key positions read per slot: the group's longest context
-    mask: torch.Tensor | None      # [slots read,1,1,max_context] True within a slot's context; None: all full
+    slots: slice | torch.Tensor | None  # contiguous cache: their slots, a slice (a view) when consecutive
+    max_context: int               # key positions read per sequence: the group's longest context
+    mask: torch.Tensor | None      # [S,1,1,max_context] True within a sequence's context; None: all full
     block_tables: torch.Tensor | None = None  # paged cache: [decodes, blocks of the longest context] int32
     context_lens: torch.Tensor | None = None  # [decodes] int32 (the paged kernel's argument)
 
@@ -69,7 +68,7 @@ class DecodeGroup:
             return None
         lens = [context_lens[i] for i in seqs]
         tables = pad_tables([block_tables[i] for i in seqs], -(-max(lens) // block_size), device)
-        return cls(tokens, None, None, max(lens), cls._mask(lens, device), tables,
+        return cls(tokens, None, max(lens), cls._mask(lens, device), tables,
                    torch.tensor(lens, dtype=torch.int32, device=device))
 
     @classmethod
@@ -78,21 +77,12 @@ class DecodeGroup:
         if not seqs:
             return None
         group_slots, lens = [slots[i] for i in seqs], [context_lens[i] for i in seqs]
-        lo, hi = min(group_slots), max(group_slots) + 1
-        rows = None
-        if group_slots == list(range(lo, hi)):  # the scheduler's usual order: a view of the cache, no copy
-            slot_index = slice(lo, hi)
-        elif hi - lo <= 2 * len(seqs):
-            # Gaps (slots whose requests are prefilling or gone): copying the rows out of the cache costs more
-            # than reading the whole range as a view and dropping the extra rows' results.
-            slot_index, rows = slice(lo, hi), torch.tensor([s - lo for s in group_slots], device=device)
-            range_lens = [1] * (hi - lo)
-            for s, n in zip(group_slots, lens):
-                range_lens[s - lo] = n
-            lens = range_lens
+        lo = group_slots[0]
+        if group_slots == list(range(lo, lo + len(seqs))):  # the scheduler's usual order: a view, no copy
+            slot_index = slice(lo, lo + len(seqs))
         else:
             slot_index = torch.tensor(group_slots, device=device)
-        return cls(tokens, slot_index, rows, max(lens), cls._mask(lens, device))
+        return cls(tokens, slot_index, max(lens), cls._mask(lens, device))
 
     @classmethod
     def from_tensors(cls, context_lens: torch.Tensor, length: int, slots: torch.Tensor | None = None,
@@ -102,7 +92,7 @@ class DecodeGroup:
         same `length` key positions (the cache's length, or W blocks), masked past its own context."""
         context_lens = context_lens.to(torch.int32)
         mask = (torch.arange(length, device=context_lens.device) < context_lens[:, None])[:, None, None, :]
-        return cls(slice(None), slots, None, length, mask, block_tables, context_lens)
+        return cls(slice(None), slots, length, mask, block_tables, context_lens)
 
     @property
     def is_whole_step(self) -> bool:
@@ -116,51 +106,6 @@ def pad_tables(tables: list[list[int]], width: int, device, fill: int = 0) -> to
                         device=device)
 
 
-# Chunks of up to this many tokens over a cached context are attended together, like decodes (`VerifyGroup`): a
-# speculative chunk is a request's last token and its k drafts. Longer chunks are prefills, attended one by one.
-MAX_VERIFY_TOKENS = 16
-
-
-@dataclass
-class VerifyGroup:
-    """The step's short multi-token chunks (2 to MAX_VERIFY_TOKENS tokens): on a speculative step, each decoding
-    request's last token and its drafts. Padded to the longest chunk (Q tokens), they go through one call as
-    decodes do, each query row masked to the positions before it, instead of one call per sequence and layer."""
-    seqs: list[int]                # the chunks' places in the step
-    tokens: torch.Tensor           # [S*Q] packed row of each padded query (padding repeats the chunk's last row)
-    valid: torch.Tensor            # [n] where the step's real query rows sit among the S*Q padded ones
-    packed: torch.Tensor           # [n] their rows in the packed step, in the same order
-    query_len: int                 # Q
-    slots: torch.Tensor | None     # contiguous cache: [S] the sequences' slots
-    block_tables: torch.Tensor | None  # paged cache: [S, blocks of the longest context] int32
-    max_context: int               # key positions read per sequence
-    mask: torch.Tensor             # [S,1,Q,1,max_context] True where query row j of sequence s may look
-
-    @classmethod
-    def build(cls, query_lens, context_lens, slots, block_tables, device) -> "VerifyGroup | None":
-        seqs = [i for i, n in enumerate(query_lens) if 1 < n <= MAX_VERIFY_TOKENS]
-        if not seqs:
-            return None
-        starts = list(itertools.accumulate(query_lens, initial=0))
-        width = max(query_lens[i] for i in seqs)
-        tokens, valid, packed, sees = [], [], [], []
-        for s, i in enumerate(seqs):
-            n, first = query_lens[i], context_lens[i] - query_lens[i]
-            tokens += [starts[i] + min(j, n - 1) for j in range(width)]
-            valid += range(s * width, s * width + n)
-            packed += range(starts[i], starts[i] + n)
-            sees.append([first + min(j, n - 1) + 1 for j in range(width)])  # query j sees positions < this
-        max_context = max(context_lens[i] for i in seqs)
-        mask = torch.arange(max_context, device=device) < torch.tensor(sees, device=device)[..., None]
-        tables = None
-        if block_tables is not None:
-            tables = pad_tables([block_tables[i] for i in seqs], max(len(block_tables[i]) for i in seqs), device)
-        return cls(seqs, torch.tensor(tokens, device=device), torch.tensor(valid, device=device),
-                   torch.tensor(packed, device=device), width,
-                   None if slots is None else torch.tensor([slots[i] for i in seqs], device=device),
-                   tables, max_context, mask[:, None, :, None, :])
-
-
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]
@@ -172,7 +117,6 @@ class AttentionMetadata:
     logits_indices: torch.Tensor | None = None  # packed rows whose logits are wanted (None: all)
     decode: DecodeGroup | None = None  # the single-token sequences (cached steps only)
     block_tables: torch.Tensor | None = None  # paged cache: [S, longest table] int32, padded with block 0
-    verify: VerifyGroup | None = None  # the short multi-token chunks (speculative ones), cached steps only
     # What an attention backend derives once per step and every layer reuses (its own keys; empty in the core).
     extras: dict = field(default_factory=dict)
 
@@ -204,7 +148,7 @@ class AttentionMetadata:
         # Built from Python lists in one call each: this runs every step, and small tensor ops add up.
         positions = torch.tensor([p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)],
                                  device=device)
-        slot_mapping = decode = tables = verify = None
+        slot_mapping = decode = tables = None
         if slots is not None:
             slot_mapping = torch.tensor([s for s, q in zip(slots, query_lens) for _ in range(q)], device=device)
             decode = DecodeGroup.build(query_lens, context_lens, slots, device)
@@ -216,13 +160,11 @@ class AttentionMetadata:
                                         dtype=torch.int32, device=device)  # int32: the KV-store kernel's type
             decode = DecodeGroup.build_paged(query_lens, context_lens, block_tables, block_size, device)
             tables = pad_tables(block_tables, max(len(t) for t in block_tables), device)
-        if slot_mapping is not None:
-            verify = VerifyGroup.build(query_lens, context_lens, slots, block_tables, device)
         logits_indices = None
         if last_only:
             logits_indices = torch.tensor(list(itertools.accumulate(query_lens)), device=device) - 1
         return cls(list(query_lens), context_lens, positions, None if slots is None else list(slots),
-                   slot_mapping, logits_indices, decode, tables, verify)
+                   slot_mapping, logits_indices, decode, tables)
 
 
 def gather_blocks(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -294,22 +236,23 @@ class TorchAttention:
 
     def with_cache(self, q, k_cache, v_cache, meta: AttentionMetadata):
         """Packed queries against their cached contexts (the new keys already written): the decodes together
-        (`decode`), the short chunks together (`verify`), each longer prefill chunk on its own."""
+        (`decode`), then each multi-token chunk on its own (`chunks`)."""
         if meta.decode is not None and meta.decode.is_whole_step:
             return self.decode(q, k_cache, v_cache, meta.decode, meta)
         chunks = [i for i, n in enumerate(meta.query_lens) if n > 1]
-        starts = [0, *itertools.accumulate(meta.query_lens)]
-        if meta.decode is None and meta.verify is None and len(chunks) == 1:  # one prefill chunk: its output is
+        if meta.decode is None and len(chunks) == 1:  # one prefill chunk alone: its output is
             return self.prefill_chunk(q, k_cache, v_cache, meta, 0)       # the step's, no copy into `out`
         out = torch.empty_like(q)
         if meta.decode is not None:
             out[meta.decode.tokens] = self.decode(q, k_cache, v_cache, meta.decode, meta)
-        if meta.verify is not None:
-            out[meta.verify.packed] = self.verify(q, k_cache, v_cache, meta.verify, meta)
-            chunks = [i for i in chunks if i not in meta.verify.seqs]
+        self.chunks(q, k_cache, v_cache, meta, chunks, out)
+        return out
+
+    def chunks(self, q, k_cache, v_cache, meta: AttentionMetadata, chunks: list[int], out) -> None:
+        """The step's multi-token chunks (prefills, and a speculative step's last token plus drafts), into `out`."""
+        starts = [0, *itertools.accumulate(meta.query_lens)]
         for i in chunks:
             out[starts[i]:starts[i + 1]] = self.prefill_chunk(q[starts[i]:starts[i + 1]], k_cache, v_cache, meta, i)
-        return out
 
     def context(self, cache, meta: AttentionMetadata, i: int) -> torch.Tensor:
         """Sequence i's cached keys (or values), its whole context: [1, Hkv, context_len, D]."""
@@ -333,30 +276,10 @@ class TorchAttention:
             k = gather_blocks(k_cache, group.block_tables, group.max_context)  # [S,Hkv,L,D]
             v = gather_blocks(v_cache, group.block_tables, group.max_context)
         else:
-            k = k_cache[group.slots, :, :group.max_context]  # [slots read,Hkv,L,D]
+            k = k_cache[group.slots, :, :group.max_context]  # [S,Hkv,L,D]
             v = v_cache[group.slots, :, :group.max_context]
-            if group.rows is not None:  # place each query at its slot's row; the other rows' results are unused
-                qs = qs.new_zeros(k.shape[0], *qs.shape[1:]).index_copy_(0, group.rows, qs)
         s, hq, d = qs.shape
-        o = self.attend(qs.view(s, k.shape[1], hq // k.shape[1], d), k, v, group.mask).reshape(s, hq, d)
-        return o if group.rows is None else o[group.rows]
-
-    def verify(self, q, k_cache, v_cache, group: VerifyGroup, meta: AttentionMetadata):
-        """The short chunks, padded to Q query rows each, in one call: [n real rows, Hq, D] in the order of
-        `group.packed`. As in `decode`, the query heads sharing a KV head become that head's Q x Hq/Hkv rows."""
-        s, n_q = len(group.seqs), group.query_len
-        if group.block_tables is not None:
-            k = gather_blocks(k_cache, group.block_tables, group.max_context)  # [S,Hkv,L,D]
-            v = gather_blocks(v_cache, group.block_tables, group.max_context)
-        else:
-            k = k_cache[group.slots, :, :group.max_context]
-            v = v_cache[group.slots, :, :group.max_context]
-        (hq, d), hkv = q.shape[1:], k.shape[1]
-        g = hq // hkv
-        qs = q[group.tokens].view(s, n_q, hkv, g, d).transpose(1, 2).reshape(s, hkv, n_q * g, d)
-        mask = group.mask.expand(s, 1, n_q, g, group.max_context).reshape(s, 1, n_q * g, group.max_context)
-        o = self.attend(qs, k, v, mask)  # [S,Hkv,Q*g,D]
-        return o.view(s, hkv, n_q, g, d).transpose(1, 2).reshape(s * n_q, hq, d)[group.valid]
+        return self.attend(qs.view(s, k.shape[1], hq // k.shape[1], d), k, v, group.mask).reshape(s, hq, d)
 
 
 class TritonAttention(TorchAttention):
@@ -389,25 +312,21 @@ class TritonAttention(TorchAttention):
         from .kernels import paged_decode_attention
         return paged_decode_attention(q[group.tokens], k_cache, v_cache, group.block_tables, group.context_lens)
 
-    def with_cache(self, q, k_cache, v_cache, meta: AttentionMetadata):
-        """Decodes through `decode`; every other chunk (prefills and verify chunks) in one FlashAttention launch,
-        each attending to its whole cached context."""
-        if meta.decode is not None and meta.decode.is_whole_step:
-            return self.decode(q, k_cache, v_cache, meta.decode, meta)
-        out = torch.empty_like(q)
-        if meta.decode is not None:
-            out[meta.decode.tokens] = self.decode(q, k_cache, v_cache, meta.decode, meta)
+    def prefill_chunk(self, q, k_cache, v_cache, meta: AttentionMetadata, i: int):
+        ks, vs = self.context(k_cache, meta, i)[0].transpose(0, 1), self.context(v_cache, meta, i)[0].transpose(0, 1)
+        return self.flash(q, ks, vs, [meta.query_lens[i]], [meta.context_lens[i]])
+
+    def chunks(self, q, k_cache, v_cache, meta: AttentionMetadata, chunks: list[int], out) -> None:
+        """Every multi-token chunk (prefills and verify chunks alike) in one FlashAttention launch, each
+        attending to its whole cached context."""
         starts = [0, *itertools.accumulate(meta.query_lens)]
-        chunks = [i for i, n in enumerate(meta.query_lens) if n > 1]
-        if chunks:
-            q_lens = [meta.query_lens[i] for i in chunks]
-            ks = torch.cat([self.context(k_cache, meta, i)[0].transpose(0, 1) for i in chunks])
-            vs = torch.cat([self.context(v_cache, meta, i)[0].transpose(0, 1) for i in chunks])
-            qs = torch.cat([q[starts[i]:starts[i + 1]] for i in chunks])
-            parts = self.flash(qs, ks, vs, q_lens, [meta.context_lens[i] for i in chunks]).split(q_lens)
-            for i, part in zip(chunks, parts):
-                out[starts[i]:starts[i + 1]] = part
-        return out
+        q_lens = [meta.query_lens[i] for i in chunks]
+        ks = torch.cat([self.context(k_cache, meta, i)[0].transpose(0, 1) for i in chunks])
+        vs = torch.cat([self.context(v_cache, meta, i)[0].transpose(0, 1) for i in chunks])
+        qs = torch.cat([q[starts[i]:starts[i + 1]] for i in chunks])
+        parts = self.flash(qs, ks, vs, q_lens, [meta.context_lens[i] for i in chunks]).split(q_lens)
+        for i, part in zip(chunks, parts):
+            out[starts[i]:starts[i + 1]] = part
 
 
 def make_backends() -> dict[str, TorchAttention]:

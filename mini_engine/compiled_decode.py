@@ -1,55 +1,21 @@
-"""A whole decode step as one compiled graph: how the cached decode step gets close to its weight products.
+"""A whole decode step as one compiled graph (chapters 03 and 09): gpt-fast's `decode_one_token`, and what vLLM's
+CUDA graphs do. An eager decode step runs some 40 small kernels per layer around its weight products (RMSNorm,
+RoPE, the cache write, residual adds, SwiGLU), each paying dispatch and Python costs larger than its arithmetic.
+`torch.compile(fullgraph=True)` traces the step once and fuses them; on a GPU, reduce-overhead mode replays the
+graph as a CUDA graph, one launch for the whole step.
 
-Chapter 03 measures an eager decode step on a CPU: the weight products are about two thirds of it, and
-the rest is some 40 small kernels per layer (RMSNorm, RoPE, the cache write, residual adds, SiLU times
-up), each paying dispatch and Python costs larger than its arithmetic. `torch.compile(fullgraph=True)`
-traces the step once; Inductor fuses those small ops into a few C++ loops per layer and calls the products
-as before. This is gpt-fast's `decode_one_token`, and the CPU counterpart of vLLM's CUDA graphs.
+What is traced is the model's own code (`LlamaModel.run`), not a copy, given a step described by tensors alone
+(`AttentionMetadata.decode_only`): no Python lists or ints that change from step to step, and a mask over the key
+positions each row may read (`DecodeGroup.from_tensors`), so one graph serves every context length. The cache
+write is one indexed store into the cache's base tensor (`kv_cache._store`). A new batch size, dtype, model or
+cache compiles a new graph; the first call of each compiles (a minute on a 2-core CPU with a cold cache).
 
-What is traced is the model's own code: `LlamaModel.run`, its layers, `Attention.forward` and the attention
-functions of attention.py, given a step described by tensors alone (`AttentionMetadata.decode_only`). A change
-to the model is a change to the compiled step; there is no second copy of the decode step to keep in sync.
-The pieces that make the model's code traceable as one graph:
-- the step's metadata holds no Python lists or ints that change from step to step, only tensors of sizes
-  that do not change: tokens, positions, the rows written, each row's context length, the contiguous cache's
-  slots or the paged cache's block tables padded to the most blocks a sequence may hold, and a mask over the
-  key positions a row may read (`DecodeGroup.from_tensors`). One graph serves every context length.
-- the cache write is one indexed store into the cache's base tensor (`kv_cache._store`), not a store through
-  per-layer views, which the compiler would keep consistent by copying the whole cache at every layer; the
-  layer's index is a tensor, so that all layers share one generated kernel rather than one each.
-- the product forms are the tuned ones (`products`), a packed form reached through a custom operator.
-- on a CPU the attention itself runs as the eager steps run it, through the custom operator
-  `mini_engine::decode_attention` (see `attention._decode_attention_op` for the measurements that chose this):
-  it reads each row's own context, where the traced form would read every position the shapes allow. On a
-  GPU it is traced (the paged kernel reads only each row's context anyway), and reduce-overhead mode replays
-  each graph as a CUDA graph.
-A new batch size, dtype, model or cache compiles a new graph; the first call of each compiles (a minute for
-SmolLM2 on a 2-core CPU with a cold Inductor cache, a few seconds with a warm one).
-
-Two users. `compiled_decode_step` is `generate.decode_step` compiled, for the plain loops (`generate_cached(...,
-compile=True)`): one graph per batch size met. `CompiledDecode` is the serving engine's (`LLM(compile=True)`):
-a step's decodes are padded up to the next batch-size bucket (1, 2, 4, ... up to max_num_seqs), so a handful of
-graphs serve every step; the padded rows write into a scratch slot or block that no sequence reads, and their
-logits are dropped.
-
-`compile="cpp"` (generate_cached(compile="cpp")) compiles the same step with Inductor's C++ wrapper: the
-graph's few hundred kernel calls per step are made from generated C++ instead of generated Python, and
-Dynamo skips its guards on the model's modules (each model, dtype and device gets a graph of its own, so none
-is ever offered to another). Compiling takes about twice as long. It pays where the products are cheap:
-for the int4 model (quant.py), whose 121 products take about 7 ms per token on one core of the CI machine,
-the Python wrapper and the guards cost about 2 ms more per step: `bench --quantization int4` measured the
-C++ wrapper at 116.4 tok/s against 97.9 with the Python one (one thread, load average 2, same run).
-
-`LLM(compile="max-autotune")` (the serving engine's only) also hands the weight products to Inductor. At a
-batch of 16 rows on a CPU, the products are most of a decode step, and neither a graph nor the tuned eager forms
-change them. Under max-autotune with freezing (`_MAX_AUTOTUNE_CPU`), the weights are constants of the graph,
-packed at compile time for Inductor's generated C++ GEMM, and Inductor times that GEMM against ATen's for each
-product shape, keeping the faster. The graph then takes the plain product (`products._inductor_writes_products`).
-Frozen means frozen: weights changed in place after compiling are not seen by the graphs (serve them anew).
-Costs: compiling takes about twice as long (80-90 s a bucket against 30-40 s on a 2-core Zen 3, cold), and each
-bucket's graph holds its own packed copy of the weights (about 640 MiB for the fp32 model). `bench --rung
-compiled-engine-max-autotune` measured 1.23x and 1.31x the eager engine on the chapter-04 workload there, against
-1.08x and 1.13x for compile=True (benchmarks/RESULTS.md).
+Two users: `compiled_decode_step`, `generate.decode_step` compiled for the plain loops (`generate_cached(...,
+compile=True)`, one graph per batch size); and `CompiledDecode`, the serving engine's (`LLM(compile=True)`),
+which pads a step's decodes up to the next batch-size bucket so that a handful of graphs serve every step (the
+padded rows write into a scratch slot or block no sequence reads). compile="cpp" compiles with Inductor's C++
+wrapper (less overhead per step, twice the compile time); compile="max-autotune" lets Inductor write and time
+the weight products too (on a CPU with frozen weights, `_MAX_AUTOTUNE_CPU`).
 """
 from __future__ import annotations
 
@@ -92,12 +58,9 @@ def _compiled(device_type: str):
     return torch.compile(decode_graph, fullgraph=True, dynamic=False, mode=mode)
 
 
-# compile="max-autotune" on a CPU: Inductor writes the weight products itself. With freezing, the weights become
-# constants of the graph, packed once at compile time into the blocked layout of its generated C++ GEMM
-# (`CppMicroGemmFP32Vec` for fp32); max_autotune times that GEMM against ATen's for every product shape and
-# keeps the faster. Passed to torch.compile as `options`, freezing was not applied (torch 2.13: the weights
-# were packed again at every call, 2x slower than eager), so the settings are patched in around each call:
-# a graph is compiled inside its first call.
+# compile="max-autotune" on a CPU: with freezing, the weights are constants of the graph, packed once at compile
+# time for Inductor's own GEMM, which it times against ATen's for every product shape. Passed as torch.compile
+# `options`, freezing was not applied (torch 2.13), so the settings are patched in around each call.
 _MAX_AUTOTUNE_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -184,8 +147,8 @@ class CompiledDecode:
     contiguous cache's length, or `max_blocks` blocks of the paged cache's tables); each row's own context is
     a tensor. `scratch` is a cache row no sequence owns, for the padded rows: a slot of the contiguous cache, or
     a block of the paged pool that the block manager never hands out (the engine allocates one more than it
-    manages). The paged cache's rows go in longest context first, so that the attention, copying a few
-    sequences' blocks at a time, reads about each one's own context (`DecodeGroup.lens`).
+    manages). The paged cache's rows go in longest context first, so that an attention that copies a few
+    sequences' blocks at a time (the CPU backend's) reads about each one's own context.
     `compile_seconds` adds up the first call of each bucket, which compiles (and runs one step, a few tens of
     milliseconds): the one-time cost, reported apart from any rate."""
 

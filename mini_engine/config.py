@@ -1,7 +1,7 @@
 """What the model is (`ModelConfig`, chapter 00): a Llama decoder's shape, and the published shapes the formulas use."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

@@ -1,34 +1,21 @@
-"""The serving engine: `LLMEngine` runs the step loop (schedule, run the model, sample, update); `LLM` wraps it
-in one call, `generate(prompts, sampling_params)`, as vLLM does.
+"""The serving engine (chapter 04): `LLMEngine` runs the step loop (schedule, run the model, sample, update), and
+`LLM` wraps it in one call, `generate(prompts, sampling_params)`, as vLLM does.
 
-Every step packs the scheduled chunks of all running requests end to end, without padding, into one forward
-pass over the KV cache: by default the paged pool (chapter 07), where a request holds only the blocks its
-tokens fill, or with kv_cache="contiguous" one `max_model_len` slot per running request (chapter 04). Only
-the rows that end a request's uncomputed tokens are sent through the LM head and sampled: a prompt chunk
-that does not finish its prompt produces no token.
+Every step packs the scheduled chunks of all running requests end to end, without padding, into one forward pass
+over the KV cache: by default the paged pool (chapter 07), where a request holds only the blocks its tokens fill,
+or with kv_cache="contiguous" one `max_model_len` slot per running request. Only the rows that end a request's
+uncomputed tokens go through the LM head and are sampled. A request is capped at `max_model_len` tokens, prompt
+and output together: a longer prompt is rejected, and an output that reaches the cap stops with finish_reason
+"length" (as in vLLM). When the pool runs out, the scheduler preempts the newest request, which later recomputes.
 
-A request's length is capped at `max_model_len` tokens, prompt and output together, and with a paged cache
-at the whole pool (`num_kv_blocks` x `block_size`): a prompt must leave room for at least one new token
-(longer ones are rejected), and an output that would run past the cap stops there with finish_reason
-"length", whatever its max_tokens (vLLM does the same). When the pool runs out, the scheduler preempts the
-most recently admitted request, which later recomputes what it had (see scheduler.py).
+`SamplingParams(n=...)` returns n completions in `RequestOutput.outputs`. On the paged cache the prompt is
+prefilled once and the samples fork from it, sharing its blocks copy-on-write (paging.py); on the contiguous
+cache each sample prefills in a slot of its own. With a seed, sample i draws from its own stream
+(`sampling.make_generator`), so the answers differ, reproducibly, and sample 0 draws what n=1 would.
 
-`SamplingParams(n=...)` asks for n completions of one prompt, returned together in
-`RequestOutput.outputs`. On the paged cache the prompt is prefilled once and the samples fork from it,
-sharing its blocks, the partly filled last one copied on a sample's first write into it (copy-on-write,
-see paging.py). The contiguous cache has no blocks to share: there each sample is a request of its own
-with its own slot, and computes the prompt itself (n prefills: the "before" picture). Either way, with a
-seed, sample i draws from its own stream (`sampling.sample_seed`), so the n answers differ, reproducibly,
-and sample 0 draws exactly what a request with n=1 would.
-
-Speculative decoding (`speculative=`, chapter 06; see `engine_config.SpeculativeConfig`): before each step the
-proposer drafts up to k tokens for every decoding request (fewer near max_tokens or max_model_len: a step adds
-its drafts plus one token). The scheduler appends what fits the step's leftover budget and blocks to the
-request's decode chunk, the runner returns logits at all 1 + k positions, and the request's tokens come from
-the rejection sampler (greedy: accept while the draft is the argmax), one at a time with the stop checks after
-each. A chunk left without drafts goes through the plain sampler, drawing the random numbers it would without
-speculation; a sampling draft model draws from a stream of its own (`make_generator(..., "draft")`). Parallel sampling
-(n > 1) with speculation is refused.
+Speculative decoding (`speculative=`, chapter 06): before each step the proposer drafts up to k tokens for each
+decoding request; the scheduler appends what fits to its decode chunk, the runner returns logits at all 1 + k
+positions, and `speculative.verify` keeps the tokens, with the stop checks after each one.
 """
 from __future__ import annotations
 
@@ -37,67 +24,19 @@ import itertools
 import os
 import numbers
 import time
-from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata
 from .compiled_decode import CompiledDecode
 from .engine_config import EngineConfig, SpeculativeConfig
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .metrics import human_bytes
+from .outputs import BlockPoolSnapshot, RequestOutput, StepRecord
 from .paging import BlockManager
+from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample, stop_tokens
 from .scheduler import Chunk, Request, Scheduler, make_policy
 from .speculative import DraftModelProposer, NgramProposer, verify
-
-
-@dataclass(frozen=True)
-class RequestMetrics:
-    """Per-request latencies in seconds, all measured from the request's arrival (add_request)."""
-    queue_s: float        # arrival until first scheduled
-    ttft_s: float         # arrival until the first output token
-    tpot_s: float         # mean time between output tokens after the first (NaN for one token)
-    e2e_s: float          # arrival until the last output token
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    arrival_time: float   # time.perf_counter() clock
-    token_times: tuple[float, ...]  # when each output token was sampled, same clock
-    num_draft_tokens: int = 0       # speculative decoding: drafts the target verified
-    num_accepted_tokens: int = 0    # of those, accepted (and emitted: drafts past a stop token are not counted)
-
-
-@dataclass(frozen=True)
-class CompletionOutput:
-    """One of a request's n completions (vLLM's shape)."""
-    index: int            # which sample: 0 .. n − 1
-    token_ids: list[int]
-    text: str | None      # None when the engine has no tokenizer
-    finish_reason: str    # "stop" (stop or EOS token, included in token_ids) or "length"
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # outputs[0]'s, as are text and finish_reason
-    text: str | None      # None when the engine has no tokenizer
-    finish_reason: str    # "stop" (stop or EOS token, included in token_ids) or "length"
-    metrics: RequestMetrics  # over all n samples (ttft: the first token of any, e2e: the last of all)
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when the request was first admitted
-    outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)  # the n completions, by index
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one step ran: (request_id, slot, num_tokens, sampled) per chunk, and when."""
-    step: int
-    start: float
-    end: float
-    chunks: tuple[tuple[int, int, int, bool], ...]
-    num_waiting: int
-    num_running: int  # requests admitted and unfinished during the step (some may have had no chunk in it)
 
 
 def request_steps(trace: list[StepRecord], request_id: int) -> list[tuple[int, float]]:
@@ -106,75 +45,8 @@ def request_steps(trace: list[StepRecord], request_id: int) -> list[tuple[int, f
             for s in trace if any(rid == request_id for rid, *_ in s.chunks)]
 
 
-@dataclass(frozen=True)
-class BlockPoolSnapshot:
-    """The paged pool between two steps (`LLMEngine.block_pool()`): who holds each block."""
-    step: int                          # steps run so far
-    block_size: int
-    owners: tuple[int | None, ...]     # per block: a request id holding it (the first), None when free
-    num_computed: dict[int, int]       # running request id -> tokens whose keys/values are in its blocks
-    waiting: tuple[int, ...]           # queued request ids in queue order (preempted ones go first)
-    num_preemptions: int               # preemptions since the engine started
-    ref_counts: tuple[int, ...] = ()   # per block: how many block tables hold it (> 1: shared by prefix caching)
-    cached: tuple[bool, ...] = ()      # per block: registered in the prefix cache (held, or free but evictable)
-    block_tables: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # request id -> its blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.owners.count(None)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-class ModelRunner:
-    """Owns the tensors: turns a step's chunks into packed ids and attention metadata, runs the model. With a
-    paged cache it reads the block tables from the scheduler's block manager (`blocks`). With `compiled` (a
-    `CompiledDecode`), a step whose chunks all bring one token runs through its compiled graphs."""
-
-    def __init__(self, model, kv_cache: ContiguousKVCache | PagedKVCache, backend: str,
-                 blocks: BlockManager | None = None, compiled: CompiledDecode | None = None):
-        self.model, self.kv_cache, self.backend, self.blocks = model, kv_cache, backend, blocks
-        self.compiled = compiled
-
-    def execute(self, chunks: list[Chunk], block_copies: list[tuple[int, int]] = ()) -> torch.Tensor:
-        """Logits [rows, vocab]: `num_logits` rows per chunk, in chunk order (one per sampling chunk, 1 + k for
-        a speculative one). `block_copies`: the step's copy-on-write
-        (src, dst) blocks, copied before the step writes into them."""
-        if block_copies:
-            self.kv_cache.copy_blocks(block_copies)
-        if self.compiled is not None and all(c.num_tokens == 1 for c in chunks):
-            return self._execute_compiled(chunks)
-        ids, query_lens, context_lens, rows = [], [], [], []
-        for c in chunks:
-            ids += c.token_ids
-            query_lens.append(c.num_tokens)
-            context_lens.append(c.start + c.num_tokens)
-            rows += range(len(ids) - c.num_logits, len(ids))  # the last row, or every row of a speculative chunk
-        device = self.model.device
-        if self.blocks is None:
-            meta = AttentionMetadata.build(query_lens, context_lens, [c.request.slot for c in chunks], device=device)
-        else:
-            meta = AttentionMetadata.build(query_lens, context_lens, device=device, block_size=self.blocks.block_size,
-                                           block_tables=[self.blocks.block_table(c.request.request_id) for c in chunks])
-        meta.logits_indices = torch.tensor(rows, dtype=torch.long, device=device)
-        return self.model(torch.tensor(ids, device=device), meta, self.kv_cache, backend=self.backend)
-
-    def _execute_compiled(self, chunks: list[Chunk]) -> torch.Tensor:
-        """A decode-only step (one token per chunk) through the compiled graph of its batch-size bucket."""
-        positions = [c.start for c in chunks]
-        self.model.check_last_position(max(positions), self.kv_cache)
-        if self.blocks is None:
-            rows = [c.request.slot for c in chunks]
-        else:
-            rows = [self.blocks.block_table(c.request.request_id) for c in chunks]
-        logits = self.compiled([c.token_ids[0] for c in chunks], positions, rows)
-        if all(c.num_logits == 1 for c in chunks):
-            return logits
-        # A one-token chunk inside a prompt (a chunked prefill's budget can leave one token) samples nothing:
-        # its row is dropped, as the eager step drops it.
-        return logits[[i for i, c in enumerate(chunks) if c.num_logits == 1]]
 
 
 class LLMEngine:
@@ -306,19 +178,9 @@ class LLMEngine:
 
     def block_pool(self) -> BlockPoolSnapshot:
         """Who holds which block of the paged pool right now: call it between steps to watch the pool."""
-        blocks = self.scheduler.blocks
-        if blocks is None:
+        if self.scheduler.blocks is None:
             raise ValueError("block_pool() needs kv_cache='paged'; this engine has the contiguous cache")
-        owners: list[int | None] = [None] * blocks.num_blocks
-        for request_id, table in blocks.block_tables.items():
-            for block in table:
-                if owners[block] is None:
-                    owners[block] = request_id
-        return BlockPoolSnapshot(self._num_steps, blocks.block_size, tuple(owners),
-                                 {r.request_id: r.num_computed for r in self.scheduler.running},
-                                 tuple(r.request_id for r in self.scheduler.waiting), self.scheduler.num_preemptions,
-                                 tuple(blocks.ref_counts), tuple(h is not None for h in blocks.block_hash),
-                                 {i: tuple(t) for i, t in blocks.block_tables.items()})
+        return BlockPoolSnapshot.of(self.scheduler, self._num_steps)
 
     def validate(self, prompt, params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
         """Check one request without adding it: (prompt token ids, a private copy of the params), or a
@@ -497,26 +359,7 @@ class LLMEngine:
         if any(s.request_id in self._request_of for s in samples):  # a sample is still running
             return None
         del self._samples[request_id]
-        return self._output(samples)
-
-    def _output(self, samples: list[Request]) -> RequestOutput:
-        r = samples[0]
-        first = min(s.token_times[0] for s in samples)
-        last = max(s.token_times[-1] for s in samples)
-        tpots = [(s.token_times[-1] - s.token_times[0]) / (len(s.output_ids) - 1) for s in samples
-                 if len(s.output_ids) > 1]  # per sample: the time between its own tokens
-        metrics = RequestMetrics(
-            queue_s=min(s.first_scheduled_time for s in samples) - r.arrival_time, ttft_s=first - r.arrival_time,
-            tpot_s=sum(tpots) / len(tpots) if tpots else float("nan"), e2e_s=last - r.arrival_time,
-            num_preemptions=sum(s.num_preemptions for s in samples), num_prompt_tokens=len(r.prompt_ids),
-            num_output_tokens=sum(len(s.output_ids) for s in samples), arrival_time=r.arrival_time,
-            token_times=tuple(sorted(t for s in samples for t in s.token_times)),
-            num_draft_tokens=sum(s.num_draft_tokens for s in samples),
-            num_accepted_tokens=sum(s.num_accepted_tokens for s in samples))
-        outputs = [CompletionOutput(s.index, list(s.output_ids), self.tokenizer.decode(s.output_ids)
-                                    if self.tokenizer is not None else None, s.finish_reason) for s in samples]
-        return RequestOutput(r.request_id, r.prompt_ids, outputs[0].token_ids, outputs[0].text,
-                             outputs[0].finish_reason, metrics, r.num_cached_tokens or 0, outputs)
+        return RequestOutput.of(samples, self.tokenizer)
 
 
 def _as_prompt_list(prompts) -> list:

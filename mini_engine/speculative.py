@@ -1,28 +1,24 @@
 """Speculative decoding (chapter 06): proposers that guess the next k tokens cheaply, and the rejection
 sampler that turns the target model's verdict on those guesses into tokens, losslessly.
 
-One speculative step for a sequence:
-  1. a proposer drafts up to k tokens x_1..x_k after the sequence's tokens;
-  2. the target runs once over [last token, x_1..x_k] and gives k + 1 distributions p_0..p_k (p_j is the
-     target's next-token distribution after j drafts);
-  3. `rejection_sample` keeps the drafts the target agrees with and adds one token of its own.
+One step for a sequence: a proposer drafts up to k tokens x_1..x_k; the target runs once over
+[last token, x_1..x_k] and gives k + 1 distributions p_0..p_k (p_j: its next-token distribution after j
+drafts); `rejection_sample` keeps the drafts the target agrees with and adds one token of its own.
 
 Why it is lossless (Leviathan et al. 2023, Chen et al. 2023): draft x is drawn from the proposer's q and
-accepted with probability min(1, p(x)/q(x)); on rejection the token is drawn from the residual
-max(0, p − q), renormalised. Token y then comes out with probability
+accepted with probability min(1, p(x)/q(x)); on rejection the token is drawn from max(0, p − q), renormalised.
+Token y then comes out with probability
     min(p(y), q(y))  [drafted and accepted]  +  (1 − Σ min(p, q)) · max(0, p(y) − q(y)) / Σ max(0, p − q)
-and since Σ max(0, p − q) = 1 − Σ min(p, q), that is min(p, q) + max(0, p − q) = p(y): exactly the target.
-A deterministic proposer (n-gram lookup, a greedy draft model) is the case q = one-hot at its guess: accept x
-with probability p(x), otherwise sample p with x removed. α = Σ min(p, q) is the acceptance rate
-(`formulas.acceptance_rate`), and a step yields (1 − α^(k+1)) / (1 − α) tokens on average.
+and since Σ max(0, p − q) = 1 − Σ min(p, q), that is exactly p(y). A deterministic proposer (n-gram lookup,
+a greedy draft model) is q one-hot at its guess: accept x with probability p(x), else sample p without x.
+α = Σ min(p, q) is the acceptance rate (`formulas.acceptance_rate`); a step yields (1 − α^(k+1)) / (1 − α)
+tokens on average.
 
-Randomness is drawn up front (`draw_randoms`) and handed to a pure function of its inputs
-(`rejection_sample_from_randoms`), so the Triton kernel (kernels/rejection_sampler.py) and this torch form
-make the same choices from the same numbers, bit for bit.
+Randomness is drawn up front (`draw_randoms`) and handed to a pure function (`rejection_sample_from_randoms`),
+so the Triton kernel (kernels/rejection_sampler.py) and this torch form make the same choices, bit for bit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -38,9 +34,8 @@ PAD_TOKEN_ID = -1  # pads draft_token_ids after a sequence's last draft (vLLM's 
 # ---------------------------------------------------------------- proposers
 
 class Proposer(Protocol):
-    """Anything that drafts tokens: up to k guesses for what follows `token_ids` (prompt + output so far).
-    Fewer than k, or none, is a valid answer; the drafts are a deterministic function of `token_ids`, so the
-    rejection sampler treats q as one-hot at each guess (draft_probs=None)."""
+    """Anything that drafts: up to k guesses (fewer, or none, is fine) for what follows `token_ids` (prompt +
+    output so far), a deterministic function of them, so verified with q one-hot (draft_probs=None)."""
 
     def propose(self, token_ids: list[int], k: int) -> list[int]: ...
 
@@ -52,11 +47,9 @@ def _check_k(k) -> None:
 
 class NgramProposer:
     """Prompt lookup: when the text repeats itself (summaries quoting their source, code edits, extraction),
-    what followed the last n tokens the previous time they appeared is a good guess for what follows now.
-
-    For n from `ngram_max` down to `ngram_min`, find the latest earlier occurrence of the sequence's last n
-    tokens and propose the (up to) k tokens that followed it; longer matches are tried first because they
-    are more specific. No model, no state: it costs a scan of the sequence."""
+    what followed the sequence's last n tokens the previous time they appeared is a good guess for what
+    follows now. Tries n from `ngram_max` down to `ngram_min` (longer matches are more specific) and proposes
+    the (up to) k tokens after the latest earlier match. No model, no state: a scan of the sequence."""
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
         if not isinstance(ngram_min, int) or ngram_min < 1:
@@ -81,25 +74,15 @@ class NgramProposer:
         return []
 
 
-@dataclass
-class _DraftSlot:
-    cached: list[int] = field(default_factory=list)  # tokens whose keys/values the slot's cache holds
-
-
 class DraftModelProposer:
     """A smaller model with the target's tokenizer drafts k tokens, one cheap decode step each.
 
-    It keeps its own contiguous KV cache with `num_slots` slots (one per sequence it drafts for). Each call
-    compares the slot's cached tokens with `token_ids` and keeps their common prefix: tokens the target
-    rejected are dropped, the accepted ones and the target's own token are then computed in one catch-up
-    pass. Rolling back by prefix rather than by a count is deliberate: the draft's cache and the target's
-    differ by a token or two after every step (the draft never computes its own last guess; the target's
-    bonus token is new to it), and counting those by hand is the off-by-one several engines shipped.
-
-    `propose` drafts greedily, a deterministic proposer (q one-hot; lossless for any target sampling).
-    `propose_sampled` draws the drafts from the draft model's distribution processed with the request's
-    own SamplingParams and returns those probabilities [n, V] for `rejection_sample(draft_probs=...)`,
-    which accepts more often when the target samples too.
+    It has its own KV cache, one slot per sequence. Each call keeps the common prefix of the slot's cached
+    tokens and `token_ids` (dropping the drafts the target rejected) and runs the rest in one catch-up pass.
+    Rolling back by prefix, not by a count, is deliberate: the two caches differ by a token or two after
+    every step (the draft never computes its own last guess; the target's bonus token is new to it), and
+    counting those by hand is the off-by-one several engines shipped. `propose` drafts greedily (q one-hot);
+    `propose_sampled` samples, returning q for `rejection_sample`: more accepted when the target samples too.
     """
 
     def __init__(self, model, vocab_size: int | None = None, max_len: int = 2048, num_slots: int = 1):
@@ -112,55 +95,46 @@ class DraftModelProposer:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
         self.model, self.max_len = model, min(max_len, model.config.max_position_embeddings)
         self.kv_cache = ContiguousKVCache(model.config, num_slots, self.max_len, model.device, model.dtype)
-        self.slots = [_DraftSlot() for _ in range(num_slots)]
+        self.cached: list[list[int]] = [[] for _ in range(num_slots)]  # per slot: the tokens its cache holds
 
     def propose(self, token_ids: list[int], k: int, slot: int = 0) -> list[int]:
         """Up to k greedy drafts after `token_ids`; fewer near `max_len`."""
-        return self._draft(token_ids, k, slot, None, None)[0]
+        return self.propose_sampled(token_ids, k, None, None, slot)[0]
 
     def propose_sampled(self, token_ids: list[int], k: int, params: SamplingParams,
                         generator: torch.Generator | None = None, slot: int = 0) -> tuple[list[int], torch.Tensor]:
-        """Up to k drafts drawn from the draft's distribution processed with `params` (temperature, top-k,
-        top-p, as the target's will be), and that distribution for each: (tokens, probs [n, V] fp32)."""
-        return self._draft(token_ids, k, slot, params, generator)
-
-    def release(self, slot: int = 0) -> None:
-        """The sequence in `slot` is finished: forget its tokens (its cache rows are simply overwritten)."""
-        self.slots[slot].cached = []
-
-    def _draft(self, token_ids, k, slot, params, generator):
+        """Up to k drafts drawn from the draft's distribution processed with `params` (as the target's will
+        be), and that distribution for each: (tokens, probs [n, V] fp32). params=None: greedy, probs None."""
         _check_k(k)
         if not token_ids:
             raise ValueError("token_ids must not be empty")
-        if not 0 <= slot < len(self.slots):
-            raise ValueError(f"slot must be in [0, {len(self.slots)}), got {slot}")
-        # Never draft past the cache: the n-th draft sits at position len(token_ids) + n - 1.
-        k = min(k, self.max_len - len(token_ids))
+        if not 0 <= slot < len(self.cached):
+            raise ValueError(f"slot must be in [0, {len(self.cached)}), got {slot}")
+        k = min(k, self.max_len - len(token_ids))  # never past the cache: draft n sits at len(token_ids) + n - 1
         if k <= 0:
             return [], None if params is None else torch.empty(0, self.model.config.vocab_size)
-        state = self.slots[slot]
-        logits = self._catch_up(state, list(token_ids), slot)
+        # Catch up: keep the common prefix; the last token always runs, its logits give the first draft.
+        cached, tokens = self.cached[slot], list(token_ids)
+        keep = 0
+        while keep < min(len(cached), len(tokens) - 1) and cached[keep] == tokens[keep]:
+            keep += 1
+        logits = self._forward(tokens[keep:], len(tokens), slot)
+        self.cached[slot] = tokens
         drafts, probs = [], []
         for n in range(k):
             if n:
-                logits = self._forward([drafts[-1]], len(state.cached) + 1, slot)
-                state.cached.append(drafts[-1])
-            token, dist = _draw(logits[-1], params, generator)
-            drafts.append(token)
-            probs.append(dist)
+                logits = self._forward([drafts[-1]], len(tokens) + 1, slot)
+                tokens.append(drafts[-1])
+            if params is None:
+                drafts.append(int(logits[-1].argmax()))
+            else:
+                probs.append(target_probs_from_logits(logits[-1], params))
+                drafts.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
         return drafts, torch.stack(probs) if params is not None else None
 
-    def _catch_up(self, state: _DraftSlot, token_ids: list[int], slot: int) -> torch.Tensor:
-        """Bring the slot's cache up to `token_ids` and return the logits after its last token."""
-        keep = 0
-        for cached, new in zip(state.cached, token_ids):
-            if cached != new:
-                break
-            keep += 1
-        keep = min(keep, len(token_ids) - 1)  # the last token is always run: its logits give the first draft
-        logits = self._forward(token_ids[keep:], len(token_ids), slot)
-        state.cached = token_ids
-        return logits
+    def release(self, slot: int = 0) -> None:
+        """The sequence in `slot` is finished: forget its tokens (its cache rows are simply overwritten)."""
+        self.cached[slot] = []
 
     def _forward(self, new_tokens: list[int], context_len: int, slot: int) -> torch.Tensor:
         """Run `new_tokens`, the last of a `context_len`-token context, through the draft against its cache."""
@@ -180,33 +154,21 @@ def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> to
     return torch.softmax(logits, dim=-1)
 
 
-def _draw(logits, params, generator) -> tuple[int, torch.Tensor | None]:
-    if params is None:
-        return int(logits.argmax()), None
-    probs = target_probs_from_logits(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator)), probs
-
-
 # ---------------------------------------------------------------- the rejection sampler
 
 def num_drafts_of(draft_token_ids: torch.Tensor) -> torch.Tensor:
-    """Drafts per sequence: the leading run of ids >= 0 in each row (rows are padded with -1). [S] int32.
-    Computed on the tensor's device, so a GPU caller does not wait for the host."""
+    """Drafts per sequence: the leading run of ids >= 0 in each row (rows are padded with -1). [S] int32,
+    computed on the tensor's device, so a GPU caller does not wait for the host."""
     return (draft_token_ids >= 0).int().cumprod(dim=1).sum(dim=1, dtype=torch.int32)
 
 
 def draw_randoms(num_drafts: list[int], k: int, vocab_size: int, generator=None, device="cpu"):
-    """The random numbers one rejection-sampling step consumes: `uniforms` [S, k] (one per draft, for the
-    accept test) and `inv_exponentials` [S, V] (1 / E with E ~ Exp(1), for the one token drawn per sequence).
-
-    The token is drawn as argmax(w / E): an exponential race, which picks index i with probability
-    w_i / Σ w for any w ≥ 0 without normalising or summing w, so the kernel and torch cannot disagree on a
-    rounding. Passing 1 / E turns the division into a multiplication, exact in both.
-
-    `generator` is one torch.Generator (or None: torch's global one) drawing for the whole batch, or a list
-    with one per sequence, so each request's seeded stream stays its own whatever else is in the batch; a
-    sequence's stream then advances by its own drafts' uniforms and one row of exponentials per step.
-    """
+    """The random numbers one step consumes: `uniforms` [S, k] (one per draft, for the accept test) and
+    `inv_exponentials` [S, V] (1 / E, E ~ Exp(1)). The token is drawn as argmax(w · (1 / E)), an exponential
+    race: it picks i with probability w_i / Σ w for any w ≥ 0 without normalising, so kernel and torch cannot
+    disagree on a rounding. `generator`: one torch.Generator (or None: the global one) for the whole batch,
+    or one per sequence, so a seeded request's stream advances by its own drafts' uniforms and one row of
+    exponentials per step, whatever else is in the batch."""
     s = len(num_drafts)
     if isinstance(generator, (list, tuple)):
         if len(generator) != s:
@@ -226,17 +188,12 @@ def draw_randoms(num_drafts: list[int], k: int, vocab_size: int, generator=None,
 def rejection_sample_from_randoms(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
                                   num_drafts: torch.Tensor, draft_probs: torch.Tensor | None,
                                   uniforms: torch.Tensor, inv_exponentials: torch.Tensor) -> torch.Tensor:
-    """The torch reference of the step, batched over sequences: [S, k + 1] int64, each row the accepted
-    drafts, then the target's token, then -1 padding. Deterministic given its inputs (all fp32).
-
-    Sequence i has num_drafts[i] drafts. Draft j (0-based) is accepted when u_j · q_j(x_j) < p_j(x_j), which
-    happens with probability min(1, p/q) for u uniform in [0, 1); a draft id outside the vocabulary is never
-    accepted (p = 0 there). With a accepted drafts the last token is drawn at position a: from
-    max(0, p_a − q_a) when draft a was rejected (from p_a if rounding left that residual empty), from p_a
-    (the bonus token) when all were accepted.
-    """
-    s, k = draft_token_ids.shape
-    vocab = target_probs.shape[-1]
+    """The torch reference of the step, batched over sequences (all fp32): [S, k + 1] int64, each row the
+    accepted drafts, then the target's token, then -1 padding. Draft j is accepted when
+    u_j · q_j(x_j) < p_j(x_j), with probability min(1, p/q); an id outside the vocabulary never is (p = 0).
+    With a drafts accepted the last token is drawn at position a: from max(0, p_a − q_a) after a rejection
+    (from p_a if rounding left that empty), from p_a (the bonus token) when all were accepted."""
+    (s, k), vocab = draft_token_ids.shape, target_probs.shape[-1]
     rows = torch.arange(s, device=target_probs.device)
     in_vocab = (draft_token_ids >= 0) & (draft_token_ids < vocab)
     ids = draft_token_ids.long().clamp(0, vocab - 1)  # a safe index; out-of-vocab ids are masked off below
@@ -245,7 +202,6 @@ def rejection_sample_from_randoms(target_probs: torch.Tensor, draft_token_ids: t
     drafted = torch.arange(k, device=ids.device) < num_drafts[:, None]
     accepted = ((uniforms * q_x < p_x) & drafted).int().cumprod(dim=1)  # stop at the first rejection
     num_accepted = accepted.sum(dim=1)
-
     p_last = target_probs[rows, num_accepted]
     rejected = num_accepted < num_drafts
     at = num_accepted.clamp(max=max(k - 1, 0))  # the rejected draft's position (any valid one when none)
@@ -256,10 +212,8 @@ def rejection_sample_from_randoms(target_probs: torch.Tensor, draft_token_ids: t
     else:  # one-hot at the rejected guess: the residual is p without that token
         q_last = torch.zeros_like(p_last).scatter_(-1, ids[rows, at, None], in_vocab[rows, at, None].float())
     residual = (p_last - q_last).clamp_min(0)
-    use_residual = rejected & (residual.amax(dim=-1) > 0)
-    dist = torch.where(use_residual[:, None], residual, p_last)
+    dist = torch.where((rejected & (residual.amax(dim=-1) > 0))[:, None], residual, p_last)
     last = (dist * inv_exponentials).argmax(dim=-1)
-
     out = torch.where(accepted.bool(), draft_token_ids.long(), PAD_TOKEN_ID)
     out = torch.cat([out, torch.full((s, 1), PAD_TOKEN_ID, device=out.device)], dim=1)
     out[rows, num_accepted] = last
@@ -272,21 +226,19 @@ def _check_inputs(target_probs, draft_token_ids, draft_probs) -> None:
     if (not isinstance(draft_token_ids, torch.Tensor) or draft_token_ids.dim() != 2
             or draft_token_ids.dtype not in (torch.int32, torch.int64)):
         raise ValueError("draft_token_ids must be a 2-D integer tensor [S, k] (pad short rows with -1)")
-    s, k = draft_token_ids.shape
+    (s, k), vocab = draft_token_ids.shape, target_probs.shape[-1]
     if target_probs.shape[:2] != (s, k + 1):
         raise ValueError(f"target_probs must be [S, k + 1, V] = [{s}, {k + 1}, V] for draft_token_ids [{s}, {k}], "
                          f"got {list(target_probs.shape)}")
-    if draft_probs is not None and draft_probs.shape != (s, k, target_probs.shape[-1]):
-        raise ValueError(f"draft_probs must be [S, k, V] = {[s, k, target_probs.shape[-1]]}, "
-                         f"got {list(draft_probs.shape)}")
+    if draft_probs is not None and draft_probs.shape != (s, k, vocab):
+        raise ValueError(f"draft_probs must be [S, k, V] = {[s, k, vocab]}, got {list(draft_probs.shape)}")
     for name, t in (("draft_token_ids", draft_token_ids), ("draft_probs", draft_probs)):
         if t is not None and t.device != target_probs.device:
             raise ValueError(f"{name} is on {t.device} but target_probs is on {target_probs.device}")
     if draft_token_ids.device.type == "cpu":  # cheap on the host; on a GPU it would wait for the device
-        vocab, ids = target_probs.shape[-1], draft_token_ids
-        if ((ids < -1) | (ids >= vocab)).any():
+        if ((draft_token_ids < -1) | (draft_token_ids >= vocab)).any():
             raise ValueError(f"draft_token_ids must be token ids in [0, {vocab}) or -1 (padding)")
-        if (ids[:, 1:] >= 0).logical_and(ids[:, :-1] < 0).any():
+        if (draft_token_ids[:, 1:] >= 0).logical_and(draft_token_ids[:, :-1] < 0).any():
             raise ValueError("draft_token_ids: -1 may only pad the end of a row")
 
 
@@ -298,33 +250,29 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     target_probs [S, k + 1, V]: row j is the target's processed distribution (`target_probs_from_logits`)
       after j drafts; draft_token_ids [S, k]: the drafts, a row with fewer padded at its end with -1;
     draft_probs [S, k, V]: the distributions the drafts were drawn from, or None for a deterministic
-      proposer (q one-hot at each draft); generator: a torch.Generator, one per sequence, or None.
-    With one-hot target rows (greedy) this is "accept while the draft equals the argmax, then the argmax",
-    whatever the random numbers. CUDA tensors run the Triton kernel, others this module's torch form.
+      proposer; generator: a torch.Generator, one per sequence, or None. CUDA tensors run the Triton kernel.
     """
     _check_inputs(target_probs, draft_token_ids, draft_probs)
     s, k = draft_token_ids.shape
     num_drafts = num_drafts_of(draft_token_ids)
     counts = num_drafts.tolist() if isinstance(generator, (list, tuple)) else [k] * s
     uniforms, inv_exponentials = draw_randoms(counts, k, target_probs.shape[-1], generator, target_probs.device)
-    target_probs = target_probs.float()
     draft_probs = draft_probs.float() if draft_probs is not None else None
+    args = (target_probs.float(), draft_token_ids, num_drafts, draft_probs, uniforms, inv_exponentials)
     if target_probs.is_cuda:
         from .kernels import rejection_sampler  # imported here: only a GPU run needs triton
-        out = rejection_sampler(target_probs, draft_token_ids, num_drafts, draft_probs, uniforms,
-                                      inv_exponentials)
+        out = rejection_sampler(*args)
     else:
-        out = rejection_sample_from_randoms(target_probs, draft_token_ids, num_drafts, draft_probs, uniforms,
-                                            inv_exponentials)
+        out = rejection_sample_from_randoms(*args)
     lengths = (out >= 0).sum(dim=1).tolist()  # every row is its tokens, then -1 padding
     return [row[:n] for row, n in zip(out.tolist(), lengths)]
 
 
 def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
            generator) -> list[int]:
-    """The tokens one sequence keeps from its 1 + len(drafts) rows of target logits: the drafts the rejection
-    sampler accepts, then one token of the target's own (with no drafts, an ordinary sample). `draft_probs`
-    [>= len(drafts), V]: a sampling draft model's distributions (None: a deterministic proposer)."""
+    """The tokens one sequence keeps from its 1 + len(drafts) rows of target logits: the accepted drafts,
+    then one token of the target's own (with no drafts, an ordinary sample). `draft_probs` [>= len(drafts),
+    V]: a sampling draft model's distributions (None: a deterministic proposer)."""
     if params.greedy:  # one-hot target rows: accept while the draft is the argmax, then the argmax
         best = logits.argmax(dim=-1).tolist()
         accepted = next((i for i, (d, b) in enumerate(zip(drafts, best)) if d != b), len(drafts))

@@ -65,17 +65,17 @@ def test_cached_attention_equals_per_sequence_reference(step, heads, kv_heads, b
 
 
 def test_short_chunks_are_attended_together_and_long_ones_alone():
-    """Chunks of 2 to MAX_VERIFY_TOKENS tokens (a speculative step's last token plus drafts) form one
-    `VerifyGroup`, padded to the longest; decodes keep their own group and longer prefill chunks go alone."""
-    from mini_engine.attention import MAX_VERIFY_TOKENS
+    """In the CPU backend, chunks of 2 to MAX_VERIFY_TOKENS tokens (a speculative step's last token plus drafts)
+    form one `VerifyGroup`, padded to the longest; decodes keep their own group and longer prefill chunks go alone."""
+    from mini_engine.backends.cpu.attention import MAX_VERIFY_TOKENS, VerifyGroup
     meta = AttentionMetadata.build([1, 5, MAX_VERIFY_TOKENS + 1, 2], [9, 17, 30, 30], [0, 3, 1, 4])
-    group = meta.verify
+    group = VerifyGroup.build(meta, "cpu")
     assert group.seqs == [1, 3] and group.query_len == 5 and group.max_context == 30
     assert group.packed.tolist() == [1, 2, 3, 4, 5, 23, 24]
     assert group.tokens.tolist() == [1, 2, 3, 4, 5, 23, 24, 24, 24, 24], "padding repeats a chunk's last row"
     # Query j of the second chunk (context 30, 2 new tokens) sees positions < 29 + min(j, 1).
     assert group.mask[1, 0, :, 0].sum(-1).tolist() == [29, 30, 30, 30, 30]
-    assert AttentionMetadata.build([1, 1], [4, 6], [0, 1]).verify is None
+    assert VerifyGroup.build(AttentionMetadata.build([1, 1], [4, 6], [0, 1]), "cpu") is None
 
 
 def paged_copy(k_cache, v_cache, meta, block_size, generator):
@@ -146,7 +146,7 @@ def test_paged_decode_reading_each_groups_own_longest_context_gives_the_same_res
     want = reference(q, k_cache, v_cache, meta)
     for order in (list(range(len(lens))), sorted(range(len(lens)), key=lambda i: -context_lens[i])):
         rows = torch.tensor(order)
-        sub = DecodeGroup(slice(None), None, None, max(context_lens), group.mask[rows], block_tables[rows],
+        sub = DecodeGroup(slice(None), None, max(context_lens), group.mask[rows], block_tables[rows],
                           lens[rows])
         got = CpuAttention().paged_decode(q[rows], k_pool, v_pool, sub, f"{chunk} at a time",
                                           [context_lens[i] for i in order])
@@ -176,10 +176,8 @@ def test_decode_group_reads_consecutive_slots_as_a_view():
     assert meta.decode.is_whole_step and meta.decode.max_context == 9
     assert meta.decode.mask[:, 0, 0].tolist() == [[True] * 4 + [False] * 5, [True] * 9, [True] * 2 + [False] * 7]
     assert AttentionMetadata.build([1, 1], [5, 5], [0, 1]).decode.mask is None, "equal contexts need no mask"
-    gap = AttentionMetadata.build([1, 1], [4, 6], [3, 1]).decode
-    assert gap.slots == slice(1, 4) and gap.rows.tolist() == [2, 0], "a small gap is read as a view of the range"
-    assert isinstance(AttentionMetadata.build([1, 1], [4, 6], [9, 1]).decode.slots, torch.Tensor), \
-        "slots far apart are gathered"
+    assert AttentionMetadata.build([1, 1], [4, 6], [3, 1]).decode.slots.tolist() == [3, 1], \
+        "slots out of order are gathered"
     mixed = AttentionMetadata.build([3, 1], [3, 8], [0, 1])
     assert not mixed.decode.is_whole_step and mixed.decode.tokens.tolist() == [3]
     assert AttentionMetadata.build([3, 2], [3, 8], [0, 1]).decode is None

@@ -5,6 +5,7 @@
 - A paged decode may instead copy a few sequences at a time, so that each copy is still in the CPU's cache when
   SDPA reads it.
 - bf16/fp16 attention may run faster converted to fp32 on a CPU without bf16 arithmetic.
+- A speculative step's short chunks are attended together (`VerifyGroup`), not one call per sequence.
 - The paged cache's write is one fused operator (`layer_ops.store_rows`).
 Which form wins depends on the CPU, the shape and the dtype, so each is timed on first use by the tuner
 (`autotune`) and the choice kept; FLOP counters and anything that is not fp32 on a CPU get the core's forms.
@@ -17,15 +18,66 @@ cache, where the C kernel wins, the graph calls the C++ operator `mini_engine_cp
 """
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 
-from ...attention import AttentionMetadata, DecodeGroup, TorchAttention, VerifyGroup, gather_blocks
+from ...attention import AttentionMetadata, DecodeGroup, TorchAttention, gather_blocks
 from .autotune import TUNER, Autotuner, counting_mode_active, row_bucket
 from .cpu_kernels import (contiguous_decode, contiguous_decode_supported, load_torch_ops, paged_chunk, paged_decode,
                           paged_decode_supported)
 from .layer_ops import store_rows
 
 IN_PLACE = "in place (C)"  # the form that reads a cache through the C kernels
+
+
+# Chunks of up to this many tokens over a cached context are attended together, like decodes (`VerifyGroup`): a
+# speculative chunk is a request's last token and its k drafts. Longer chunks are prefills, attended one by one.
+MAX_VERIFY_TOKENS = 16
+
+
+@dataclass
+class VerifyGroup:
+    """The step's short multi-token chunks (2 to MAX_VERIFY_TOKENS tokens): on a speculative step, each decoding
+    request's last token and its drafts. Attended one by one, as the core attends prefill chunks, they cost one
+    call and one copy of the context per sequence and per layer, which on a CPU cost a speculative step at batch
+    16 more than its decodes. Padded to the longest chunk (Q tokens), they go through one call as decodes do,
+    each query row masked to the positions before it."""
+    seqs: list[int]                # the chunks' places in the step
+    tokens: torch.Tensor           # [S*Q] packed row of each padded query (padding repeats the chunk's last row)
+    valid: torch.Tensor            # [n] where the step's real query rows sit among the S*Q padded ones
+    packed: torch.Tensor           # [n] their rows in the packed step, in the same order
+    query_len: int                 # Q
+    slots: torch.Tensor | None     # contiguous cache: [S] the sequences' slots
+    block_tables: torch.Tensor | None  # paged cache: [S, W] int32, the step's padded tables
+    max_context: int               # key positions read per sequence
+    mask: torch.Tensor             # [S,1,Q,1,max_context] True where query row j of sequence s may look
+    visible: torch.Tensor          # [S, Q] int32: how many positions query row j sees (the C kernel's mask)
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, device) -> "VerifyGroup | None":
+        query_lens, context_lens = meta.query_lens, meta.context_lens
+        seqs = [i for i, n in enumerate(query_lens) if 1 < n <= MAX_VERIFY_TOKENS]
+        if not seqs:
+            return None
+        starts = list(itertools.accumulate(query_lens, initial=0))
+        width = max(query_lens[i] for i in seqs)
+        tokens, valid, packed, sees = [], [], [], []
+        for s, i in enumerate(seqs):
+            n, first = query_lens[i], context_lens[i] - query_lens[i]
+            tokens += [starts[i] + min(j, n - 1) for j in range(width)]
+            valid += range(s * width, s * width + n)
+            packed += range(starts[i], starts[i] + n)
+            sees.append([first + min(j, n - 1) + 1 for j in range(width)])  # query j sees positions < this
+        max_context = max(context_lens[i] for i in seqs)
+        mask = torch.arange(max_context, device=device) < torch.tensor(sees, device=device)[..., None]
+        index = torch.tensor(seqs, device=device)
+        return cls(seqs, torch.tensor(tokens, device=device), torch.tensor(valid, device=device),
+                   torch.tensor(packed, device=device), width,
+                   None if meta.slots is None else torch.tensor([meta.slots[i] for i in seqs], device=device),
+                   None if meta.block_tables is None else meta.block_tables[index], max_context,
+                   mask[:, None, :, None, :], torch.tensor(sees, dtype=torch.int32, device=device))
 
 
 def attention_in_fp32(kind: str, fn, q, k, v, tuner: Autotuner = TUNER) -> bool:
@@ -150,19 +202,37 @@ class CpuAttention(TorchAttention):
 
     # ------------------------------------------------------------------ chunks on the paged cache
 
+    def chunks(self, q, k_cache, v_cache, meta: AttentionMetadata, chunks: list[int], out) -> None:
+        group = _memo(meta, "verify group", lambda: VerifyGroup.build(meta, q.device))
+        if group is not None:
+            out[group.packed] = self.verify(q, k_cache, v_cache, group, meta)
+            chunks = [i for i in chunks if i not in group.seqs]
+        super().chunks(q, k_cache, v_cache, meta, chunks, out)
+
     def verify(self, q, k_cache, v_cache, group: VerifyGroup, meta: AttentionMetadata, form: str | None = None):
-        if group.block_tables is None:
-            return super().verify(q, k_cache, v_cache, group, meta)
-        if form is None:
-            key = (row_bucket(len(group.seqs)), group.query_len, row_bucket(group.max_context, 1 << 20))
+        """The short chunks, padded to Q query rows each, in one call: [n real rows, Hq, D] in the order of
+        `group.packed`: on a paged cache the C kernel in place or the copy, timed; else the copy."""
+        s, n_q = len(group.seqs), group.query_len
+        if group.block_tables is not None and form is None:
+            key = (row_bucket(s), n_q, row_bucket(group.max_context, 1 << 20))
             form = _memo(meta, "verify", lambda: self._copy_or_in_place(
                 "paged_verify", key, q, k_cache, v_cache, lambda f: self.verify(q, k_cache, v_cache, group, meta, f)))
-        if form != IN_PLACE:
-            return super().verify(q, k_cache, v_cache, group, meta)
-        s, n_q = len(group.seqs), group.query_len
-        visible = group.mask.view(s, n_q, -1).sum(-1, dtype=torch.int32)  # positions each query row sees
-        out = paged_chunk(q[group.tokens].view(s, n_q, *q.shape[1:]), k_cache, v_cache, group.block_tables, visible)
-        return out.view(s * n_q, *q.shape[1:])[group.valid]
+        if form == IN_PLACE:
+            out = paged_chunk(q[group.tokens].view(s, n_q, *q.shape[1:]), k_cache, v_cache, group.block_tables,
+                              group.visible)
+            return out.view(s * n_q, *q.shape[1:])[group.valid]
+        if group.block_tables is not None:
+            k = gather_blocks(k_cache, group.block_tables, group.max_context)  # [S,Hkv,L,D]
+            v = gather_blocks(v_cache, group.block_tables, group.max_context)
+        else:
+            k = k_cache[group.slots, :, :group.max_context]
+            v = v_cache[group.slots, :, :group.max_context]
+        (hq, d), hkv = q.shape[1:], k.shape[1]
+        g = hq // hkv  # as in `decode`, the query heads sharing a KV head become that head's Q x g rows
+        qs = q[group.tokens].view(s, n_q, hkv, g, d).transpose(1, 2).reshape(s, hkv, n_q * g, d)
+        mask = group.mask.expand(s, 1, n_q, g, group.max_context).reshape(s, 1, n_q * g, group.max_context)
+        o = self.attend(qs, k, v, mask)  # [S,Hkv,Q*g,D]
+        return o.view(s, hkv, n_q, g, d).transpose(1, 2).reshape(s * n_q, hq, d)[group.valid]
 
     def prefill_chunk(self, q, k_cache, v_cache, meta: AttentionMetadata, i: int, form: str | None = None):
         if meta.block_tables is None:
@@ -224,7 +294,7 @@ def _decode_attention_op(q, k_cache, v_cache, mask, context_lens, slots, block_t
     if block_tables is None:
         meta = _contiguous_meta(slots, context_lens, lens)
         return attention.decode(q, k_cache, v_cache, meta.decode, meta)
-    group = DecodeGroup(slice(None), None, None, max(lens), mask, block_tables, context_lens)
+    group = DecodeGroup(slice(None), None, max(lens), mask, block_tables, context_lens)
     return attention.paged_decode(q, k_cache, v_cache, group,
                                   attention.paged_decode_form(q, k_cache, v_cache, group, lens), lens)
 

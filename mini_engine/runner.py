@@ -1,0 +1,60 @@
+"""The model runner (chapter 04): the one part of the serving engine that holds tensors. It packs a step's chunks
+into token ids and attention metadata and runs the model; the scheduler and block manager stay pure Python."""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata
+from .compiled_decode import CompiledDecode
+from .kv_cache import ContiguousKVCache, PagedKVCache
+from .paging import BlockManager
+from .scheduler import Chunk
+
+
+class ModelRunner:
+    """Owns the tensors: turns a step's chunks into packed ids and attention metadata, runs the model. With a
+    paged cache it reads the block tables from the scheduler's block manager (`blocks`). With `compiled` (a
+    `CompiledDecode`), a step whose chunks all bring one token runs through its compiled graphs."""
+
+    def __init__(self, model, kv_cache: ContiguousKVCache | PagedKVCache, backend: str,
+                 blocks: BlockManager | None = None, compiled: CompiledDecode | None = None):
+        self.model, self.kv_cache, self.backend, self.blocks = model, kv_cache, backend, blocks
+        self.compiled = compiled
+
+    def execute(self, chunks: list[Chunk], block_copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """Logits [rows, vocab]: `num_logits` rows per chunk, in chunk order (one per sampling chunk, 1 + k for
+        a speculative one). `block_copies`: the step's copy-on-write
+        (src, dst) blocks, copied before the step writes into them."""
+        if block_copies:
+            self.kv_cache.copy_blocks(block_copies)
+        if self.compiled is not None and all(c.num_tokens == 1 for c in chunks):
+            return self._execute_compiled(chunks)
+        ids, query_lens, context_lens, rows = [], [], [], []
+        for c in chunks:
+            ids += c.token_ids
+            query_lens.append(c.num_tokens)
+            context_lens.append(c.start + c.num_tokens)
+            rows += range(len(ids) - c.num_logits, len(ids))  # the last row, or every row of a speculative chunk
+        device = self.model.device
+        if self.blocks is None:
+            meta = AttentionMetadata.build(query_lens, context_lens, [c.request.slot for c in chunks], device=device)
+        else:
+            meta = AttentionMetadata.build(query_lens, context_lens, device=device, block_size=self.blocks.block_size,
+                                           block_tables=[self.blocks.block_table(c.request.request_id) for c in chunks])
+        meta.logits_indices = torch.tensor(rows, dtype=torch.long, device=device)
+        return self.model(torch.tensor(ids, device=device), meta, self.kv_cache, backend=self.backend)
+
+    def _execute_compiled(self, chunks: list[Chunk]) -> torch.Tensor:
+        """A decode-only step (one token per chunk) through the compiled graph of its batch-size bucket."""
+        positions = [c.start for c in chunks]
+        self.model.check_last_position(max(positions), self.kv_cache)
+        if self.blocks is None:
+            rows = [c.request.slot for c in chunks]
+        else:
+            rows = [self.blocks.block_table(c.request.request_id) for c in chunks]
+        logits = self.compiled([c.token_ids[0] for c in chunks], positions, rows)
+        if all(c.num_logits == 1 for c in chunks):
+            return logits
+        # A one-token chunk inside a prompt (a chunked prefill's budget can leave one token) samples nothing:
+        # its row is dropped, as the eager step drops it.
+        return logits[[i for i, c in enumerate(chunks) if c.num_logits == 1]]
