@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .devices import default_device
+from .course.devices import default_device
 
 
 def _stream_printer(tok):

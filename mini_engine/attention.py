@@ -4,13 +4,11 @@ Tokens of a step are packed: the step holds `query_lens[i]` new tokens of sequen
 padding). Sequence i attends to its first `context_lens[i]` positions: what the cache already holds plus the new
 tokens. With no cache a sequence attends to its new tokens only.
 
-Two caches (kv_cache.py): the contiguous one, where sequence i owns row `slots[i]`, and the paged one (chapter
-07), where `block_tables[i]` lists the blocks holding its positions in order.
-
-The attention itself is a backend object: `TorchAttention` (SDPA, or with `naive=True` the two explicit products
-whose FLOPs chapter 02 counts) and `TritonAttention` (the kernels of `mini_engine/kernels`: FlashAttention,
-paged decode, the KV store). A model holds one per name (`LlamaModel.attention_backends`), and an optional
-backend may replace one with a subclass after loading (the CPU backend does: backends/cpu/attention.py).
+With the contiguous cache sequence i owns row `slots[i]`; with the paged one (chapter 07) `block_tables[i]` lists
+the blocks holding its positions in order. The attention itself is a backend object: `TorchAttention` (SDPA, or
+the two explicit products whose FLOPs chapter 02 counts) or `TritonAttention` (the kernels of
+`mini_engine/kernels`). A model holds one per name (`LlamaModel.attention_backends`); an optional backend may
+swap in a subclass after loading (the CPU backend does: backends/cpu/attention.py).
 """
 from __future__ import annotations
 

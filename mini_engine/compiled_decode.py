@@ -50,14 +50,6 @@ def decode_graph(model, kv_cache, backend: str, tokens, positions, slot_mapping,
 _RECOMPILE_LIMIT = 64
 
 
-@functools.cache
-def _compiled(device_type: str):
-    # Built on first use: importing and configuring torch.compile costs seconds that eager runs need not pay.
-    # On a GPU, reduce-overhead mode replays each graph as a CUDA graph (one launch for the whole step).
-    mode = "reduce-overhead" if device_type == "cuda" else None
-    return torch.compile(decode_graph, fullgraph=True, dynamic=False, mode=mode)
-
-
 # compile="max-autotune" on a CPU: with freezing, the weights are constants of the graph, packed once at compile
 # time for Inductor's own GEMM, which it times against ATen's for every product shape. Passed as torch.compile
 # `options`, freezing was not applied (torch 2.13), so the settings are patched in around each call.
@@ -72,10 +64,13 @@ def _fresh_decode_graph():
 
 
 @functools.cache
-def _compiled_max_autotune(device_type: str):
-    # On a GPU: torch.compile's own mode (Triton GEMM templates, then CUDA graphs).
-    mode = "max-autotune" if device_type == "cuda" else None
-    return torch.compile(_fresh_decode_graph(), fullgraph=True, dynamic=False, mode=mode)
+def _compiled(device_type: str, max_autotune: bool = False):
+    # Built on first use: configuring torch.compile costs seconds that eager runs need not pay. On a GPU,
+    # reduce-overhead mode replays each graph as a CUDA graph (one launch for the whole step); max-autotune is
+    # torch.compile's own mode there (Triton GEMM templates, then CUDA graphs), on a code object of its own.
+    mode = ("max-autotune" if max_autotune else "reduce-overhead") if device_type == "cuda" else None
+    return torch.compile(_fresh_decode_graph() if max_autotune else decode_graph, fullgraph=True, dynamic=False,
+                         mode=mode)
 
 
 def _run_graph(model, kv_cache, backend: str, *args, mode: bool | str = True, **kwargs) -> torch.Tensor:
@@ -84,7 +79,7 @@ def _run_graph(model, kv_cache, backend: str, *args, mode: bool | str = True, **
     limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     settings = contextlib.nullcontext()
     if mode == "max-autotune":
-        step = _compiled_max_autotune(model.device.type)
+        step = _compiled(model.device.type, max_autotune=True)
         if model.device.type == "cpu":
             from torch._inductor import config as inductor_config
             settings = inductor_config.patch(_MAX_AUTOTUNE_CPU)

@@ -30,7 +30,6 @@ import torch
 from .compiled_decode import CompiledDecode
 from .engine_config import EngineConfig, SpeculativeConfig
 from .kv_cache import ContiguousKVCache, PagedKVCache
-from .metrics import human_bytes
 from .outputs import BlockPoolSnapshot, RequestOutput, StepRecord
 from .paging import BlockManager
 from .runner import ModelRunner
@@ -107,7 +106,7 @@ class LLMEngine:
     def __repr__(self) -> str:
         c = self.config
         chunking = "off" if c.chunked_prefill_tokens is None else f"{c.chunked_prefill_tokens} tokens/step"
-        size = human_bytes(self.kv_cache_bytes)
+        size = f"{self.kv_cache_bytes / 2**20:.1f} MiB"
         if c.kv_cache == "paged":
             cache = (f"paged KV cache: {c.num_kv_blocks} blocks x {c.block_size} positions ({size}), up to "
                      f"{c.max_num_seqs} sequences of up to {self.scheduler.max_model_len} positions, prefix caching "
@@ -376,7 +375,7 @@ class LLM:
         outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
 
     `LLM.from_model(model, tokenizer, **engine_kwargs)` serves weights already in memory.
-    `quantization="int4"` or `"int8"` loads the model with weight-only quantized products (quant.py); a model
+    `quantization="int4"` or `"int8"` loads the model with weight-only quantized products (mini_engine/quant); a model
     already quantized (`load_model(..., quantization=...)`) is served as it is by `from_model`."""
 
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",

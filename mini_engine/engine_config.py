@@ -22,7 +22,7 @@ PAGED_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")
-QUANTIZATIONS = ("int4", "int4_compact", "int8")  # weight-only (quant.py); None: float weights
+QUANTIZATIONS = ("int4", "int4_compact", "int8")  # weight-only (mini_engine/quant); None: float weights
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,9 @@ class EngineConfig:
             raise ValueError(f"record_trace must be True or False, got {self.record_trace!r}")
         if not (isinstance(self.compile, bool) or self.compile == "max-autotune"):
             raise ValueError(f"compile must be False, True or 'max-autotune', got {self.compile!r}")
-        if self.kv_cache not in KV_CACHES:
-            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        for name, allowed in (("kv_cache", KV_CACHES), ("dtype", DTYPES), ("scheduling", SCHEDULING)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and self.kv_cache != "paged":
             raise ValueError(f"num_kv_blocks sizes the paged KV pool; kv_cache={self.kv_cache!r} does not use it")
         if self.enable_prefix_caching not in (None, True, False):
@@ -132,12 +133,8 @@ class EngineConfig:
                              f"kv_cache={self.kv_cache!r} has none (leave it None or False)")
         if self.speculative is not None:
             self.speculative = SpeculativeConfig.parse(self.speculative)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
-        if self.scheduling not in SCHEDULING:
-            raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
         resolve_backend(self.attention_backend, self.device)  # a bad name fails here, before any weights load
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_model_len", "chunked_prefill_tokens",
                      "dynamic_bucket_width"):

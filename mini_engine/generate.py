@@ -12,32 +12,32 @@ from .attention import AttentionMetadata
 from .compiled_decode import compiled_decode_step
 from .kv_cache import ContiguousKVCache
 from .sampling import SamplingParams, make_generator, sample, stop_tokens
-from .speculative import verify
+from .speculative import _check_k, verify
 
 
-def _check(model, prompt_ids, max_new_tokens):
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt_ids must not be empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+def _check(model, prompts: list[list[int]], max_new_tokens, params, eos_token_id):
+    """Validate the prompts and the budget; the sampling params (greedy by default) and the stop tokens."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    if not prompts:
+        raise ValueError("prompts must not be empty")
     limit = model.config.max_position_embeddings
-    if len(prompt_ids) + max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"{limit} positions")
-
-
-def _stops(model, params: SamplingParams, eos_token_id):
-    return stop_tokens(params, model.config.eos_token_id if eos_token_id is None else eos_token_id)
+    for prompt_ids in prompts:
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids must not be empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt_ids) + max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                             f"{limit} positions")
+    return params, stop_tokens(params, model.config.eos_token_id if eos_token_id is None else eos_token_id)
 
 
 def generate_naive(model, prompt_ids: list[int], max_new_tokens: int = 32, params: SamplingParams | None = None,
                    eos_token_id: int | None = None, on_token=None) -> list[int]:
     """Full recompute: every step runs the whole sequence so far through every layer. Returns the new tokens
     (a stop token, when hit, is included as the last one). `on_token(token)` is called as each one arrives."""
-    params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    _check(model, prompt_ids, max_new_tokens)
-    stops, gen = _stops(model, params, eos_token_id), make_generator(params, model.device)
-    seq, out = list(prompt_ids), []
+    params, stops = _check(model, [prompt_ids], max_new_tokens, params, eos_token_id)
+    gen, seq, out = make_generator(params, model.device), list(prompt_ids), []
     for _ in range(max_new_tokens):
         logits = model(torch.tensor([seq], device=model.device), last_only=True)[0]  # O(len(seq)) work, every step
         token = sample(logits, [params], [gen])[0]
@@ -77,20 +77,14 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
                    eos_token_id: int | None = None, on_token=None, kv_cache: ContiguousKVCache | None = None,
                    compile: bool | str = False) -> list[list[int]]:
     """Cached generation for several prompts decoded together, one slot each: every decode step reads the
-    weights once for the whole batch. A finished sequence drops out of the batch. `on_token` streams only
-    when there is a single prompt (it is how `generate_cached` streams). compile=True: decode steps run as
-    one compiled graph, compiled anew for each batch size met (sequences that stop early shrink it)."""
-    params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    if not prompts:
-        raise ValueError("prompts must not be empty")
-    for p in prompts:
-        _check(model, p, max_new_tokens)
+    weights once for the whole batch, and a finished sequence drops out of it. `on_token` streams only with
+    a single prompt. compile: as in `generate_cached`, compiled anew for each batch size met."""
+    params, stops = _check(model, prompts, max_new_tokens, params, eos_token_id)
     longest = max(len(p) for p in prompts) + max_new_tokens
     if kv_cache is None:
         kv_cache = ContiguousKVCache(model.config, len(prompts), longest, model.device, model.dtype)
     elif kv_cache.num_slots < len(prompts) or kv_cache.max_len < longest:
         raise ValueError(f"kv_cache too small: need {len(prompts)} slots of {longest} positions")
-    stops = _stops(model, params, eos_token_id)
     if compile not in (False, True, "cpp"):
         raise ValueError(f"compile must be False, True or 'cpp', got {compile!r}")
     step = functools.partial(compiled_decode_step, mode=compile) if compile else decode_step
@@ -100,25 +94,21 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
     logits = prefill(model, kv_cache, prompts, active)
     while True:
         tokens = sample(logits, [params] * len(active), [gens[i] for i in active])
-        still = []
         for i, tok in zip(active, tokens):
             outs[i].append(tok)
             if on_token and len(prompts) == 1:
                 on_token(tok)
-            if tok not in stops and len(outs[i]) < max_new_tokens:
-                still.append(i)
-        if not still:
+        active = [i for i in active if outs[i][-1] not in stops and len(outs[i]) < max_new_tokens]
+        if not active:
             return outs
-        active = still
         logits = step(model, kv_cache, [outs[i][-1] for i in active],
                       [len(prompts[i]) + len(outs[i]) for i in active], active)
 
 
 @dataclass
 class SpeculativeStats:
-    """What one `generate_speculative` run did. A round is one target forward pass after the prefill: it
-    verifies the drafts proposed for it and yields 1 to k + 1 tokens."""
-    target_steps: int = 0            # target forward passes after the prefill (rounds)
+    """What one `generate_speculative` run did. A round is one verify pass: 1 to k + 1 tokens."""
+    target_steps: int = 0            # rounds: target forward passes after the prefill
     num_draft_tokens: int = 0        # drafts proposed, over all rounds
     num_accepted_tokens: int = 0     # drafts the rejection sampler accepted
     rounds: list[tuple[list[int], int]] = field(default_factory=list)  # per round: (drafts, number accepted)
@@ -133,56 +123,42 @@ class SpeculativeStats:
 
     @property
     def alpha(self) -> float:
-        """The formula's α, estimated: accepted / tested. A draft is tested only when every draft before it in
-        its round was accepted, so each round tests its accepted drafts plus the one rejected (if any); drafts
-        after a rejection were never judged and do not count. With k drafts per round and each tested draft
-        accepted with probability α, this is the maximum-likelihood estimate of α."""
-        rejections = sum(accepted < len(drafts) for drafts, accepted in self.rounds)
-        tested = self.num_accepted_tokens + rejections
+        """The formula's α, estimated (maximum likelihood): accepted / tested. A draft is tested only when all
+        before it in its round were accepted: each round tests its accepted drafts and the one rejected, if any."""
+        tested = self.num_accepted_tokens + sum(accepted < len(drafts) for drafts, accepted in self.rounds)
         return self.num_accepted_tokens / tested if tested else 0.0
 
     @property
     def tokens_per_step(self) -> float:
         """Tokens the verify passes produced per pass (the prefill's first token is not counted)."""
-        produced = self.num_accepted_tokens + self.target_steps
-        return produced / self.target_steps if self.target_steps else 0.0
+        return (self.num_accepted_tokens + self.target_steps) / self.target_steps if self.target_steps else 0.0
 
 
 def generate_speculative(model, prompt_ids: list[int], proposer, k: int = 4, max_new_tokens: int = 32,
                          params: SamplingParams | None = None, eos_token_id: int | None = None, on_token=None,
                          kv_cache: ContiguousKVCache | None = None) -> tuple[list[int], SpeculativeStats]:
-    """Speculative decoding for one sequence: each round a proposer drafts up to k tokens, the target runs its
-    last token and the drafts as ONE chunk against its KV cache, and `rejection_sample` keeps the drafts it
-    agrees with plus one token of its own. Returns (new tokens, SpeculativeStats).
+    """Speculative decoding for one sequence: each round `proposer` drafts up to k tokens, the target runs its
+    last token and the drafts as ONE chunk against its KV cache, and `verify` keeps the accepted drafts plus
+    one token of its own. Returns (new tokens, SpeculativeStats). Greedy, the tokens are `generate_cached`'s
+    (up to floating-point ties); sampled, they follow the same distribution. A proposer with `propose_sampled`
+    (`DraftModelProposer`) samples its drafts when `params` does; others' drafts are deterministic.
 
-    Greedy, the tokens are `generate_cached`'s (up to floating-point ties between the chunked and one-token
-    forms of the same products); sampled, they follow the same distribution (not the same draws), and a
-    seeded run is reproducible. `proposer` is anything with `propose(token_ids, k) -> list[int]` (a
-    deterministic proposer: `NgramProposer`, `DraftModelProposer`); a proposer that also has
-    `propose_sampled` (`DraftModelProposer`) draws its drafts from its processed distribution when `params`
-    samples, which the rejection sampler then corrects with those probabilities.
-
-    Rollback is a length: the cache holds valid keys/values for the first `len(prompt) + len(out) - 1`
-    positions (every token but the newest); a rejected draft's rows lie past that length, are never read
-    (attention reads a slot's first context_len rows only) and are overwritten by the next round's chunk.
-    Stop tokens are checked after each accepted token, and a round never drafts more than the
-    `max_new_tokens` budget leaves room for, so nothing past a stop or the budget is emitted.
+    Rollback is a length: the cache holds valid keys/values for every token but the newest; a rejected
+    draft's rows lie past it, are never read (attention reads a slot's first context_len rows) and are
+    overwritten by the next round's chunk. Stops are checked after each token; nothing passes the budget.
     """
-    params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    _check(model, prompt_ids, max_new_tokens)
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    params, stops = _check(model, [prompt_ids], max_new_tokens, params, eos_token_id)
+    _check_k(k)
     length = len(prompt_ids) + max_new_tokens
     if kv_cache is None:
         kv_cache = ContiguousKVCache(model.config, 1, length, model.device, model.dtype)
     elif kv_cache.max_len < length:
         raise ValueError(f"kv_cache too small: need {length} positions")
-    stops, gen = _stops(model, params, eos_token_id), make_generator(params, model.device)
+    gen = make_generator(params, model.device)
     sampled_drafts = not params.greedy and hasattr(proposer, "propose_sampled")
     stats, out = SpeculativeStats(), []
 
-    def commit(tokens: list[int]) -> bool:
-        """Append tokens one at a time; True once a stop token or the budget ends the sequence."""
+    def commit(tokens: list[int]) -> bool:  # append one at a time; True once a stop or the budget ends it
         for token in tokens:
             out.append(token)
             if on_token:
@@ -199,12 +175,10 @@ def generate_speculative(model, prompt_ids: list[int], proposer, k: int = 4, max
         seq = list(prompt_ids) + out           # the cache holds all but seq[-1]
         t0 = time.perf_counter()
         n = min(k, max_new_tokens - len(out) - 1)  # a round adds its drafts plus one: never past the budget
-        draft_probs = None
-        if n <= 0:
-            drafts = []
-        elif sampled_drafts:
+        drafts, draft_probs = [], None
+        if n > 0 and sampled_drafts:
             drafts, draft_probs = proposer.propose_sampled(seq, n, params, gen)
-        else:
+        elif n > 0:
             drafts = list(proposer.propose(seq, n))[:n]
         t1 = time.perf_counter()
         chunk = [seq[-1]] + drafts
@@ -219,4 +193,3 @@ def generate_speculative(model, prompt_ids: list[int], proposer, k: int = 4, max
         stats.rounds.append((drafts, len(tokens) - 1))
         done = commit(tokens)
     return out, stats
-

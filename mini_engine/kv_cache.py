@@ -1,12 +1,9 @@
 """The two KV caches the engine can run on (chapter 03, and chapter 07 for the paged one).
 
-`ContiguousKVCache`: every sequence slot reserves room for `max_len` positions up front. Layout follows the
-seed chapter: [layers, K/V, slots (batch), kv_heads, positions, head_dim]. Simple and fast to index, but a
-slot's unused tail is wasted memory: the "before" picture for PagedAttention.
-
-`PagedKVCache` (chapter 07): one pool of fixed-size blocks, [layers, K/V, num_blocks, block_size, kv_heads,
-head_dim]; which blocks hold which sequence is the block tables' business (`paging.BlockManager`), so the
-cache itself only stores rows. A token's heads sit side by side, the layout the paged kernels read.
+`ContiguousKVCache`: every slot reserves `max_len` positions up front, [layers, K/V, slots, kv_heads, positions,
+head_dim] as in the seed chapter. Simple to index, but a slot's unused tail is wasted: the "before" picture.
+`PagedKVCache`: one pool of fixed-size blocks, [layers, K/V, num_blocks, block_size, kv_heads, head_dim]; which
+blocks hold which sequence is the block tables' business (`paging.BlockManager`): the cache only stores rows.
 """
 from __future__ import annotations
 

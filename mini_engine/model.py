@@ -1,4 +1,4 @@
-"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU), in plain PyTorch.
+"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU), in plain PyTorch (chapters 00-01).
 
 The forward pass takes packed tokens plus an explicit `AttentionMetadata` and optional KV cache, so the
 cache, batching and paging of later chapters plug in as arguments rather than rewrites. Calling the model
@@ -112,7 +112,7 @@ class LlamaModel(nn.Module):
     @classmethod
     def empty(cls, config: ModelConfig, attention_backend: str = "torch") -> "LlamaModel":
         """A model on the CPU whose weights are uninitialised memory, for a loader that fills every one of them
-        (`load_weights` checks it does): nn.Linear's random initialisation costs about a second for SmolLM2.
+        (`loading.loader.load_weights` checks it does): nn.Linear's random initialisation costs about a second for SmolLM2.
         Built on the meta device, then given storage; the RoPE tables are computed again, as they are no weights."""
         with torch.device("meta"):
             model = cls(config, attention_backend)
@@ -126,7 +126,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     # Read off the final norm's weight, a float parameter whatever the products' weights are stored as (a
-    # quantized model's embedding and LM head hold integer codes: see quant.py).
+    # quantized model's embedding and LM head hold integer codes: see mini_engine/quant).
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
@@ -184,40 +184,3 @@ class LlamaModel(nn.Module):
         if meta.logits_indices is not None:
             x = x[meta.logits_indices]
         return self.lm_head(self.norm(x))
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load a flat dict keyed like `layers.3.q_proj` / `embed_tokens` (separate q/k/v, gate/up) into the
-        fused layout; every parameter must be covered, and every weight used."""
-        weights = dict(weights)
-        if self.config.tie_word_embeddings:
-            weights.pop("lm_head", None)
-        params = dict(self.named_parameters())
-
-        def put(name, tensor):
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            params.pop(name)
-
-        def take(key):
-            if key not in weights:
-                raise ValueError(f"checkpoint lacks weight {key!r}")
-            return weights.pop(key)
-
-        put("embed_tokens.weight", take("embed_tokens"))
-        put("norm.weight", take("norm"))
-        if not self.config.tie_word_embeddings:
-            put("lm_head.weight", take("lm_head"))
-        for i in range(self.config.num_layers):
-            p = f"layers.{i}."
-            put(p + "input_layernorm.weight", take(p + "input_layernorm"))
-            put(p + "post_attention_layernorm.weight", take(p + "post_attention_layernorm"))
-            put(p + "self_attn.qkv_proj.weight", torch.cat([take(p + n) for n in ("q_proj", "k_proj", "v_proj")]))
-            put(p + "self_attn.o_proj.weight", take(p + "o_proj"))
-            put(p + "mlp.gate_up_proj.weight", torch.cat([take(p + "gate_proj"), take(p + "up_proj")]))
-            put(p + "mlp.down_proj.weight", take(p + "down_proj"))
-        if weights:
-            raise ValueError(f"checkpoint has weights the model does not use: {sorted(weights)[:5]}")
-        if params:
-            raise ValueError(f"checkpoint does not cover parameters: {sorted(params)[:5]}")

@@ -13,6 +13,20 @@ CORE = sorted(p for p in PACKAGE.glob("*.py") if p.name != "__main__.py")
 OUTSIDE = ("backends", "bench", "course", "serving")  # subpackages the core must never import
 
 
+def test_the_core_is_small_enough_to_read_in_an_afternoon():
+    """At most 3,000 lines in all and 450 a file, comments, docstrings and blank lines counted."""
+    lines = {p.name: len(p.read_text().splitlines()) for p in CORE}
+    assert sum(lines.values()) <= 3000, f"the core has {sum(lines.values())} lines: {lines}"
+    assert max(lines.values()) <= 450, f"a core file is over 450 lines: {lines}"
+
+
+def test_the_reading_guide_lists_the_core_as_it_is():
+    """mini_engine/README.md's table of the core (tools/core_table.py writes it) matches the files."""
+    check = subprocess.run([sys.executable, "tools/core_table.py", "--check"], cwd=PACKAGE.parent,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, f"run `python tools/core_table.py`: {check.stdout}{check.stderr}"
+
+
 def imported_modules(path: Path) -> set[str]:
     """Every module `path` imports, anywhere in the file, as an absolute name."""
     names = set()

@@ -35,7 +35,7 @@ import torch
 from .speculative import GROUNDED_TASKS
 from .speculative import QUESTIONS as SPEC_QUESTIONS
 from .speculative import TEXTS as SPEC_TEXTS
-from ..metrics import TokenTimer, percentile
+from ..course.metrics import TokenTimer, percentile
 from ..sampling import SamplingParams
 
 RUNGS = ("hf", "naive", "cached", "compiled", "continuous", "paged", "prefix", "speculative", "compiled_engine")
@@ -157,7 +157,7 @@ class LadderWorkload:
 
 def default_size(device: str) -> dict:
     """The ladder's size on this device: requests, contiguous batch (HF's too), single-stream sample."""
-    from ..devices import pick
+    from ..course.devices import pick
     return pick({"requests": 32, "batch": 16, "sample": 2}, {"requests": 256, "batch": 64, "sample": 4}, device)
 
 

@@ -22,7 +22,7 @@ from ..attention import AttentionMetadata, TorchAttention
 from ..backends.cpu.attention import IN_PLACE, CpuAttention
 from ..backends.cpu.cpu_kernels import paged_decode, paged_decode_supported
 from .runs import Row, ServingWorkload, format_table, run_engine
-from ..devices import synchronize
+from ..course.devices import synchronize
 from ..kv_cache import ContiguousKVCache, PagedKVCache
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .runs import Row, ServingWorkload, format_table, run_engine
-from ..metrics import percentile
+from ..course.metrics import percentile
 from ..sampling import SamplingParams
 
 

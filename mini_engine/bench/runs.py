@@ -26,7 +26,7 @@ import torch
 from ..generate import generate_cached, generate_naive
 from ..course.hardware import describe_machine, matmul_floor_tok_s
 from ..backends.cpu import format_tuned_forms, warm_up
-from ..metrics import TokenTimer, percentile
+from ..course.metrics import TokenTimer, percentile
 from ..sampling import SamplingParams
 
 SINGLE_STREAM_RUNGS = ("naive", "cached", "compiled")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..metrics import percentile
+from ..course.metrics import percentile
 from ..sampling import SamplingParams
 
 # Engine options the server's command line takes, by the LLM keyword they set.

@@ -2,7 +2,7 @@
 at batch 1 and batch 16, on an input-grounded workload (repeat or proofread a given text: the output copies the
 input, where prompt lookup finds its drafts) and on open chat (where it finds little).
 
-Before anything is timed, every product's form is tuned for each row count a step can bring (`tune_products`) and
+Before anything is timed, every product's form is tuned for each row count a step can bring (`backends.cpu.warm_up`) and
 each configuration runs once: a speculative step has 1 + k rows per request, row counts a plain engine never
 meets, and a tuning run inside the clock made speculation look twice as costly as it is.
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import PRESETS, ModelConfig
-from ..metrics import human_bytes  # noqa: F401 (course code reads it from here too)
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -606,3 +605,11 @@ def bits_per_weight(bits, group_size=None, scale_bits=16, zero_bits=0):
         return _out(_arr(bits) * 1.0)
     _check_at_least("group_size", group_size, 1)
     return _out(_arr(bits) + (scale_bits + zero_bits) / _arr(group_size))
+
+
+def human_bytes(n: float) -> str:
+    """Binary units, as the course reports memory: 2147483648 → '2.00 GiB'."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"

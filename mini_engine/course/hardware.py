@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..devices import synchronize
+from .devices import synchronize
 
 
 # The instruction sets that decide which product forms win (flag names as Linux's /proc/cpuinfo spells them).
@@ -99,8 +99,8 @@ def measure_ceilings(device: str = "cpu", dtype=torch.float32, quick: bool = Fal
 def matmul_floor_tok_s(model, batch: int = 1, repeats: int = 3, plain: bool = False) -> float:
     """The decode floor: tokens/s of the model's weight matrix products alone, chained for `batch` rows, with
     no attention, norms, sampling or Python bookkeeping. No engine computing its products this way can decode
-    `batch` streams faster. By default the products are the model's own layers (on a CPU, `model.Linear`
-    picks the faster of two equal forms); `plain=True` times F.linear, as HF transformers computes them."""
+    `batch` streams faster. By default the products are the model's own layers (with the CPU backend, each
+    takes the form measured fastest here, `backends.cpu.products.Linear`); `plain=True` times F.linear, as HF transformers computes them."""
     import torch.nn.functional as F
 
     c = model.config
@@ -109,7 +109,7 @@ def matmul_floor_tok_s(model, batch: int = 1, repeats: int = 3, plain: bool = Fa
     x = torch.randn(batch, c.hidden_size, device=model.device, dtype=model.dtype)
     attn_width, mlp_width = c.num_heads * c.head_dim, c.intermediate_size
 
-    # A quantized layer (quant.py) has no float weight: F.linear then runs on its weight dequantized once, here.
+    # A quantized layer (mini_engine/quant) has no float weight: F.linear then runs on its weight dequantized once, here.
     plain_weights = {id(lin): lin.weight if hasattr(lin, "weight") else lin.dequantize(model.dtype)
                      for lin in [model.lm_head, *(p for group in layers for p in group)]} if plain else {}
 

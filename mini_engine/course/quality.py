@@ -1,6 +1,6 @@
 """Quality, measured: perplexity on a fixed text, greedy agreement with a reference model, largest logit gap.
 
-Used to compare a quantized model (quant.py) with the float model it came from, but any two models with the
+Used to compare a quantized model (mini_engine/quant) with the float model it came from, but any two models with the
 same tokenizer compare (bf16 against fp32, say). Nothing here needs the network: the text ships below.
 
 - `perplexity(model, tokenizer)`: exp of the mean negative log-likelihood of each token of `PERPLEXITY_TEXT`

@@ -79,7 +79,7 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
     else:
         raise ValueError(f"name_or_path {str(path)!r} is neither a .gguf file nor an HF checkpoint folder")
     model = LlamaModel.empty(config, attention_backend=backend)  # no random initialisation: all is loaded
-    model.load_weights(weights)
+    load_weights(model, weights)
     del weights
     if quantization is not None:
         quantize_model(model, quantization, group_size=group_size, head=head,
@@ -87,6 +87,44 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
     model = model.to(device=device, dtype=dtype).eval()
     cpu_backend.install(model)  # the optional CPU speed-ups (nothing on a GPU, or with MINI_ENGINE_CPU_BACKEND=0)
     return model, tokenizer
+
+
+def load_weights(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
+    """Load into `model` a flat dict keyed like `layers.3.q_proj` / `embed_tokens` (separate q/k/v, gate/up) into the
+    fused layout; every parameter must be covered, and every weight used."""
+    weights = dict(weights)
+    if model.config.tie_word_embeddings:
+        weights.pop("lm_head", None)
+    params = dict(model.named_parameters())
+
+    def put(name, tensor):
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(tensor)
+        params.pop(name)
+
+    def take(key):
+        if key not in weights:
+            raise ValueError(f"checkpoint lacks weight {key!r}")
+        return weights.pop(key)
+
+    put("embed_tokens.weight", take("embed_tokens"))
+    put("norm.weight", take("norm"))
+    if not model.config.tie_word_embeddings:
+        put("lm_head.weight", take("lm_head"))
+    for i in range(model.config.num_layers):
+        p = f"layers.{i}."
+        put(p + "input_layernorm.weight", take(p + "input_layernorm"))
+        put(p + "post_attention_layernorm.weight", take(p + "post_attention_layernorm"))
+        put(p + "self_attn.qkv_proj.weight", torch.cat([take(p + n) for n in ("q_proj", "k_proj", "v_proj")]))
+        put(p + "self_attn.o_proj.weight", take(p + "o_proj"))
+        put(p + "mlp.gate_up_proj.weight", torch.cat([take(p + "gate_proj"), take(p + "up_proj")]))
+        put(p + "mlp.down_proj.weight", take(p + "down_proj"))
+    if weights:
+        raise ValueError(f"checkpoint has weights the model does not use: {sorted(weights)[:5]}")
+    if params:
+        raise ValueError(f"checkpoint does not cover parameters: {sorted(params)[:5]}")
 
 
 # ---------------------------------------------------------------- GGUF

@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ..metrics import percentile
+from ..course.metrics import percentile
 
 # Chat questions of mixed length; request i asks PROMPTS[i % len(PROMPTS)].
 PROMPTS = [

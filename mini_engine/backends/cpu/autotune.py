@@ -108,7 +108,7 @@ class Autotuner:
 
     def __deepcopy__(self, memo):
         # A tuner holds facts about the machine, not about a model: a copied model (copy.deepcopy(model), then
-        # .to(torch.bfloat16)) keeps deciding in the same tuner, where `hardware.tuned_forms` and later models
+        # .to(torch.bfloat16)) keeps deciding in the same tuner, where `backends.cpu.tuned_forms` and later models
         # see its choices, rather than tuning into a private copy.
         return self
 
@@ -221,7 +221,8 @@ def machine_store() -> Path | None:
     for part in (torch.__version__, str(torch.get_num_threads()), os.environ.get("MINI_ENGINE_C_KERNELS", "1"),
                  os.environ.get("CC", "")):
         digest.update(b"\0" + part.encode())
-    for source in sorted([*package.glob("*.py"), *package.glob("csrc/*.c")]):
+    sources = [*package.glob("*.py"), *package.glob("csrc/*"), package.parent.parent / "quant" / "__init__.py"]
+    for source in sorted(sources):
         digest.update(b"\0" + source.read_bytes())
     return cache_dir() / f"tuned-{digest.hexdigest()[:16]}.json"
 

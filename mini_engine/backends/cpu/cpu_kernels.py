@@ -20,7 +20,7 @@ These products and the contiguous decode are also PyTorch operators written in C
 csrc/layer_ops.c, a layer's small operations fused into one operator each for eager steps (`layer_ops`); eager
 steps call the fp32 product through it too (`f32_gemm`).
 Whether they run is measured, like every other form (`attention.paged_decode_form`,
-`attention.contiguous_decode_form`, `attention.prefill_form`, `attention.verify_form`, the "int4_product" and
+`CpuAttention.contiguous_decode_form`, the "paged_prefill" and "paged_verify" choices of `CpuAttention`, the "int4_product" and
 "int8_product" ops of `quant.choose_form`): on a machine where they lose, or
 without a C compiler, the PyTorch forms run.
 

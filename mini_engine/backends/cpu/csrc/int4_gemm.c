@@ -8,7 +8,7 @@
      sz      [K / GS][N] uint32: the bf16 scale s (low 16 bits) and bf16 zero z (high 16 bits) of each group of
              GS weights along a row; w = (q - 8) s + z, which is Q4_1's w = d q + m with s = d, z = m + 8 d
      y       [M, N] fp32
-   or, with `compact` (quant.py's "int4_compact"), 8-bit scales: Q4_1's w = d q + m with
+   or, with `compact` (mini_engine/quant's "int4_compact"), 8-bit scales: Q4_1's w = d q + m with
      sz      [K / GS][N] uint16: an 8-bit code of d (low byte, unsigned) and of m (high byte, signed), then
              [2][N] fp32: each row's factor for d and for m, so d = dc * fd[n] and m = mc * fm[n]
 

@@ -5,7 +5,7 @@
 // the small operations of a layer (layer_ops.c: `.rms_norm`, `.silu_mul`, `.rope`, `.store_rows`).
 //
 // Why: a graph calls an operator through the dispatcher. The same kernels registered from Python
-// (`mini_engine::int4_gemm`, quant.py) make each call box its arguments into Python objects, run the ctypes
+// (`mini_engine::int4_gemm`, mini_engine/quant) make each call box its arguments into Python objects, run the ctypes
 // wrapper and come back: on a 2-core AMD EPYC (Zen 3), 47.6 us a call against 24.3 us for the kernel itself, on
 // each of the 120 int4 products of a decode step (and about 70 us against 12 us for each layer's attention).
 // Registered here, a call costs the dispatcher's few microseconds and no Python. Built on first use by

@@ -43,11 +43,3 @@ class TokenTimer:
 def percentile(values, q: float) -> float:
     values = [v for v in values if v == v]  # drop NaN (a one-token request has no TPOT)
     return float(np.percentile(values, q)) if values else float("nan")
-
-
-def human_bytes(n: float) -> str:
-    """Binary units, as the course reports memory: 2147483648 → '2.00 GiB'."""
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
