@@ -60,7 +60,7 @@ def warm_up(model, rows=(1,)) -> None:
     """Decide the product form of every weight of `model` for each row count in `rows` now, so that the
     timing runs stay out of later measurements (as a benchmark's warm-up does)."""
     from .products import Linear
-    from ..quant import QuantLinear
+    from ...quant import QuantLinear
     with torch.inference_mode():
         for layer in model.modules():
             if isinstance(layer, Linear) and layer.weight.device.type == "cpu":
