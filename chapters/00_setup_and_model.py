@@ -46,9 +46,8 @@ import torch
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.devices import default_device, timed
+from mini_engine.course.devices import default_device, timed
 from mini_engine.course.hardware import cpu_info, describe_machine, measure_ceilings
-from mini_engine.backends.cpu import format_tuned_forms, warm_up
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
@@ -184,34 +183,6 @@ plt.show()
 # whose ridge sat below one FLOP per byte could be compute-bound here, and processors are built the other
 # way round: their arithmetic outruns their memory. Chapter 02 turns this into the roofline.
 #
-# ## The engine measures its own products
-#
-# Every weight product `y = x Wᵀ` can be computed in several equal ways: PyTorch's `F.linear`, the
-# transposed product `(W xᵀ)ᵀ`, a single row computed as two copies of itself (a GEMM instead of a GEMV),
-# bf16 weights converted to fp32 first, oneDNN's GEMM on a copy of the weight packed once into its own
-# blocked layout (what Inductor's weight prepacking does; it costs a second copy of the weight), or the
-# course's own C kernel (`csrc/f32_gemm.c`) on a copy packed into panels, which streams the weights from
-# memory while it multiplies them by a batch's 4 to 64 rows. They give
-# the same numbers to rounding, but which is fastest depends on the CPU: on an AMD EPYC with AVX2 the
-# two-row trick was 1.3x faster than `F.linear`; on an Intel Xeon with AVX-512 BF16 the same trick was 2.6x
-# *slower*; on an AMD EPYC Zen 5 the packed oneDNN form ran 2-4x faster than `F.linear` from 16 rows up,
-# because PyTorch's fp32 `F.linear` calls MKL there, and MKL's fast code paths are tuned for Intel's
-# processors. So the engine does not guess. The first
-# time it meets a weight shape with a new number of rows, it times each candidate on this machine (over
-# enough copies of the weight to stream them from memory, as decoding does) and keeps the fastest, as
-# Triton's `autotune` does for kernels. An alternative must beat `F.linear` by 3% to be chosen.
-# Here are the choices for one row (a decode step) and for 16 rows (a batch), on your machine:
-
-# %%
-if device == "cpu":
-    t0 = time.perf_counter()
-    warm_up(model, (1, 16))
-    print(f"tuned in {time.perf_counter() - t0:.1f} s")
-    print(format_tuned_forms())
-else:
-    print("on a GPU every product is F.linear (cuBLAS picks its own kernels)")
-
-# %% [markdown]
 # ## The map of the course
 #
 # Each later chapter removes one cost from the loop you just ran. A request runs in two phases (chapter 02
@@ -233,12 +204,17 @@ else:
 # | 09 the full stack | all of the above, behind an HTTP server | both | none new: it measures the whole ladder |
 # | 10 quantization | weights stored in 8 or 4 bits | decode | memory bandwidth and capacity: fewer bytes per weight |
 #
+# The chapters teach ideas that hold on any machine. How this engine is made fast on a CPU in particular
+# (computing the same products and the same attention in another order, chosen by timing them on your
+# machine) is the subject of an optional appendix, [A1](A1_fast_on_a_cpu.ipynb), which you can read after any
+# chapter.
+#
 # ## What you measured
 
 # %%
 summary = [
     ("device / dtype", f"{device} / {dtype}"),
-    ("CPU", str(cpu_info())),
+    ("CPU", f"{cpu_info().model}, {cpu_info().cores} cores"),
     ("parameters", f"{n_params / 1e6:.1f} M"),
     ("weights in memory", f"{weight_bytes / 2**20:.0f} MiB"),
     ("load time", f"{load_s:.1f} s"),
@@ -293,7 +269,7 @@ print(f"64 tokens / 1 token: measured {pass_s[64] / pass_s[1]:.1f}x, roofline {r
 
 # %%
 from mini_engine.course.hardware import measure_matmul_flops
-from mini_engine.metrics import TokenTimer
+from mini_engine.course.metrics import TokenTimer
 
 other_dtype = "bfloat16" if dtype == "float32" else "float32"
 other_model, _ = me.load_model("smollm2-135m", device=device, dtype=other_dtype)
@@ -301,10 +277,10 @@ decode_params = me.SamplingParams(max_tokens=16, ignore_eos=True)
 dtype_rows = {}
 for name, m in ((dtype, model), (other_dtype, other_model)):
     nbytes_m = sum(p.numel() * p.element_size() for p in m.parameters())
-    # 512 x 512 on a CPU: bf16 without native bf16 instructions (AVX2-only CPUs) runs near 1 GFLOP/s, where the
-    # default 1024 x 1024 took 14 s to time
+    # 512 x 512 on a CPU: a CPU without bf16 arithmetic multiplies bf16 slowly, and a larger matmul would take
+    # many seconds to time
     flops_m = measure_matmul_flops(device, m.dtype, n=512 if device == "cpu" else 1024)
-    me.generate_cached(m, prompt_ids, 4, decode_params)  # warm-up (on a CPU it also picks product forms)
+    me.generate_cached(m, prompt_ids, 4, decode_params)  # warm-up: first-use costs stay off the clock
     timer = TokenTimer(device).begin()
     ids_m = me.generate_cached(m, prompt_ids, 16, decode_params, on_token=timer.on_token)
     dtype_rows[name] = ids_m
@@ -320,7 +296,7 @@ del other_model
 # A bfloat16 weight takes two bytes instead of four, so the weights take half the memory and the
 # memory-bound ceiling doubles: the same bandwidth now carries twice as many weights per second. Whether
 # the measured speed follows depends on the arithmetic. On hardware that multiplies bfloat16 natively
-# (recent GPUs, CPUs with AVX-512 BF16 or AMX) it rises too, though rarely by the full factor, since part
+# (recent GPUs, and CPUs with bf16 instructions) it rises too, though rarely by the full factor, since part
 # of every step (attention, norms, Python between the kernels) does not shrink with the weights; a
 # processor that converts each bfloat16 product to float32 can gain little or even lose, and the matmul
 # ceiling column shows which case you are in. The tokens may differ: bfloat16 keeps far fewer mantissa bits, and when

@@ -51,7 +51,7 @@ from IPython.display import display
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.devices import default_device, pick, synchronize, timed
+from mini_engine.course.devices import default_device, pick, synchronize, timed
 from mini_engine.course.hardware import measure_ceilings
 from mini_engine.course.widgets import naive_cost_widget
 

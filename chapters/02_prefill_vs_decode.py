@@ -55,11 +55,11 @@ from IPython.display import display
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.devices import default_device, pick, timed
+from mini_engine.course.devices import default_device, pick, timed
 from mini_engine.generate import decode_step, prefill
 from mini_engine.course.hardware import measure_ceilings
 from mini_engine.kv_cache import ContiguousKVCache
-from mini_engine.metrics import TokenTimer
+from mini_engine.course.metrics import TokenTimer
 from mini_engine.course.widgets import roofline_widget
 
 device = default_device()

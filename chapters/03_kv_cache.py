@@ -54,7 +54,7 @@ from IPython.display import display
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.config import PRESETS
-from mini_engine.devices import default_device, pick, synchronize
+from mini_engine.course.devices import default_device, pick, synchronize
 from mini_engine.generate import decode_step, prefill
 from mini_engine.course.hardware import measure_ceilings
 from mini_engine.kv_cache import ContiguousKVCache
@@ -412,16 +412,12 @@ display(kv_memory_widget("llama-2-13b", gpu_gib=80.0))
 #
 # A cached decode step must at least read every weight once. `hardware.matmul_floor_tok_s` times the
 # model's weight products alone, chained, with nothing else: the fastest an eager decoder computing them
-# this way could go. "This way" is itself measured: for one row the engine times a few equal forms of each
-# product on your CPU (plain `F.linear`, a single row computed as a two-row GEMM, ...) and keeps the
-# fastest; the table shows what it found here (chapter 04 returns to this). The gap to a real step is attention, the norms, RoPE, the cache writes and, on a CPU, the
-# fixed cost of launching some forty small operations per layer, each of which touches only a few kilobytes.
+# could go. The gap to a real step is attention, the norms, RoPE, the cache writes and, on a CPU, the fixed
+# cost of launching some forty small operations per layer, each of which touches only a few kilobytes.
 
 # %%
 from mini_engine.course.hardware import matmul_floor_tok_s
-from mini_engine.backends.cpu import format_tuned_forms
 
-print(format_tuned_forms(rows=1))
 step_s = float(np.median(np.diff(cached_t)))  # one decode step, from the stamps above
 floor_s = 1 / matmul_floor_tok_s(model, 1)
 print(f"a cached decode step: {step_s * 1e3:.1f} ms; the weight products alone: {floor_s * 1e3:.1f} ms "

@@ -58,9 +58,9 @@ from IPython.display import display
 
 import mini_engine as me
 from mini_engine import formulas, simulate
-from mini_engine.devices import default_device, pick
+from mini_engine.course.devices import default_device, pick
 from mini_engine.engine import LLM, LLMEngine
-from mini_engine.metrics import percentile
+from mini_engine.course.metrics import percentile
 from mini_engine.course.widgets import batching_widget
 
 device = default_device()
@@ -403,47 +403,11 @@ plt.show()
 # Without chunking, one step holds the whole prompt and the running requests see a single long stall. With
 # chunks, the same work is spread over several steps: each stall is shorter, the running requests keep
 # streaming, and the long prompt's own first token comes a little later (its prefill now shares steps).
-
-# %% [markdown]
-# ## Aside: the same products, in another order (optional)
 #
-# > **An aside.** Nothing in the batching argument depends on this section. It looks at one engineering
-# > detail behind the throughput numbers above: how the engine multiplies a batch of rows by a weight
-# > matrix, and why it measures rather than assumes the fastest way on your machine.
-#
-# A step of 16 decodes multiplies a skinny 16-row activation matrix by every weight matrix. `x @ W.T` and
-# `(W @ x.T).T` are the same numbers, but BLAS libraries run them through different kernels, and which is
-# faster depends on the CPU, its instruction set and the library version: a form that won by 1.4x on one
-# course machine lost by 2.6x on another. So the engine's `Linear` (in `products.py`) times the candidate
-# forms on *your* machine the first time it meets a weight shape with a new number of rows, and keeps the
-# fastest (`autotune.py`; F.linear unless another form wins by 3%). Two candidates multiply a copy of the
-# weight packed once into another layout: oneDNN's, and the course's own C kernel (`csrc/f32_gemm.c`), which
-# lays the weight out in panels of 16 or 48 rows, column after column, streams each panel from memory once
-# while it multiplies it by all the rows of x, and asks for the next panel before it needs it. At 16 rows a
-# product is neither memory-bound nor compute-bound alone, so overlapping the two decides its speed: on a
-# 2-core Xeon the model's products at 16 rows ran 1.45x faster that way than with F.linear. *How* it asks
-# matters as much: the kernel first asked for the whole next panel while it worked on the first 8 rows, a sixth
-# of the time memory needs to deliver it, so the requests queued, the arithmetic stalled behind them, and
-# streaming and computing took turns. Spreading the same requests evenly over all the rows made the products at
-# 16 rows 1.3x faster, and at 33 rows 1.46x, with the same sums in the same order. The tuner times each
-# form on enough copies of the weight to stream them from memory, as a decode step does: timed on a weight
-# that sits in cache, F.linear looked as fast, because it repacks the weight on every call and that costs
-# little in cache. Below: the candidates as timed here for
-# 1, 4 and 16 rows, then the model's weight products alone, chained (`hardware.matmul_floor_tok_s`), with
-# the chosen forms and with plain F.linear. That is the ceiling on decode throughput at each batch size.
-# Only the order of the sums changes, so results agree to float rounding (`tests/engine/test_linear.py`).
-
-# %%
-from mini_engine.course.hardware import matmul_floor_tok_s
-from mini_engine.backends.cpu import format_tuned_forms, warm_up
-
-warm_up(model, (1, 4, 16))
-for b in (1, 4, 16):
-    print(f"{b} row(s):\n{format_tuned_forms(rows=b)}\n")
-floor_rows = {b: (matmul_floor_tok_s(model, b), matmul_floor_tok_s(model, b, plain=True)) for b in (1, 4, 16)}
-for b, (ours, plain) in floor_rows.items():
-    print(f"batch {b:2d}: weight products alone {ours:7.1f} tok/s in the tuned forms, {plain:7.1f} with "
-          f"F.linear ({ours / plain:.2f}x)")
+# On a CPU a step's weight products turn compute-bound after a few rows (chapter 02's ridge point), so each
+# sequence added to a batch costs real arithmetic, and how fast those products run shows in every number of
+# this chapter. How the engine multiplies a batch's rows by each weight matrix as fast as a CPU allows is the
+# subject of the optional appendix [A1](A1_fast_on_a_cpu.ipynb).
 
 # %% [markdown]
 # ## What you measured
@@ -458,7 +422,6 @@ summary = [
       f"{100 * r['slots busy']:.0f}% slots busy") for p, r in results.items()] + [
     ("continuous vs static throughput", f"{results['continuous']['tok/s'] / results['static']['tok/s']:.2f}x"),
     ("every policy produced the same tokens", f"{policies_agree}"),
-    ("weight products at batch 16: tuned forms / F.linear", f"{floor_rows[16][0] / floor_rows[16][1]:.2f}x"),
     (f"batch sweep {sweep_batches}: best throughput", f"batch {best}: {sweep[best]['tok/s']:.1f} tok/s "
      f"({sweep[best]['tok/s'] / sweep[sweep_batches[0]]['tok/s']:.1f}x batch {sweep_batches[0]})"),
 ] + [(f"long prompt mid-stream, {name}: longest stall", f"{r['max stall ms']:.0f} ms") for name, r in chunked.items()]

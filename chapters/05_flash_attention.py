@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from IPython.display import display
 
 from mini_engine import PRESETS
-from mini_engine.devices import default_device, default_dtype, pick, timed
+from mini_engine.course.devices import default_device, default_dtype, pick, timed
 from mini_engine.course.formulas import human_bytes
 from mini_engine.kernels import attention_reference, flash_attention, flash_attention_varlen
 from mini_engine.course.online_softmax import online_softmax_states, online_softmax_stepper, softmax_attention
@@ -632,51 +632,8 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
-# ### The same loop on a CPU, in C
-#
-# The engine has a CPU twin of this chapter's kernel: `paged_chunk` in `mini_engine/backends/cpu/csrc/paged_decode.c`,
-# which attends a prefill chunk to the paged KV cache (chapter 07) on a CPU. A GPU gives each query row of a
-# tile to its own thread. A CPU core has 16 lanes in an AVX-512 vector register instead, so the kernel puts 16
-# query rows in them: one vector holds one key's score for 16 rows. The running max, the rescaling and the
-# running sum of section 2 are then lane-wise arithmetic, with no sum across lanes. Keys and values stream past
-# in tiles of 16 positions, read where the block table says they are, and work is shared among the cores as
-# (KV head, tile of 16 query rows). A CPU with AVX2 only has 8 lanes and 16 registers instead of 32: there a
-# tile is two 8-row vectors, so each key or value loaded feeds two multiply-adds, and the sums are taken a few
-# columns at a time so that they stay in registers. The blocking is chosen when the kernel is compiled for the
-# CPU, as a GPU kernel's tile sizes are chosen for its GPU. Below it does causal attention for one SmolLM2 layer (9 query heads sharing
-# 3 KV heads), beside SDPA, which is given the keys and values already laid out contiguously, so no copy counts
-# against it.
-
-# %%
-from mini_engine.backends.cpu import cpu_kernels
-
-chunk_rows = []
-if device == "cpu" and cpu_kernels.compiler() is not None:
-    for n in [256, 512, 1024, 2048]:
-        q = torch.randn(1, n, smol.num_heads, smol.head_dim)
-        k_pool, v_pool = (torch.randn(n // 16, 16, smol.num_kv_heads, smol.head_dim) for _ in range(2))
-        table = torch.randperm(n // 16, dtype=torch.int32)[None]  # blocks anywhere in the pool, as in a server
-        visible = torch.arange(1, n + 1, dtype=torch.int32)[None]  # causal: token j sees positions 0..j
-        k, v = (pool[table[0].long()].flatten(0, 1).transpose(0, 1)[None] for pool in (k_pool, v_pool))
-        q_heads = q.transpose(1, 2)
-
-        def c_kernel():
-            return cpu_kernels.paged_chunk(q, k_pool, v_pool, table, visible)
-
-        def sdpa():
-            return F.scaled_dot_product_attention(q_heads, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
-        error = (c_kernel() - sdpa()).abs().max().item()
-        t_c, t_s = best_time(c_kernel), best_time(sdpa)
-        chunk_rows.append((n, t_s, t_c, error))
-        print(f"N = {n:5d}: SDPA {t_s * 1e3:6.2f} ms   C kernel {t_c * 1e3:6.2f} ms   SDPA / C {t_s / t_c:4.1f}x   "
-              f"max difference {error:.1e}")
-else:
-    print("The C kernel runs on a CPU with a C compiler; on a GPU the Triton kernel above is the one that counts.")
-
-# %% [markdown]
-# Same FLOPs, same online softmax, and a different speed: the loop's layout decides how much of the
-# machine it uses. (The engine times both forms on the machine it runs on and keeps the faster, per chunk and
-# context size: chapter 07.)
+# The same loop, tiles of keys and values streamed past a running max and a running sum, works on a CPU too.
+# The optional appendix [A1](A1_fast_on_a_cpu.ipynb) shows the engine's CPU version of it and measures it.
 
 # %% [markdown]
 # ## What you measured
@@ -693,9 +650,6 @@ summary = [
     ("packed (varlen) prefill vs reference", f"{varlen_error:.1e}"),
     (f"{device}: naive / SDPA time at N = {cpu_rows[-1][0]}", f"{cpu_rows[-1][2] / cpu_rows[-1][1]:.1f}x"),
 ]
-if chunk_rows:
-    n_c, t_s, t_c, _ = chunk_rows[-1]
-    summary.append((f"cpu: SDPA / C kernel time at N = {n_c}", f"{t_s / t_c:.1f}x"))
 summary.append(("H100 kernel, bf16, d = 64 (AOT)", f"tile {h100.tile}, {h100.shared_memory // 1024} KiB "
                 f"shared, {h100.registers} registers, {h100.spill_bytes} B spilled"))
 if speed_rows:

@@ -73,11 +73,11 @@ import mini_engine as me
 from mini_engine import formulas, simulate
 from mini_engine.bench.runs import ServingWorkload, run_engine
 from mini_engine.bench.paging import time_decode_steps
-from mini_engine.devices import default_device, pick
+from mini_engine.course.devices import default_device, pick
 from mini_engine.engine import LLM, LLMEngine
 from mini_engine.course.hardware import describe_machine
 from mini_engine.backends.cpu import warm_up
-from mini_engine.metrics import percentile
+from mini_engine.course.metrics import percentile
 from mini_engine.paging import BlockManager
 from mini_engine.course.widgets import fragmentation_widget, kv_budget_widget
 
@@ -85,7 +85,7 @@ device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 per_token = formulas.kv_bytes_per_token_for(model.config, model.dtype.itemsize)
-warm_up(model, [1 << i for i in range(10)])  # the product forms (chapter 04), chosen before any timing
+warm_up(model, [1 << i for i in range(10)])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
 print(describe_machine(device))
 print(f"device: {device}, dtype: {dtype}; KV cache: {per_token / 1024:.0f} KiB per token")
 
@@ -143,8 +143,8 @@ print("slots of a's positions 0-8:", bm.slot_mapping("a", 0, 9), " (slot = block
 # chapter 08's subject, and this chapter's runs switch it off to see paging alone). The model writes each
 # new token's keys and values to its slot (`slot_mapping`), and attention reads each request's context
 # through its block table: on a GPU the Triton kernel `paged_decode_attention` follows the table itself; on
-# a CPU either a small C kernel does, or the torch path copies the blocks out first, whichever is faster
-# here (section 6 measures the cost of a paged step, and says which won).
+# a CPU the blocks are copied out first, or read in place where the optional CPU backend does that faster
+# (section 6 measures the cost of a paged step).
 
 # %%
 llm = LLM.from_model(model, tok, max_model_len=512)
@@ -349,25 +349,12 @@ plt.show()
 
 # %% [markdown]
 # A paged decode has to find each sequence's blocks wherever they lie. On a GPU the Triton kernel reads them
-# in place, following the block table. On a CPU the engine times two ways and keeps the faster, per batch and
-# context size: copy each sequence's blocks out of the pool and run SDPA on the copy (which reads the cached
-# keys and values twice), or a small C kernel (`mini_engine/backends/cpu/csrc/paged_decode.c`) that reads them in place and
-# asks for the next block while it reads the current one, since the CPU's prefetcher cannot guess where that
-# block lies. A prefill chunk (many query tokens of one sequence, each seeing its own prefix) has the same
-# choice, with a second kernel in that file laid out as FlashAttention is: 16 query rows sit in the lanes of
-# vector registers (one AVX-512 register, or two AVX2 ones), so the online softmax is lane-wise arithmetic, and
-# the keys and values stream past them 16 positions at a time. Which won on this machine, for each (batch, context) size the steps above met:
-
-# %%
-from collections import Counter
-
-from mini_engine.backends.cpu.autotune import TUNER
-
-for op in ("paged_decode", "paged_prefill"):
-    forms = Counter(choice.form for key, choice in TUNER.report() if key[0] == op)
-    print(f"{op} forms chosen here:", dict(forms) or "none timed (a GPU reads the pool in place)")
-
-# %% [markdown]
+# in place, following the block table. PyTorch's own attention wants each sequence's keys and values side by
+# side, so the plain CPU path first copies a sequence's blocks out of the pool and then reads the copy: the
+# cached keys and values cross memory twice, a cost the contiguous cache does not pay. A kernel that follows
+# the block table itself, as the GPU's does, avoids the copy; where the optional CPU backend has one and it is
+# faster on this machine, the steps above used it (appendix [A1](A1_fast_on_a_cpu.ipynb) says how it works).
+#
 # ## 7. The other preemption: swapping to host memory
 #
 # Recompute is not the only way to free a request's blocks. vLLM also offered **swapping**: copy the

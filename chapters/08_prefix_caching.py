@@ -68,18 +68,18 @@ from tqdm.auto import tqdm
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.devices import default_device
+from mini_engine.course.devices import default_device
 from mini_engine.engine import LLM, LLMEngine, request_steps
 from mini_engine.course.hardware import describe_machine
 from mini_engine.backends.cpu import warm_up
-from mini_engine.metrics import percentile
+from mini_engine.course.metrics import percentile
 from mini_engine.paging import BlockManager, hash_block
 from mini_engine.course.widgets import prefix_cache_widget
 
 device = default_device()
 dtype = "float32" if device == "cpu" else "bfloat16"
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
-warm_up(model, [1 << i for i in range(10)])  # the product forms (chapter 04), chosen before any timing
+warm_up(model, [1 << i for i in range(10)])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
 print(describe_machine(device))
 print(f"device: {device}, dtype: {dtype}")
 
@@ -338,7 +338,7 @@ print(f"TTFT ratio off / on (p50 of the requests that could hit): measured {meas
 
 # %%
 # The request whose cached TTFT is the median of those that could hit (a request's first step at a new
-# shape can include the one-time timing of a kernel choice), on both engines.
+# shape can include one-time costs), on both engines.
 hits = sorted(range(1, len(prompts)), key=lambda i: runs[True][i].metrics.ttft_s)
 median_request = hits[len(hits) // 2]
 req_steps = {c: [(n, sec * 1e3) for n, sec in request_steps(engines[c].trace, runs[c][median_request].request_id)]
@@ -366,17 +366,11 @@ plt.show()
 # %% [markdown]
 # Why the measured ratio stays below the FLOP ratio on a CPU, as the milliseconds a token above show: the
 # uncached prompt's prefill multiplies the weights by hundreds of rows at a time, near the CPU's peak; the
-# cached request's short step multiplies them by a few dozen rows at most (32 in `bench --workload prefix`),
-# and there the step is neither compute-bound nor memory-bound alone. The FLOP ratio prices every token the
-# same, and cannot see this. The short step's weight products read the whole model (424 MB in fp32) for a few
-# GFLOP of work, so how well a kernel overlaps streaming the weights with its arithmetic sets their speed, and
-# the dozens of small operations per layer (norms, RoPE, the cache write), each a few microseconds of
-# dispatch, add up to a noticeable share of a 50 ms step. Both were worked on for this chapter's target: the C
-# product (`csrc/f32_gemm.c`) now spreads its requests for the next block of weights over the whole time it
-# spends on the current one (1.46x faster at 33 rows), and the small operations run as one fused C operator
-# each (`layer_ops.py`, as vLLM's `rms_norm` and `silu_and_mul` kernels). On the 2-core Xeon this was written
-# on they took the ratio from 14x to 18x in the same sitting; the FLOP ratio above is a ceiling no engine
-# reaches.
+# cached request's short step multiplies them by a few dozen rows at most, and there the step is neither
+# compute-bound nor memory-bound alone. The FLOP ratio prices every token the same, and cannot see this. On a
+# CPU a short step costs more per token because it still reads all the weights once, and because the dozens
+# of small operations per layer (norms, RoPE, the cache write) each cost a fixed few microseconds whatever the
+# number of rows. The FLOP ratio above is a ceiling no engine reaches.
 #
 # The calculator below prices the same trade on any model and GPU: the seed's 2,000-token system prompt
 # and 50-token questions on Llama-2-13B give its "about 40×" as a FLOP ratio, but on an A100's roofline so

@@ -33,8 +33,8 @@
 #    with the fp32 model (and llama.cpp on the same file, where it is installed);
 # 4. explains NF4, AWQ and GPTQ by what each one changes, with NF4's grid measured on real weights;
 # 5. sets the seed's "2–4× on top" beside the multiple measured here, and says why they differ;
-# 6. gets the model under 30% of bf16's bytes: the scales in 8 bits, and an LM head split by how often each
-#    token is used ("int4 compact"), and says what that costs;
+# 6. (optional) quantizes the scales themselves, the idea QLoRA calls double quantization, and measures what
+#    it saves and what it costs on this model's weights;
 # 7. ends with the "what you measured" table and exercises (an int4 draft model, the group size, the LM head).
 
 # %%
@@ -67,11 +67,11 @@ from tqdm.auto import tqdm
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.course import quality
-from mini_engine.devices import default_device, pick
+from mini_engine.course.devices import default_device, pick
 from mini_engine.engine import LLM
 from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings
 from mini_engine.backends.cpu import warm_up
-from mini_engine.quant import choose_form, from_scales_and_zeros, quantize_int4, weight_bytes
+from mini_engine.quant import from_scales_and_zeros, quantize_int4, weight_bytes
 
 device = default_device()
 act_dtype = "bfloat16"  # the quantized models' activations: W8A16 and W4A16, the "16" is the activations' bits
@@ -79,13 +79,12 @@ VARIANTS = {  # name -> load_model arguments (bf16 is the fp32 model's copy, cas
     "fp32": dict(dtype="float32"),
     "int8": dict(dtype=act_dtype, quantization="int8"),
     "int4": dict(dtype=act_dtype, quantization="int4"),
-    "int4c": dict(dtype=act_dtype, quantization="int4_compact"),  # section 6
 }
 models = {}
 for name, kwargs in tqdm(VARIANTS.items(), desc="loading"):
     models[name], tok = me.load_model("smollm2-135m", device=device, **kwargs)
 models = {"fp32": models["fp32"], "bf16": copy.deepcopy(models["fp32"]).to(torch.bfloat16),
-          "int8": models["int8"], "int4": models["int4"], "int4c": models["int4c"]}
+          "int8": models["int8"], "int4": models["int4"]}
 NEW = pick(32, 128, device)    # tokens per single-stream run
 BATCH, BATCH_NEW = 16, pick(16, 64, device)
 print(describe_machine(device))
@@ -127,7 +126,7 @@ for name, bits, what in FORMATS:
 # %%
 ceil = measure_ceilings(device, torch.float32, quick=True)
 # The compute roof: the faster of a plain square matmul and the model's own products at 256 rows (as in
-# chapter 09: the engine's tuned forms can beat the library's plain matmul on a CPU).
+# chapter 09: on a CPU the model's products can run faster than one large square matmul).
 products_flops = formulas.matmul_flops(cfg, 1) * matmul_floor_tok_s(models["fp32"], 256)
 roof = dict(peak_flops=max(ceil.peak_flops, products_flops), peak_bw=ceil.peak_bw)
 CONTEXT = 64  # about the length of this chapter's prompts plus their answers
@@ -135,7 +134,7 @@ print(f"measured: {ceil.peak_bw / 1e9:.1f} GB/s, {roof['peak_flops'] / 1e9:.0f} 
       f"{ceil.peak_flops / 1e9:.0f}); ridge point {roof['peak_flops'] / ceil.peak_bw:.1f} FLOP/byte")
 bits_of = {"fp32": 32, "bf16": 16, "int8": formulas.bits_per_weight(8, 576, 16),
            "int4": formulas.bits_per_weight(4, 32, 16, 16)}
-act_bytes = {"fp32": 4, "bf16": 2, "int8": 2, "int4": 2}  # the K/V cache and activations (int4c: section 6)
+act_bytes = {"fp32": 4, "bf16": 2, "int8": 2, "int4": 2}  # the K/V cache and activations
 ceilings = {}
 print(f"{'weights':<8}{'bits':>6}{'MB/token, b=1':>15}{'tok/s ceiling, b=1':>20}{'bound':>9}{'b=16':>8}{'bound':>9}")
 for name, bits in bits_of.items():
@@ -249,20 +248,14 @@ for name, w in grids.items():
 #
 # ## 3. fp32, bf16, int8 and int4, measured
 #
-# Five copies of the model: fp32 and bf16 (all weights in that dtype), int8 (every product's weights as int8
+# Four copies of the model: fp32 and bf16 (all weights in that dtype), int8 (every product's weights as int8
 # with one scale per row, quantized at load from the fp32 weights) and int4 (the GGUF's Q4_1 codes repacked;
-# the tied embedding / LM head is int8 per row in both quantized models, see `mini_engine/quant/__init__.py`), and
-# int4c, the same codes stored in fewer bytes (section 6 explains it; its row is here to be compared). The
-# quantized models compute in bf16 like the bf16 model, so the bf16 row and theirs differ only in how the
-# weights are stored (with fp32 activations they cast them to bf16 for the packed kernels anyway: `load_model(...,
-# dtype="float32", quantization="int4")` is what `python -m mini_engine bench --quantization int4` runs). Their
-# products run torch's packed int4 / int8 kernels, chosen per row count by the autotuner as the float products
-# are. With fp32 activations on an x86 CPU with AVX2, the int4 and int8 products have one more candidate each:
-# the project's C kernels (`mini_engine/backends/cpu/csrc/int4_gemm.c`, `int8_gemm.c`), which read the same codes and keep x
-# in fp32. A compiled decode step calls them as C++ operators (`csrc/torch_ops.cpp`), with no Python per call.
-# On an Intel CPU with AMX (matrix tiles, Sapphire Rapids and later) there are two more: the same products on
-# the tile instructions (`int4_gemm_amx.c`, `int8_gemm_amx.c`), which turn each weight into bf16 once and then
-# multiply 16 rows of activations by it per instruction. The next cell says which forms this machine chose.
+# the tied embedding / LM head is int8 per row in both quantized models, see `mini_engine/quant/__init__.py`).
+# The quantized models compute in bf16 like the bf16 model, so the bf16 row and theirs differ only in how the
+# weights are stored (`load_model(..., dtype="float32", quantization="int4")` keeps fp32 activations; it is what
+# `python -m mini_engine bench --quantization int4` runs). Their products run PyTorch's int4 and int8 kernels,
+# which read the codes and scales as stored and turn them into values inside the product (on a CPU the
+# optional backend may run the same products in faster forms of its own: appendix [A1](A1_fast_on_a_cpu.ipynb)).
 #
 # Speed: decode tok/s of one stream (tokens after the first, greedy) and the serving engine's tok/s for 16
 # requests at once (prefill included). Quality: perplexity on the course's fixed text (`quality.PERPLEXITY_TEXT`)
@@ -298,7 +291,7 @@ def serving_tok_s(model, prompts, n):
 reference = quality.reference_greedy(models["fp32"], quality_prompts, QUALITY_NEW)
 measured = {}
 for name, m in tqdm(models.items(), desc="measuring"):
-    decode_tok_s(m, single_prompt, 4)  # warm-up: tunes the one-row product forms, grows the allocator
+    decode_tok_s(m, single_prompt, 4)  # warm-up: first-use costs stay off the clock
     agree = quality.greedy_agreement(m, models["fp32"], quality_prompts, QUALITY_NEW, reference_tokens=reference)
     measured[name] = dict(
         mib=weight_bytes(m) / 2**20,
@@ -318,15 +311,11 @@ for name, r in measured.items():
           f"{100 * r['agree'].rate:>10.1f}%{r['agree'].max_logit_diff:>14.3f}")
 print(f"(agreement: {measured['fp32']['agree'].positions} positions over {len(quality_prompts)} prompts; "
       f"products floor: the weight products alone, chained, at batch 1, in tok/s)")
-int4_layer, int4_head = models["int4"].layers[0].mlp.down_proj, models["int4"].lm_head
-print("int4 model, the forms the tuner chose on this machine: " + "; ".join(
-    f"{rows} row{'s' * (rows > 1)}: products {choose_form(int4_layer, rows, torch.bfloat16)}, "
-    f"head {choose_form(int4_head, rows, torch.bfloat16)}" for rows in (1, BATCH)))
 
 # %%
 names = list(measured)
 fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-colors = ["tab:gray", "tab:blue", "tab:orange", "tab:red", "tab:purple"]
+colors = ["tab:gray", "tab:blue", "tab:orange", "tab:red"]
 axes[0].bar(names, [measured[n]["mib"] for n in names], color=colors)
 axes[0].set(ylabel="MiB", title="weights in memory")
 x = np.arange(len(names))
@@ -342,10 +331,8 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# llama.cpp runs the same GGUF file with its own Q4_1 kernels; where `llama-cpp-python` is installed (it is
-# optional: `pip install llama-cpp-python` builds it from source in a few minutes; on a CPU with Intel AMX, build
-# it with its AMX code off, which crashed on one, as the README says), the same prompt and the same number of
-# threads, one stream:
+# llama.cpp runs the same GGUF file with its own Q4_1 kernels. Where `llama-cpp-python` is installed (it is
+# optional), it runs the same prompt on the same number of threads, one stream:
 
 # %%
 from mini_engine.bench.runs import llama_cpp_available, run_llama_cpp_isolated
@@ -365,23 +352,20 @@ else:
 # How to read the table (your numbers are above; the reasons do not depend on them):
 #
 # - **Memory**: int4 takes about a third of bf16's bytes, not a quarter: Q4_1 costs 5 bits a weight (a 16-bit
-#   scale and a 16-bit minimum per 32), and the LM head, a fifth of the model, stays int8 (section 6 and
-#   exercise 3).
+#   scale and a 16-bit minimum per 32), and the LM head, a fifth of the model, stays int8 (exercise 3).
 # - **Batch 1** gains several times over fp32, because the step is memory-bound and reads 6× fewer bytes of
 #   weights. It gains less than the products alone do (compare the "products floor" column): attention, the
 #   norms, sampling and Python's bookkeeping per step are not quantized, and they are a larger share of a
 #   faster step (Amdahl's law). bf16 sits in between; on CPUs without bf16 arithmetic it can even be slower
 #   than fp32.
-# - **Batch 16**: with vector instructions only, int4 gains much less, or nothing. As the ceilings of section 1
-#   predicted, 16 rows make a CPU step compute-bound, and torch's int4 CPU kernel dequantizes every weight tile again for every few rows of
-#   activations, so at 16 rows it does *more* work than a float GEMM. int8's packed kernel may hold up better
-#   (compare its row): once the arithmetic, not the bytes, sets the speed, which format wins is a fact about
-#   the kernels and this CPU, not about the bits. The Triton kernel of `mini_engine/kernels/quant_matmul.py`
+# - **Batch 16**: on a CPU, int4 usually gains much less, or nothing. As the ceilings of section 1 predicted,
+#   16 rows make a CPU step compute-bound, and an int4 product must also turn every code back into a number
+#   before it multiplies, work a float product does not have: when that is repeated for every few rows of
+#   activations, 16 rows cost *more* arithmetic than a float product. int8 may hold up better (compare its
+#   row): once the arithmetic, not the bytes, sets the speed, which format wins is a fact about the kernels
+#   and this machine, not about the bits. The Triton kernel of `mini_engine/kernels/quant_matmul.py`
 #   dequantizes a tile once for 16 to 64 rows, and a GPU's ridge point is far higher, so on a GPU int4 keeps
-#   paying at batch 16. So does a CPU with AMX: its tile instructions do that GEMM's arithmetic some ten times
-#   faster than vector instructions, so a kernel that dequantizes each weight once and feeds it to the tiles is
-#   back to being limited by the weights' bytes (on a 2-core Xeon, the serving workload ran int4 at 1.7x fp32;
-#   `benchmarks/RESULTS.md`).
+#   paying at batch 16.
 # - **Quality**: int4 keeps the checkpoint's own 4-bit codes, so against the dequantized fp32 model (which holds
 #   the same values) it differs only by the bf16 scales, the bf16 activations (compare the bf16 row) and the
 #   int8 head. int8 per row can come out *worse* than int4 here: it re-quantizes weights that sat on 4-bit
@@ -473,101 +457,75 @@ for k, v in seed_vs_here:
 # `python -m mini_engine bench --quantization int4` measures the same at full size (HF transformers, our fp32
 # and int4 rows, the compiled decode step, llama.cpp on the same file); `benchmarks/RESULTS.md` holds a run.
 #
-# ## 6. Under 30% of bf16: 8-bit scales, and a head split by token frequency
+# ## 6. Quantizing the scales themselves (optional)
 #
-# The int4 model takes about a third of bf16's bytes. Two things hold it there, and neither is the 4-bit codes:
+# > **An optional section.** The chapter's argument is complete above. This one looks at the bits a format
+# > spends beyond its codes, and at one known way to spend fewer.
 #
-# - **Q4_1's scales.** Each group of 32 carries an fp16 scale d and an fp16 minimum m: 32 bits per 32 weights,
-#   a whole bit per weight on top of the codes' 4. That alone is 5/16 = 31.25% of bf16, before any head.
-# - **The head.** The tied embedding / LM head is a fifth of the weights, kept in int8 (8 bits a weight) because
-#   int4 costs too much quality there (exercise 3).
+# Q4_1 stores, for each group of 32 weights, a 16-bit scale d and a 16-bit minimum m: 32 bits per 32 weights, a
+# whole bit per weight on top of the codes' 4, and a fifth of the decoder's bytes. But scales are numbers like
+# any others, and numbers can be quantized. QLoRA (2023) did it for NF4 and called it **double quantization**:
+# its fp32 absmax constants, one per block of 64 weights, are quantized again to 8 bits in blocks of 256, which
+# takes them from half a bit per weight to about an eighth.
 #
-# `quantization="int4_compact"` changes both, and keeps every 4-bit code of the checkpoint as it is:
-#
-# 1. **The scales get scales.** Per row, one fp32 factor for d and one for m; per group, an 8-bit code of each
-#    (d unsigned, m signed): d ≈ d_code · f_d[row], m ≈ m_code · f_m[row] (`quant.compact_scales`). 16 bits per
-#    group instead of 32: 4.5 bits a weight. It is QLoRA's "double quantization" (its absmax constants
-#    quantized again in 8 bits) applied to Q4_1. Each product applies d and m once per group, so the kernels
-#    pay two multiplies per group and no more (`csrc/int4_gemm.c`, `int4_gemm_amx.c`; torch's own int4 kernel
-#    takes bf16 scales only, so it is not a candidate for these layers).
-# 2. **The head is split by token id** (`quant.SplitHead`). A BPE tokenizer numbers its tokens in the order its
-#    merges were learned, which roughly follows how common they are. Rows of ids below 12,288 (a quarter of the
-#    vocabulary) stay int8; the other three quarters, the rare tokens, go to int4 with the same 8-bit scales.
-#    One product for each part, their logits joined; the embedding lookup reads whichever part holds the id.
-#
-# First, is the premise true? The share of the tokens in the course's text and in the fp32 model's answers that
-# have an id below each point of the vocabulary:
+# The same idea applied to Q4_1: each row keeps one fp32 factor for its d's and one for its m's, and each
+# group stores its d and m as 8-bit codes of those factors, d ≈ d_code · f_d[row] and m ≈ m_code · f_m[row]
+# (`quant.compact_scales`). That is 16 bits per group instead of 32, about 4.5 bits a weight. Exercise 2 reaches
+# the same 4.5 bits another way: groups of 64 with 16-bit scales. Which costs less precision? Both, and the
+# checkpoint's own groups of 32 with 16-bit scales, measured on a sample of the decoder's matrices (every tenth
+# layer), against the fp32 weights:
 
 # %%
-from mini_engine.quant import SPLIT_HEAD_ROWS, Int4Linear
-
-text_ids = torch.tensor(tok.encode(quality.PERPLEXITY_TEXT) + sum(reference, []))
-cuts = np.arange(0, cfg.vocab_size + 1, 512)
-share = [(text_ids < c).float().mean().item() for c in cuts]
-print(f"{len(text_ids)} tokens; below id {SPLIT_HEAD_ROWS}: {100 * (text_ids < SPLIT_HEAD_ROWS).float().mean():.1f}%, "
-      f"below {cfg.vocab_size // 2}: {100 * (text_ids < cfg.vocab_size // 2).float().mean():.1f}%")
+from mini_engine.quant import Int4Linear, dequantize_int4, expand_compact_scales, quantize_int4_compact
 
 
-def byte_parts(model):
-    """The model's weight bytes by part: the decoder's codes, its scales, the LM head, the rest (norms)."""
-    head_layers = set(map(id, model.lm_head.modules()))
-    dec = [m for m in model.modules() if isinstance(m, Int4Linear) and id(m) not in head_layers]
-    codes = sum(m.qweight.nbytes for m in dec)
-    parts = {"decoder codes": codes, "decoder scales": sum(m.nbytes for m in dec) - codes,
-             "LM head": sum(m.nbytes for m in model.lm_head.modules() if hasattr(m, "qweight"))}
-    parts["norms"] = weight_bytes(model) - sum(parts.values())
-    return parts
+def int4_16bit_scales(w, group):
+    """Round-to-nearest int4 per group, scale and zero in bf16: (the weights it gives back, bytes of scales)."""
+    q, scale, zero = quantize_int4(w, group, torch.bfloat16)
+    return dequantize_int4(q, scale, zero, group), scale.nbytes + zero.nbytes
 
 
-parts = {n: byte_parts(models[n]) for n in ("int4", "int4c")}
-bf16_bytes = bf16_mib * 2**20
-print(f"{'part':<16}" + "".join(f"{n:>16}" for n in parts))
-for k in parts["int4"]:
-    print(f"{k:<16}" + "".join(f"{p[k] / 2**20:>11.1f} MiB" for p in parts.values()))
-print(f"{'% of bf16':<16}" + "".join(f"{100 * sum(p.values()) / bf16_bytes:>15.1f}%" for p in parts.values()))
+def int4_8bit_scales(w, group=32):
+    """The same grid per group, its d and m stored as 8-bit codes of two factors per row."""
+    q, scales = quantize_int4_compact(w, group)
+    d, m = expand_compact_scales(scales, w.shape[0], w.shape[1] // group)
+    return (q.view(w.shape[0], -1, group).float() * d[..., None] + m[..., None]).view(w.shape), scales.nbytes
 
-fig, axes = plt.subplots(1, 2, figsize=(12, 3.2))
-axes[0].plot(cuts, share, color="tab:purple")
-axes[0].axvline(SPLIT_HEAD_ROWS, color="k", lw=0.8, ls="--")
-axes[0].set(xlabel="token id", ylabel="share of tokens below it", title="token ids in the course's text",
-            ylim=(0, 1.02))
-left = np.zeros(2)
-for k in parts["int4"]:
-    v = np.array([parts[n][k] / bf16_bytes * 100 for n in parts])
-    axes[1].barh(list(parts), v, left=left, label=k)
-    left += v
-axes[1].axvline(30, color="k", lw=0.8, ls="--")
-axes[1].set(xlabel="% of the bf16 model's bytes", title="where the bytes are")
-axes[1].legend(fontsize=7, loc="lower right")
-plt.tight_layout()
-plt.show()
-c, q4row = measured["int4c"], measured["int4"]
-print(f"int4c: {100 * c['mib'] / bf16_mib:.1f}% of bf16 (int4: {100 * q4row['mib'] / bf16_mib:.1f}%); perplexity "
-      f"{c['ppl']:.2f} (int4 {q4row['ppl']:.2f}, fp32 {measured['fp32']['ppl']:.2f}); agreement "
-      f"{100 * c['agree'].rate:.1f}% (int4 {100 * q4row['agree'].rate:.1f}%); tok/s at batch 1 {c['b1']:.1f} "
-      f"(int4 {q4row['b1']:.1f})")
+
+sample = [lin.weight.detach().float().cpu() for layer in models["fp32"].layers[::10]
+          for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+sample_flat = torch.cat([w.flatten() for w in sample])
+SCALE_WAYS = {"groups of 32, 16-bit scales (Q4_1)": lambda w: int4_16bit_scales(w, 32),
+              "groups of 32, 8-bit scales": int4_8bit_scales,
+              "groups of 64, 16-bit scales": lambda w: int4_16bit_scales(w, 64)}
+scale_rows = {}
+for name, way in SCALE_WAYS.items():
+    approx, scale_bytes = zip(*(way(w) for w in sample))
+    scale_rows[name] = (4 + 8 * sum(scale_bytes) / sample_flat.numel(),
+                        rel_rms(torch.cat([a.flatten() for a in approx]), sample_flat))
+print(f"{len(sample)} matrices, {sample_flat.numel() / 1e6:.1f}M weights")
+for name, (bits, error) in scale_rows.items():
+    print(f"{name:<36}{bits:6.2f} bits a weight, relative RMS error {error:.4f}")
+
+# The whole int4 model with 8-bit scales: its decoder's scales shrink from 4 bytes a group to 2, plus 8 a row.
+saved = sum(m.nbytes - m.qweight.nbytes - (2 * (m.in_features // 32) + 8) * m.out_features
+            for m in models["int4"].modules() if isinstance(m, Int4Linear))
+int4_share = weight_bytes(models["int4"]) / (bf16_mib * 2**20)
+compact_share = (weight_bytes(models["int4"]) - saved) / (bf16_mib * 2**20)
+print(f"the int4 model: {100 * int4_share:.1f}% of bf16's bytes; with 8-bit scales: {100 * compact_share:.1f}%")
 
 # %% [markdown]
-# What it cost and what it bought (your numbers above; ours in `benchmarks/RESULTS.md`):
+# On these weights, quantizing the scales costs far less precision than widening the groups, at about the same
+# bits. An 8-bit code of d is off by at most a 510th of the row's largest d (and one of m by a 254th of the
+# row's largest |m|), small beside the steps of most groups, so most weights stay close to the level they were
+# stored on. Groups of 64 put two of the checkpoint's groups, whose ranges differ (the scale map of section 2),
+# under one grid, and move many weights to other levels. The codes do not change at all; a kernel that reads
+# such scales rebuilds d and m with one multiply each per group of 32 weights, cheap beside the group's 32
+# multiply-adds.
 #
-# - **Bytes**: the decoder's scales halve, and the head shrinks by a third, together just under 30% of bf16.
-#   The codes, the largest part, did not change at all.
-# - **Quality**: the 8-bit scales are nearly free (the step of an 8-bit code of d is a 255th of the row's
-#   largest d). The loss comes from the head's int4 rows: a rare token's logit is now noisier, and now and then
-#   a noisy one wins an argmax it should not. Agreement fell from about 98% to the low 90s (above, with bf16
-#   activations on this chapter's prompts; 94% over all the chapter prompts with fp32 activations, in the tests),
-#   and perplexity rose by about 1%: inside the bar this course set for int4 (90% and 2%), but close to it.
-#   A model with a larger vocabulary or a longer tail of rare tokens in its outputs (code, other languages)
-#   would pay more; the split point is a knob (`quant.SPLIT_HEAD_ROWS`).
-# - **Speed**: fewer bytes per token, so no slower at batch 1 and often a little faster. The price of smaller
-#   scales is paid in the kernels' epilogue, once per group of 32, while the time goes to the codes. The
-#   products run on this project's kernels only (torch's int4 kernel cannot read 8-bit scales), so on a CPU
-#   without AVX2 an int4c model would fall back to dequantizing its weights: there, int4 is the better choice.
-#
-# This is how production formats go below Q4_1: llama.cpp's k-quants (Q4_K: 4.5 bits) quantize each group's
-# scale and minimum in 6 bits within super-blocks of 256, and most of its files keep the output layer at higher
-# precision than the rest. The lesson is the same as section 2's: the bits that matter are the ones that move
-# the logits.
+# Production formats make the same move: llama.cpp's k-quants (Q4_K, 4.5 bits a weight) store each group's
+# scale and minimum in 6 bits inside super-blocks of 256 weights, and QLoRA stores NF4's constants in 8 bits.
+# The other large cost beyond the codes is the LM head, kept in int8 here: exercise 3 tries it in int4.
 #
 # ## What you measured
 
@@ -586,8 +544,8 @@ summary = [
       for n, r in measured.items()),
     *((f"{n}: perplexity, greedy agreement with fp32, max |dlogit|",
        f"{r['ppl']:.2f}, {100 * r['agree'].rate:.1f}%, {r['agree'].max_logit_diff:.3f}") for n, r in measured.items()),
-    ("int4c (8-bit scales, split head): share of tokens below the split id",
-     f"{100 * (text_ids < SPLIT_HEAD_ROWS).float().mean():.1f}%"),
+    *((f"int4 {name}: bits a weight, rel. RMS error", f"{bits:.2f}, {error:.4f}") for name, (bits, error)
+      in scale_rows.items()),
     ("llama.cpp (same GGUF, same threads), batch 1",
      f"{llama_tok_s:.1f} tok/s; our int4 {measured['int4']['b1'] / llama_tok_s:.2f}x" if llama_tok_s
      else "not installed"),
@@ -614,8 +572,7 @@ from mini_engine.speculative import DraftModelProposer
 
 target, draft = models["fp32"], models["int4"]
 spec_prompt = prompts[2]
-for m in (target, draft):  # a verify pass runs k + 1 = 5 rows, a draft's catch-up 1-2: tune them off the clock
-    warm_up(m, [1, 2, 4, 8])
+for m in (target, draft): warm_up(m, [1, 2, 4, 8])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
 plain_s = 1 / decode_tok_s(target, spec_prompt, NEW)
 stamps = []
 spec_out, spec_stats = me.generate_speculative(
@@ -683,11 +640,11 @@ del head4
 # <details><summary>Answer</summary>
 #
 # Memory falls by about 10 MiB, to a little over 31% of bf16's: the decoder's 5 bits a weight alone are
-# 31.25%, so no head can bring a Q4_1 model with 16-bit scales under 30% (section 6 shrinks the scales).
+# 31.25% whatever the head (section 6 shrinks the scales instead).
 # Perplexity rises by several percent and agreement drops to the 80s: the embedding's rows spread wider than
 # the decoder's, and the head's errors land directly on the logits. The head is a fifth of the bytes and most
 # of the quality loss, which is why many quantization schemes (llama.cpp's Q4 files among them) keep the
-# embedding and output layers at higher precision, and why section 6 keeps the frequent tokens' rows in int8.
+# embedding and output layers at higher precision.
 # </details>
 #
 # **4. When does int4 stop paying on a GPU?** Using `formulas.predicted_decode_tok_s`, find the batch at which

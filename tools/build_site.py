@@ -29,7 +29,7 @@ OUT = ROOT / "build" / "site"
 
 
 def chapters(root: Path = ROOT, only: list[str] | None = None) -> list[Path]:
-    found = sorted((root / "chapters").glob("[0-9][0-9]_*.ipynb"))
+    found = sorted((root / "chapters").glob("[0-9A][0-9]_*.ipynb"))
     return [p for p in found if not only or p.name[:2] in only]
 
 
