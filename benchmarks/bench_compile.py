@@ -31,8 +31,13 @@ def measure(way: str, tokens: int, rounds: int) -> dict:
     import mini_engine as me
     from mini_engine import kv_cache
 
-    if way == "int":
-        kv_cache._layer_ids = lambda num_layers, device: list(range(num_layers))
+    if way == "int":  # every cache this process makes indexes its layers by Python ints, the way this replaced
+        init = kv_cache.KVCache.__init__
+
+        def int_layers(self, config, *args):
+            init(self, config, *args)
+            self._layer_ids = list(range(config.num_layers))
+        kv_cache.KVCache.__init__ = int_layers
     model, tok = me.load_model("smollm2-135m")
     prompt = tok.encode("The printing press changed how knowledge spread, because")
     me.generate_cached(model, prompt, 4)  # tunes the product forms off the clock
