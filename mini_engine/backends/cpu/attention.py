@@ -243,8 +243,8 @@ class CpuAttention(TorchAttention):
                 "paged_prefill", key, q, k_cache, v_cache, lambda f: self.prefill_chunk(q, k_cache, v_cache, meta, i, f)))
         if form != IN_PLACE:
             return super().prefill_chunk(q, k_cache, v_cache, meta, i)
-        n, ctx = meta.query_lens[i], meta.context_lens[i]
-        visible = torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int32)[None]  # query j sees this many positions
+        n, ctx = meta.query_lens[i], meta.context_lens[i]  # query j sees ctx - n + 1 + j positions: once a step
+        visible = _memo(meta, ("visible", i), lambda: torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int32)[None])
         return paged_chunk(q.unsqueeze(0), k_cache, v_cache, meta.block_tables[i:i + 1], visible)[0]
 
     def _copy_or_in_place(self, op: str, key: tuple, q, k_cache, v_cache, run) -> str:
