@@ -3,7 +3,7 @@
 A decode step reads every cached key and value once and does little arithmetic with them, so the
 figure of merit is bandwidth: bytes of K/V read / time. On a GPU, for 64 sequences decoding one token
 each over contexts up to 4096 tokens, GQA 9/3 at head_dim 64 (SmolLM2's heads) and 32/8 at 128
-(Llama-3-8B's), in bf16 (fp16 on a GPU without bf16), this checks the kernel against the gather
+(Llama-3-8B's), in bf16 (fp16 below compute capability 8.0: a T4), this checks the kernel against the gather
 reference, times it with triton.testing.do_bench, and times a torch copy of the same number of bytes
 in the same run. The copy reads and writes them, so its bandwidth counts both: what this GPU
 sustains, the ceiling the kernel is measured against. Block tables are shuffled, as a pool that has
@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
+from mini_engine.course.devices import default_dtype  # noqa: E402
 from mini_engine.kernels.paged_attention import (  # noqa: E402
     kv_bytes_read, paged_decode_attention, paged_decode_attention_reference, random_paged_inputs)
 
@@ -112,7 +113,7 @@ def main() -> int:
     # A serving mix: every length from 1 to 4096, so tiles end mid-block and sequences end unevenly.
     gen = torch.Generator().manual_seed(0)
     workloads["1..4096"] = torch.randint(1, 4097, (NUM_SEQS,), generator=gen).tolist()
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    dtype = getattr(torch, default_dtype("cuda"))  # bf16 from compute capability 8.0, fp16 below (T4)
     return 0 if gpu_table(workloads, dtype) else 1
 
 

@@ -1,6 +1,6 @@
 """The ladder's workload (chapter 09) on vLLM beside mini_engine's top rungs, on one GPU, in one run.
 
-    python benchmarks/bench_vllm.py [--requests 256] [--dtype bfloat16]     # benchmarks/gpu_check.sh runs it
+    python benchmarks/bench_vllm.py [--requests 256] [--dtype bfloat16]
 
 Needs a GPU and `pip install vllm` (a Colab GPU runtime will do). vLLM reads an HF checkpoint folder, so the
 embedded GGUF is converted once with transformers (dequantized weights and config, saved under build/); no
@@ -108,7 +108,8 @@ def same(a: list[int], b: list[int], eos: int) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                        help="default: the GPU's (mini_engine.default_dtype: bf16 from compute capability 8.0)")
     parser.add_argument("--run-vllm", choices=sorted(VLLM_CONFIGS), help=argparse.SUPPRESS)  # the subprocess
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_vllm: no GPU visible; vLLM runs on a GPU only")
         return 1
+    from mini_engine.course.devices import default_dtype
+    args.dtype = args.dtype or default_dtype("cuda")
     work, eos = workload(args.requests)
     export_hf_folder(ROOT / "build" / "smollm2-135m-hf")  # once, before any timing
     rows = ours(args.requests, args.dtype)

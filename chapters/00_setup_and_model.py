@@ -50,7 +50,7 @@ from mini_engine.course.devices import default_device, timed
 from mini_engine.course.hardware import cpu_info, describe_machine, measure_ceilings
 
 device = default_device()
-dtype = "float32" if device == "cpu" else "bfloat16"
+dtype = me.default_dtype(device)  # float32 on a CPU; on a GPU bfloat16, or float16 where it has no bf16 (T4)
 print(f"device: {device}, dtype: {dtype}")
 print(describe_machine(device))  # every measurement in this course depends on it: name it
 
@@ -125,9 +125,7 @@ print(f"{len(prompt_ids)} tokens")
 # %%
 x = torch.tensor([prompt_ids], device=device)
 model(x)  # warm-up
-t0 = time.perf_counter()
-logits = model(x)
-forward_s = time.perf_counter() - t0
+logits, forward_s = timed(lambda: model(x), device)  # on a GPU it waits for the queued work, not only its launch
 print(f"logits {tuple(logits.shape)} in {forward_s * 1e3:.1f} ms")
 top = torch.topk(logits[0, -1].float().softmax(-1), 5)
 for p, i in zip(top.values, top.indices):
@@ -264,7 +262,7 @@ print(f"64 tokens / 1 token: measured {pass_s[64] / pass_s[1]:.1f}x, roofline {r
 # </details>
 #
 # **2. Half the bytes per weight.** Load the same model in another dtype (bfloat16 if this chapter runs in
-# float32, and the other way round). Predict the memory its weights take, its memory-bound ceiling on
+# float32, float32 if it runs in a 16-bit dtype). Predict the memory its weights take, its memory-bound ceiling on
 # decode speed, and the decode speed you will actually measure.
 
 # %%
@@ -293,14 +291,15 @@ del other_model
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# A bfloat16 weight takes two bytes instead of four, so the weights take half the memory and the
-# memory-bound ceiling doubles: the same bandwidth now carries twice as many weights per second. Whether
-# the measured speed follows depends on the arithmetic. On hardware that multiplies bfloat16 natively
-# (recent GPUs, and CPUs with bf16 instructions) it rises too, though rarely by the full factor, since part
-# of every step (attention, norms, Python between the kernels) does not shrink with the weights; a
-# processor that converts each bfloat16 product to float32 can gain little or even lose, and the matmul
-# ceiling column shows which case you are in. The tokens may differ: bfloat16 keeps far fewer mantissa bits, and when
-# two candidates score almost equally, rounding can pick the other one.
+# A 16-bit weight (bfloat16, or float16 on a GPU without bf16) takes two bytes instead of four, so the
+# weights take half the memory and the memory-bound ceiling doubles: the same bandwidth now carries twice
+# as many weights per second. Whether the measured speed follows depends on the arithmetic. On hardware
+# that multiplies 16-bit numbers natively (recent GPUs, and CPUs with bf16 instructions) it rises too,
+# though rarely by the full factor, since part of every step (attention, norms, Python between the
+# kernels) does not shrink with the weights; a processor that converts each 16-bit product to float32 can
+# gain little or even lose, and the matmul ceiling column shows which case you are in. The tokens may
+# differ: a 16-bit number keeps far fewer mantissa bits, and when two candidates score almost equally,
+# rounding can pick the other one.
 # </details>
 #
 # **3. Tokens are not words.** Every cost in this course is counted per token. Which of these strings

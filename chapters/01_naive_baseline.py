@@ -51,12 +51,12 @@ from IPython.display import display
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.course.devices import default_device, pick, synchronize, timed
+from mini_engine.course.devices import default_device, fitting, pick, synchronize, timed
 from mini_engine.course.hardware import measure_ceilings
 from mini_engine.course.widgets import naive_cost_widget
 
 device = default_device()
-dtype = "float32" if device == "cpu" else "bfloat16"
+dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 cfg = model.config
 print(f"device: {device}, dtype: {dtype}")
@@ -111,7 +111,10 @@ ceil = measure_ceilings(device, model.dtype)
 weight_bytes = sum(p.numel() for p in model.parameters()) * model.dtype.itemsize
 print(f"matmul {ceil.peak_flops / 1e9:.1f} GFLOP/s, memory {ceil.peak_bw / 1e9:.1f} GB/s")
 
+# A pass over n tokens holds n x vocab logits (with a copy for the temporaries): a length whose logits this GPU
+# cannot hold is left out.
 lengths = pick(cpu=[8, 32, 64, 128, 192, 256, 384], gpu=[64, 256, 512, 1024, 2048, 4096, 8192], device=device)
+lengths = fitting(lengths, lambda n: 2 * n * cfg.vocab_size * model.dtype.itemsize, device, "n")
 
 
 def time_forward(n: int, repeats: int = 2) -> float:

@@ -55,7 +55,7 @@ from IPython.display import display
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.course.devices import default_device, pick, timed
+from mini_engine.course.devices import default_device, fitting, pick, timed
 from mini_engine.generate import decode_step, prefill
 from mini_engine.course.hardware import measure_ceilings
 from mini_engine.kv_cache import ContiguousKVCache
@@ -63,7 +63,7 @@ from mini_engine.course.metrics import TokenTimer
 from mini_engine.course.widgets import roofline_widget
 
 device = default_device()
-dtype = "float32" if device == "cpu" else "bfloat16"
+dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 cfg = model.config
 nbytes = model.dtype.itemsize  # bytes per weight and per cached number
@@ -256,8 +256,10 @@ for name, f, b in rows:
 # slot each; `generate_batch` runs whole requests this way. We time a step at growing batch sizes.
 
 # %%
-batches = pick(cpu=[1, 2, 4, 8, 16, 32], gpu=[1, 4, 16, 64, 128, 256], device=device)
 batch_context = pick(cpu=128, gpu=512, device=device)
+# On a GPU the largest batches' caches take gigabytes: a batch this GPU's free memory cannot hold is left out.
+batches = fitting(pick(cpu=[1, 2, 4, 8, 16, 32], gpu=[1, 4, 16, 64, 128, 256], device=device),
+                  lambda b: formulas.kv_cache_bytes_for(cfg, batch_context, b, nbytes), device, "batch")
 batch_cache = ContiguousKVCache(cfg, max(batches), batch_context, device, model.dtype)
 batch_cache.data.normal_()
 
@@ -369,7 +371,7 @@ plt.show()
 # %%
 roofline = roofline_widget(peak_flops=ceil.peak_flops, peak_bw=ceil.peak_bw, model="smollm2-135m")
 controls = {w.description: w for w in roofline.children[0].children}
-controls["dtype"].value = {"float32": "fp32", "bfloat16": "bf16"}[dtype]  # the dtype the ceilings were measured in
+controls["dtype"].value = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]  # the ceilings' dtype
 controls["context"].value = batch_context
 display(roofline)
 
@@ -529,7 +531,9 @@ for name, value in summary:
 
 # %%
 long_context = pick(cpu=2048, gpu=4096, device=device)
-long_batch = pick(cpu=8, gpu=64, device=device)  # one of `batches`, so the short-context gain is measured above
+# One of `batches`, so the short-context gain is measured above; on a GPU the largest whose cache fits.
+long_batch = fitting([b for b in pick(cpu=[8], gpu=[64, 16, 4], device=device) if b in batches],
+                     lambda b: formulas.kv_cache_bytes_for(cfg, long_context, b, nbytes), device, "batch")[0]
 long_cache = ContiguousKVCache(cfg, long_batch, long_context, device, model.dtype)
 long_cache.data.normal_()
 long_s = {b: best_time(lambda: decode_step(model, long_cache, [42] * b, [long_context] * b, list(range(b))))

@@ -61,7 +61,7 @@ from mini_engine.kv_cache import ContiguousKVCache
 from mini_engine.course.widgets import kv_memory_widget
 
 device = default_device()
-dtype = "float32" if device == "cpu" else "bfloat16"
+dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 cfg = model.config
 nbytes = model.dtype.itemsize
@@ -557,7 +557,7 @@ print(f"one request of {P} + {len(answer.token_ids)} tokens touches at most {tou
 # </details>
 #
 # **3. A narrower dtype.** Run the same engine on the model in another dtype (bfloat16 if this chapter
-# runs in float32, and the other way round). How do the bytes of its cache change? Does greedy
+# runs in float32, float32 if it runs in a 16-bit dtype). How do the bytes of its cache change? Does greedy
 # decoding still produce the same 24 tokens?
 
 # %%
@@ -579,8 +579,8 @@ del other_model
 # <details><summary>Answer</summary>
 #
 # The cache holds one number per (layer, K/V, head, position, dim), so its bytes scale with the bytes per
-# number: bfloat16 needs half of float32's. The tokens are another matter. bfloat16 keeps 8 bits of
-# mantissa against float32's 24, so weights, activations, keys and values are all rounded: when two
+# number: bfloat16 (or float16) needs half of float32's. The tokens are another matter. bfloat16 keeps 8 bits
+# of mantissa (float16 11) against float32's 24, so weights, activations, keys and values are all rounded: when two
 # candidate tokens have close scores, the rounding can swap them, and from that token on the two texts
 # go their own ways. They may agree for all 24 tokens, or part ways early; either way both are valid
 # greedy decodes of slightly different models. That is why the chapter compared naive and cached loops

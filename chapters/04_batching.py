@@ -58,13 +58,13 @@ from IPython.display import display
 
 import mini_engine as me
 from mini_engine import formulas, simulate
-from mini_engine.course.devices import default_device, pick
+from mini_engine.course.devices import default_device, fitting, pick
 from mini_engine.engine import LLM, LLMEngine
 from mini_engine.course.metrics import percentile
 from mini_engine.course.widgets import batching_widget
 
 device = default_device()
-dtype = "float32" if device == "cpu" else "bfloat16"
+dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 print(f"device: {device}, dtype: {dtype}, {torch.get_num_threads()} CPU threads")
 
@@ -307,7 +307,10 @@ print(f"useful tokens {useful}, computed by a padded static batch {padded}: {100
 # with different numbers of slots traces the curve a serving engineer tunes along.
 
 # %%
-sweep_batches = pick(cpu=[1, 2, 4, 8], gpu=[1, 4, 16, 64, 128], device=device)
+# Each slot reserves max_len positions of cache: a batch whose reservation this GPU cannot hold is left out.
+sweep_batches = fitting(pick(cpu=[1, 2, 4, 8], gpu=[1, 4, 16, 64, 128], device=device),
+                        lambda b: formulas.kv_cache_bytes_for(model.config, max_len, b, model.dtype.itemsize),
+                        device, "batch")
 sweep_n = pick(cpu=8, gpu=128, device=device)
 sweep_reqs = (prompts[:sweep_n], [me.SamplingParams(max_tokens=int(min(n, 24)), ignore_eos=True)
                                   for n in output_lens[:sweep_n]])

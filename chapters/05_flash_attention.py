@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from IPython.display import display
 
 from mini_engine import PRESETS
-from mini_engine.course.devices import default_device, default_dtype, pick, timed
+from mini_engine.course.devices import default_device, default_dtype, fitting, pick, sdpa_backend, timed
 from mini_engine.course.formulas import human_bytes
 from mini_engine.kernels import attention_reference, flash_attention, flash_attention_varlen
 from mini_engine.course.online_softmax import online_softmax_states, online_softmax_stepper, softmax_attention
@@ -87,6 +87,8 @@ from mini_engine.course.online_softmax import online_softmax_states, online_soft
 fa = importlib.import_module("mini_engine.kernels.flash_attention")
 
 device = default_device()
+# The GPU's 16-bit dtype: bf16 from compute capability 8.0 (A100, L4, H100), fp16 below (T4). float32 on a CPU.
+dtype = getattr(torch, default_dtype(device))
 print(f"device: {device}; Triton kernels {'in the interpreter' if fa.INTERPRETED else 'compiled for the GPU'}")
 for what, where in (("peak memory, naive vs kernel (section 1)", "GPU allocator" if device == "cuda" else
                      "needs a GPU; here: torch allocations of an interpreted call instead"),
@@ -167,7 +169,9 @@ def naive_attention_traced(q, k, v):
 
 smol = PRESETS["smollm2-135m"]
 mem_rows = []
-for n in pick(cpu=[256, 512, 1024, 2048], gpu=[1024, 2048, 4096, 8192], device=device):
+# On a GPU the largest N may not fit: three fp32 N x N tensors per head and the mask. Left out, with the reason.
+for n in fitting(pick(cpu=[256, 512, 1024, 2048], gpu=[1024, 2048, 4096, 8192], device=device),
+                 lambda n: 3 * score_bytes(smol.num_heads, n, 4) + n * n, device, "N"):
     q, k, v = (torch.randn(1, smol.num_heads, n, smol.head_dim, device=device) for _ in range(3))
     out, sizes = naive_attention_traced(q, k, v)
     mem_rows.append((n, sum(sizes.values()), sizes["scores"], out.element_size() * out.nelement()))
@@ -183,19 +187,29 @@ del q, k, v, out
 # %%
 peak_rows = []
 if device == "cuda":
-    dtype = default_dtype(device)
-    for n in [2048, 4096, 8192, 16384]:
+    def naive_bytes(n):
+        """Naive attention in `dtype` holds up to three heads x N x N tensors at once (the scores beside their
+        masked copy and its softmax) and two boolean N x N masks: about 14 GiB at N = 16384, more than a T4 has."""
+        return 3 * score_bytes(smol.num_heads, n, dtype.itemsize) + 2 * n * n
+
+    def peak_memory(fn):
+        """Bytes the allocator's peak rose by while fn() ran."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    sizes = [2048, 4096, 8192, 16384]
+    naive_sizes = fitting(sizes, naive_bytes, device, "N (naive attention)")  # the kernel itself needs O(N)
+    for n in sizes:
         q, k, v = (torch.randn(1, smol.num_heads, n, smol.head_dim, device=device, dtype=dtype) for _ in range(3))
-        peaks = []
-        for fn in (lambda: attention_reference(q, k, v, True, upcast=False), lambda: flash_attention(q, k, v)):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fn()
-            torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated() - base)
+        naive = peak_memory(lambda: attention_reference(q, k, v, True, upcast=False)) if n in naive_sizes else None
+        peaks = [naive, peak_memory(lambda: flash_attention(q, k, v))]
         peak_rows.append((n, *peaks))
-        print(f"N = {n:5d}: peak extra memory naive {human_bytes(peaks[0]):>10}   flash {human_bytes(peaks[1]):>10}")
+        naive_peak = "skipped" if peaks[0] is None else human_bytes(peaks[0])
+        print(f"N = {n:5d}: peak extra memory naive {naive_peak:>10}   flash {human_bytes(peaks[1]):>10}")
         del q, k, v
 else:
     # No GPU allocator to ask. The profiler still records every torch allocation on the CPU: the kernel's
@@ -226,7 +240,7 @@ ax.loglog(ns, 3 * score_bytes(smol.num_heads, ns, 4) + ns ** 2, "r:", label="3 �
 ax.loglog(ns, smol.num_heads * ns * smol.head_dim * 4.0, "b:", label="heads · N · d · 4 B")
 if peak_rows:
     how = "GPU peak" if device == "cuda" else "allocated (interpreter)"
-    ax.loglog([r[0] for r in peak_rows], [r[1] for r in peak_rows], "r^", label=f"naive: {how}")
+    ax.loglog([r[0] for r in peak_rows if r[1]], [r[1] for r in peak_rows if r[1]], "r^", label=f"naive: {how}")
     ax.loglog([r[0] for r in peak_rows], [r[2] for r in peak_rows], "b^", label=f"flash: {how}")
 ax.set_xscale("log", base=2)
 ax.set(xlabel="N", ylabel="bytes", title="one layer of SmolLM2: measured")
@@ -416,7 +430,7 @@ checks = [
     (1, 4, 2, 64, 64, 64, True, torch.bfloat16),
 ]
 if device == "cuda":
-    checks = [(b, hq, hkv, nq * 40, nk * 40, d, c, default_dtype(device)) for b, hq, hkv, nq, nk, d, c, _ in checks]
+    checks = [(b, hq, hkv, nq * 40, nk * 40, d, c, dtype) for b, hq, hkv, nq, nk, d, c, _ in checks]
 print(f"{'B':>2} {'Hq/Hkv':>7} {'Nq':>5} {'Nk':>5} {'D':>4} {'causal':>6} {'dtype':>9} "
       f"{'max |kernel - reference|':>25}")
 kernel_errors = []
@@ -482,7 +496,7 @@ from mini_engine.kernels.gpus import A100, H100, T4, GPUSpec
 
 serving = [(T4, torch.float16), (A100, torch.bfloat16), (H100, torch.bfloat16)]
 if device == "cuda":
-    serving.append((GPUSpec.from_device(0), default_dtype(device)))  # and the GPU in this machine
+    serving.append((GPUSpec.from_device(0), dtype))  # and the GPU in this machine
 jobs = [(spec, gpu, aot.TRITON_DTYPES[dtype]) for gpu, dtype in serving
         for spec in fa.aot_specs(gpu, dtype) if spec.label.startswith("dense")]
 # One experiment rides along: the A100 tile at d = 64 with 4 warps instead of the 8 the wrapper picks.
@@ -566,21 +580,41 @@ print(f"A100, bf16, d = 64, tile {four_warps.tile}: {four_warps.num_warps} warps
 # On a GPU, naive attention writes the N × N scores to memory, reads them back for the softmax, writes
 # the probabilities and reads them again for the product with V: at long N it spends its time moving
 # bytes. The fused kernel does the same FLOPs with each Q, K, V tile read once per pass over it. We
-# measure TFLOP/s for the three (our kernel, PyTorch's SDPA forced to its FlashAttention backend, and
-# naive) across N. Expect naive to fall behind as N grows (2–4× is typical) and to run out of memory
-# first, and our Triton kernel to land within reach of SDPA's hand-tuned CUDA kernel.
+# measure TFLOP/s for the three (our kernel, PyTorch's SDPA, and naive) across N. SDPA runs its own
+# FlashAttention kernel where the GPU has one (compute capability 8.0 and up), and its memory-efficient
+# kernel on older GPUs such as a T4. Expect naive to fall behind as N grows (2–4× is typical) and to outgrow
+# the GPU's memory first (a length it cannot hold is skipped, with the reason), and our Triton kernel to land
+# within reach of SDPA's hand-tuned CUDA kernel.
 # `benchmarks/bench_attention.py` prints the same comparison as a table, across head sizes and dtypes.
 
 # %%
 speed_rows = []
 if device == "cuda":
-    dtype = default_dtype(device)
-    for n in [1024, 2048, 4096, 8192, 16384]:
-        batch = max(1, 2 ** 17 // (16 * n))
-        q, k, v = (torch.randn(batch, 16, n, 64, device=device, dtype=dtype) for _ in range(3))
-        tflops = {p: fa.benchmark_tflops(p, q, k, v, causal=True) for p in ("triton", "sdpa", "naive")}
+    import triton
+    from torch.nn.attention import sdpa_kernel
+
+    backend = sdpa_backend(device, dtype)
+    print(f"SDPA's kernel on this GPU (compute capability {torch.cuda.get_device_capability()}): {backend.name}")
+
+    def sdpa_tflops(q, k, v):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        seconds = triton.testing.do_bench(run) * 1e-3
+        return fa.attention_flops(*q.shape[:3], k.shape[2], q.shape[3], True) / seconds / 1e12
+
+    def batch_for(n):
+        return max(1, 2 ** 17 // (16 * n))  # the same number of query tokens in flight at every N
+
+    sizes = [1024, 2048, 4096, 8192, 16384]
+    naive_sizes = fitting(sizes, lambda n: 3 * score_bytes(16 * batch_for(n), n, dtype.itemsize) + 2 * n * n,
+                          device, "N (naive attention)")
+    for n in sizes:
+        q, k, v = (torch.randn(batch_for(n), 16, n, 64, device=device, dtype=dtype) for _ in range(3))
+        tflops = {"triton": fa.benchmark_tflops("triton", q, k, v, causal=True), "sdpa": sdpa_tflops(q, k, v),
+                  "naive": fa.benchmark_tflops("naive", q, k, v, causal=True) if n in naive_sizes else None}
         speed_rows.append((n, tflops))
-        print(f"N = {n:5d}: " + "  ".join(f"{p} {'OOM' if t is None else f'{t:6.1f}'}" for p, t in tflops.items())
+        print(f"N = {n:5d}: " + "  ".join(f"{p} {'skipped' if t is None else f'{t:6.1f}'}" for p, t in tflops.items())
               + " TFLOP/s")
         del q, k, v
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -613,7 +647,8 @@ def best_time(fn, repeats=3):
 
 
 cpu_rows = []
-for n in pick(cpu=[256, 512, 1024, 2048], gpu=[1024, 2048, 4096, 8192], device=device):
+for n in fitting(pick(cpu=[256, 512, 1024, 2048], gpu=[1024, 2048, 4096, 8192], device=device),
+                 lambda n: 3 * score_bytes(smol.num_heads, n, 4) + 2 * n * n, device, "N"):
     q, k, v = (torch.randn(1, smol.num_heads, n, smol.head_dim, device=device) for _ in range(3))
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True),
                                attention_reference(q, k, v, True), atol=1e-4, rtol=1e-4)
@@ -695,7 +730,7 @@ for tile_size in (1, 4, 16, 48):
 import mini_engine as me
 from mini_engine.engine import LLM
 
-backend_model, backend_tok = me.load_model("smollm2-135m", device=device, dtype="float32" if device == "cpu" else "bfloat16")
+backend_model, backend_tok = me.load_model("smollm2-135m", device=device, dtype=me.default_dtype(device))
 long_prompt = np.random.default_rng(0).integers(1000, 20000, size=512).tolist()
 backend_runs = {}
 for backend in ("naive", "torch"):

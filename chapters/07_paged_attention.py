@@ -33,7 +33,7 @@
 # 4. serves one workload from the contiguous cache and from the paged one *at the same KV memory*;
 # 5. makes the pool too small on purpose: requests are preempted and recomputed, and no output changes;
 # 6. measures the block-size trade-off;
-# 7. discusses the other way to preempt: swapping blocks to host memory.
+# 7. discusses the other way to preempt: swapping blocks to host memory; exercises close the chapter.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -82,7 +82,7 @@ from mini_engine.paging import BlockManager
 from mini_engine.course.widgets import fragmentation_widget, kv_budget_widget
 
 device = default_device()
-dtype = "float32" if device == "cpu" else "bfloat16"
+dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 per_token = formulas.kv_bytes_per_token_for(model.config, model.dtype.itemsize)
 warm_up(model, [1 << i for i in range(10)])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
@@ -391,3 +391,114 @@ summary = [
 width = max(len(k) for k, _ in summary)
 for k, v in summary:
     print(f"{k:<{width}}  {v}")
+
+# %% [markdown]
+# ## Exercises: predict, then run
+#
+# Write your prediction down before you run each cell; the answer under it says what you should see and why.
+# Each cell takes a few seconds.
+#
+# **1. One request's blocks.** A request with a 44-token prompt has run its prefill and 6 decode steps. How
+# many blocks does it hold with blocks of 4, 16 and 64 positions, and how many of their positions are empty?
+# Work it out with `formulas.blocks_needed` and `formulas.paged_waste_tokens`, then read its block table off
+# the engine. How many positions would a contiguous slot of `max_model_len=256` leave empty?
+
+# %%
+ex_rng = np.random.default_rng(0)
+P, decode_steps = 44, 6
+one_prompt = ex_rng.integers(1000, 20000, P).tolist()
+for b in (4, 16, 64):
+    one = LLMEngine.from_model(model, tok, num_kv_blocks=256 // b, block_size=b, max_num_seqs=1, max_model_len=256,
+                               enable_prefix_caching=False)
+    rid = one.add_request(one_prompt, me.SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(1 + decode_steps):  # the prefill, then the decode steps
+        one.step()
+    snap = one.block_pool()
+    held, written = len(snap.block_tables[rid]), snap.num_computed[rid]
+    print(f"blocks of {b:2d}: {written} positions written, {held:2d} blocks held, {held * b - written:2d} positions "
+          f"empty (formula: {formulas.blocks_needed(P + decode_steps, b)} blocks, "
+          f"{formulas.paged_waste_tokens(P + decode_steps, b)} empty)")
+    one.abort_request(rid)  # the request is not needed further: its blocks go back to the pool
+print(f"a contiguous slot of 256 positions: {256 - written} empty")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# The prefill writes the 44 prompt positions and each decode step one more: 50. The request holds
+# ⌈50 / block_size⌉ blocks: 13 of 4 (2 positions empty), 4 of 16 (14 empty), 1 of 64 (14 empty). Only the
+# tail of the last block is ever empty, so the waste is always under one block, and it depends on where the
+# length falls inside a block, not on the length: blocks of 16 and of 64 waste the same here. The contiguous
+# slot holds all 256 positions from the first step, 206 of them empty, and the emptier the longer
+# `max_model_len` is. Smaller blocks waste less; section 6 measured what they cost instead.
+# </details>
+#
+# **2. Fragmentation in the pool.** Section 3's pool had blocks of 8. Between two steps, how many positions of
+# a running request's blocks are empty, on average over that run? And how many would a contiguous slot of
+# `max_model_len=256` leave empty? The snapshots recorded in `history` hold every running request's block
+# table and the positions it has written.
+
+# %%
+pairs = [(len(snap.block_tables[r]) * snap.block_size, n)  # (positions held, positions written)
+         for snap, _ in history for r, n in snap.num_computed.items() if r in snap.block_tables]
+empty = np.array([held - n for held, n in pairs])
+print(f"{len(pairs)} (step, request) pairs: {empty.mean():.2f} positions empty per request on average, "
+      f"predicted (block_size - 1) / 2 = {(pool_block_size - 1) / 2}; "
+      f"{100 * empty.sum() / sum(held for held, _ in pairs):.0f}% of the positions held")
+print(f"a contiguous slot of 256: {np.mean([256 - n for _, n in pairs]):.0f} positions empty per request on average")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Close to 3.5, that is (8 − 1) / 2. A request's length grows by one position a step (or by a chunk while it
+# prefills), so the filled part of its last block runs through 1, 2, …, 8 positions again and again, and the
+# empty tail takes each value from 7 down to 0 about equally often: (block_size − 1) / 2 on average, whatever
+# the requests' lengths. That is all the paged cache wastes. Here the requests are short, a few blocks each,
+# so even 3.5 positions are a noticeable share of what they hold; for requests of a thousand tokens it is a
+# fraction of a percent. The contiguous slot wastes `max_model_len` minus the length, over two hundred
+# positions per request here, and more for every position `max_model_len` grows.
+# </details>
+#
+# **3. Preemption by hand.** Two greedy requests arrive together, each with an 8-token prompt and 8 new
+# tokens, on a pool of 6 blocks of 4 positions, then on a pool of 12. Predict for each pool: is a request
+# preempted, which one, after how many written positions, and how many positions does the engine compute in
+# all? Are the outputs the same?
+
+# %%
+pair = [ex_rng.integers(1000, 20000, 8).tolist() for _ in range(2)]
+pair_outputs = {}
+for blocks in (6, 12):
+    two = LLMEngine.from_model(model, tok, num_kv_blocks=blocks, block_size=4, max_num_seqs=2, max_model_len=64,
+                               enable_prefix_caching=False, record_trace=True)
+    rids = [two.add_request(p, me.SamplingParams(max_tokens=8, ignore_eos=True)) for p in pair]
+    before, outputs, events = two.block_pool(), {}, []
+    while two.has_unfinished():
+        outputs.update((o.request_id, o.token_ids) for o in two.step())
+        after = two.block_pool()
+        # A request that was running before the step and is queued after it was preempted in the step.
+        events += [f"request {r} preempted in step {after.step} after {before.num_computed[r]} positions"
+                   for r in after.waiting if r in before.num_computed]
+        before = after
+    computed = sum(n for step_record in two.trace for _, _, n, _ in step_record.chunks)
+    pair_outputs[blocks] = [outputs[r] for r in rids]
+    print(f"{blocks:2d} blocks: {computed} positions computed in {len(two.trace)} steps; "
+          + ("; ".join(events) or "nobody preempted"))
+print(f"same outputs on both pools: {pair_outputs[6] == pair_outputs[12]}")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Each request writes 15 positions (its 8 prompt tokens and 7 of its new tokens: the last token is sampled
+# but never fed back), so 4 blocks; the two need 8 blocks together. On 12 blocks nothing is preempted and the
+# engine computes 2 × 15 = 30 positions. On 6 blocks the two grow in step: after 12 positions each they hold 3
+# blocks each, the whole pool, and both need a fourth for the next decode. The older request makes room by
+# preempting the newest, request 1, which drops its 12 written positions. Request 0 finishes; request 1 is
+# readmitted once the pool can hold its prompt and its output so far (8 + 5 tokens), recomputes them in one
+# prefill step and decodes the rest: 15 + 12 + 15 = 42 positions, 12 of them computed twice. Those 12 took five
+# steps the first time and one step to recompute, since a prefill computes many positions in one pass. The
+# outputs are the same: recompute rebuilds exactly the keys and values that were dropped. Preempting the
+# newest means the oldest request always makes progress, so two requests cannot keep preempting each other.
+# </details>
+#
+# **Lab.** [Lab 07](../labs/lab07_notebook.ipynb) has you build this chapter's paging yourself: the block
+# allocator, the block tables and their slot mapping, attention that reads keys and values through a block
+# table, and preemption by recompute.

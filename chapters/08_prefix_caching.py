@@ -15,7 +15,7 @@
 # # 08 · Prefix caching: compute a shared prompt once
 #
 # Chat and agent traffic repeats itself. Every request of an assistant opens with the same system prompt;
-# a few-shot prompt repeats the same worked examples; a conversation sends the whole hiname_prompt again with
+# a few-shot prompt repeats the same worked examples; a conversation sends the whole history again with
 # one more turn at the end. Attention is causal, so the keys and values of a prompt's first tokens depend
 # on those tokens alone: a request that starts like an earlier one could *read* the earlier one's KV
 # blocks instead of computing them again.
@@ -34,7 +34,8 @@
 # 3. serves many short questions behind one long system prompt, with prefix caching off and on;
 # 4. holds a multi-turn conversation whose every turn reuses the previous turns' blocks;
 # 5. samples four answers to one prompt that share its blocks, copying a block only when a sample writes;
-# 6. puts the measured TTFT gain beside the formula's prediction, with the savings calculator.
+# 6. puts the measured TTFT gain beside the formula's prediction, with the savings calculator; exercises
+#    close the chapter.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -55,12 +56,6 @@ if "google.colab" in sys.modules or "MINI_ENGINE_COURSE_URL" in os.environ:
     course_setup.install(home, lab=False)
 
 # %%
-import inspect
-import os
-
-# %%
-import time
-
 import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import display
@@ -77,7 +72,7 @@ from mini_engine.paging import BlockManager, hash_block
 from mini_engine.course.widgets import prefix_cache_widget
 
 device = default_device()
-dtype = "float32" if device == "cpu" else "bfloat16"
+dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 warm_up(model, [1 << i for i in range(10)])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
 print(describe_machine(device))
@@ -221,7 +216,7 @@ print("per request, TTFT off / on:", [f"{a.metrics.ttft_s / b.metrics.ttft_s:.1f
 
 # %% [markdown]
 # The first request pays for the system prompt either way (its TTFT is the p99 with caching on); every
-# later one computes only its question and the last block of the system prompt it shares with nobody,
+# later one computes only its question and the shared tokens past the system prompt's last full block,
 # since hits come in whole blocks. The hit rate is the share of prompt tokens served from the cache,
 # the same number `formulas.prefix_hit_rate` computes from the lengths alone:
 
@@ -234,7 +229,7 @@ print(f"hit rate: measured {measured_rate:.1%}, formula {predicted_rate:.1%}")
 # %% [markdown]
 # ## 4. A conversation: each turn reuses the previous turns' blocks
 #
-# A chat client sends the whole hiname_prompt every turn: system prompt, every question, every answer, and the
+# A chat client sends the whole history every turn: system prompt, every question, every answer, and the
 # new question. Generated tokens land in full blocks too, and those are cached as soon as they are
 # computed, so turn *t* finds turns 1 … t − 1 in the cache, answers included.
 
@@ -309,7 +304,7 @@ print(f"prompt tokens computed: {prefill_tokens} for four samples (the contiguou
       f"{cow.num_free_blocks == cow.num_kv_blocks}")
 
 # %% [markdown]
-# The blocks before the partly filled one keep reference count 4 to the end of the prompt: four samples,
+# The blocks before the partly filled one keep reference count 4 while all four samples run: four samples,
 # one copy of their keys and values. Each copy-on-write is one block (here 16 positions × 30 layers ×
 # keys and values), far cheaper than the prefill it saves, and it happens once per sample, at its first
 # decode. The same mechanism lets beam search or a "regenerate" button share a prompt's blocks.
@@ -333,8 +328,9 @@ print(f"TTFT ratio off / on (p50 of the requests that could hit): measured {meas
 
 # %% [markdown]
 # Where the two TTFTs go, step by step. The engine splits a long prompt into chunks of at most
-# `max_num_batched_tokens` tokens, one chunk a step, so the uncached request's TTFT is several steps and
-# the cached request's is one. The trace of each engine (`record_trace=True`) times every step:
+# `chunked_prefill_tokens` tokens (512 by default; vLLM's `max_num_batched_tokens`), one chunk a step, so
+# the uncached request's TTFT is several steps and the cached request's is one. The trace of each engine
+# (`record_trace=True`) times every step:
 
 # %%
 # The request whose cached TTFT is the median of those that could hit (a request's first step at a new
@@ -406,3 +402,99 @@ summary = [
 width = max(len(k) for k, _ in summary)
 for k, v in summary:
     print(f"{k:<{width}}  {v}")
+
+# %% [markdown]
+# ## Exercises: predict, then run
+#
+# Write your prediction down before you run each cell; the answer under it says what you should see and why.
+# Each cell takes a few seconds.
+#
+# **1. Predict the hit.** One engine with blocks of 16 serves five 80-token prompts, one after another: a
+# prompt X; X again; X's first 40 tokens followed by 40 others; X with its first token changed; X with its
+# token 50 changed. How many prompt tokens does each take from the cache? Predict each with
+# `formulas.cached_prefix_tokens(prompt_len, shared_len, block_size)`, where `shared_len` is how many of its
+# first tokens an earlier prompt had, then run.
+
+# %%
+ex_rng = np.random.default_rng(0)
+x = ex_rng.integers(1000, 20000, 80).tolist()
+others = ex_rng.integers(1000, 20000, 40).tolist()
+variants = [("X", x, 0), ("X again", x, 80), ("X[:40] + 40 others", x[:40] + others, 40),
+            ("X, first token changed", [7] + x[1:], 0), ("X, token 50 changed", x[:50] + [7] + x[51:], 50)]
+hit_llm = LLM.from_model(model, tok, block_size=16, max_num_seqs=1, max_model_len=256, enable_prefix_caching=True)
+for name, tokens, shared in variants:
+    out = hit_llm.generate([tokens], me.SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    print(f"{name:<24} {out.num_cached_tokens:2d} tokens from the cache "
+          f"(formula: {formulas.cached_prefix_tokens(len(tokens), shared, 16)})")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# 0, 64, 32, 0 and 48. The first X finds an empty cache. X again is cached whole, yet takes 64 tokens, not 80:
+# the step must compute the last prompt token to get its logits, so the block holding it is recomputed
+# (section 1's request C). The 40 shared tokens fill two blocks; the third mixes 8 of X's tokens with 8
+# others, so it is a different block and the hit stops there. Changing the first token loses everything,
+# although tokens 1 to 79 are X's: every block's hash chains its parent's, so the first block's change
+# reaches all of them. That is what must happen, since through attention every later key and value depends
+# on the first token. Changing token 50 keeps the three blocks before the one that holds it: 48 tokens.
+# </details>
+#
+# **2. Eviction.** Four different 64-token prompts A, B, C and D run one after another (one output token each),
+# then A again, on pools of 12, 14 and 16 blocks of 16. How many of A's tokens come from the cache the second
+# time, on each pool?
+
+# %%
+a_to_d = [ex_rng.integers(1000, 20000, 64).tolist() for _ in range(4)]
+for blocks in (12, 14, 16):
+    pool_llm = LLM.from_model(model, tok, block_size=16, num_kv_blocks=blocks, max_num_seqs=1, max_model_len=256,
+                              enable_prefix_caching=True)
+    pool_llm.generate(a_to_d, me.SamplingParams(max_tokens=1), use_tqdm=False)  # one at a time: max_num_seqs=1
+    again = pool_llm.generate([a_to_d[0]], me.SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    print(f"{blocks} blocks: A again takes {again.num_cached_tokens:2d} tokens from the cache; "
+          f"{pool_llm.engine.scheduler.blocks.num_evictions} cached blocks evicted in all")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# 48, 32 and 0 from 16, 14 and 12 blocks. Each prompt fills 4 blocks, all full, all cached; when its request
+# finishes they become evictable. A new request takes plain free blocks first and evicts only when there are
+# none, least recently released first; a finished request releases its blocks tail first. On 16 blocks the
+# four prompts fit side by side, and A finds its first three blocks (48, not 64: its last block is recomputed,
+# as in exercise 1). On 14, D finds 2 free blocks and evicts 2, A's last two, so A's first two still hit: 32.
+# On 12, D evicts all four of A's. Tail first is the useful order: a block can only hit together with every
+# block before it, so A's first blocks outlive its last ones. And a prefix that keeps being asked for, such as
+# a system prompt every request shares, keeps being held and released again, so it stays at the young end of
+# the queue while one-off prompts are evicted. The evictions printed include A's second visit, which evicts
+# for the blocks it computes (on 16 blocks, one: its own old last block, the least recently released).
+# </details>
+#
+# **3. Copy-on-write.** Four samples (`n=4`) of a 40-token prompt, then of a 48-token prompt, and two samples of
+# the 40-token one, with blocks of 16. At the first decode, how many blocks are copied, and how many blocks do
+# the samples hold together after it?
+
+# %%
+for prompt_len, n in ((40, 4), (48, 4), (40, 2)):
+    fork_engine = LLMEngine.from_model(model, tok, block_size=16, max_num_seqs=4, num_kv_blocks=16)
+    fork_engine.add_request(ex_rng.integers(1000, 20000, prompt_len).tolist(),
+                            me.SamplingParams(n=n, temperature=0.8, seed=0, max_tokens=3))
+    fork_engine.step()  # the prefill, then the fork
+    fork_engine.step()  # the first decode
+    held = fork_engine.num_kv_blocks - fork_engine.num_free_blocks
+    print(f"{prompt_len} tokens, n = {n}: blocks copied {fork_engine.scheduler.block_copies}, {held} blocks held")
+    while fork_engine.has_unfinished():
+        fork_engine.step()
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# 40 tokens are 2 full blocks and 8 tokens in a third. After the fork all four tables hold those 3 blocks. At
+# the first decode every sample writes position 40 into the shared third block: the first three to write each
+# get a copy of it, and the last one left holding it writes in place. So n − 1 = 3 copies, and 2 shared + 4
+# own = 6 blocks. 48 tokens are 3 full blocks: position 48 starts a fourth block, which each sample takes
+# fresh, so nothing is copied, and 3 + 4 = 7 blocks. Two samples of 40 tokens: 1 copy, 4 blocks. Either way
+# the samples hold ⌊prompt / block_size⌋ shared blocks plus one each; copy-on-write costs at most one block per
+# sample, once, and nothing at all when the prompt ends on a block boundary.
+# </details>
+#
+# **Lab.** [Lab 08](../labs/lab08_notebook.ipynb) has you write the hash chain and a prefix cache with
+# reference counts and least-recently-used eviction, the bookkeeping of this chapter.

@@ -24,14 +24,16 @@
 #
 # 1. builds one workload on which every optimisation has something to gain: a long shared system prompt,
 #    requests that ask for a given text back, open questions, mixed lengths;
-# 2. runs it up the **ladder**, one rung per idea, from HF transformers and the naive loop to the full engine
-#    (`python -m mini_engine bench --ladder` prints the same table at full size);
+# 2. runs it up the **ladder**, one rung per idea, from HF transformers and the naive loop through static and
+#    continuous batching to the full engine (`python -m mini_engine bench --ladder` prints the same table at full
+#    size);
 # 3. sets each rung's gain beside the seed's claim, measured alone and on top of the rungs below: where the
 #    gains multiply and where they do not;
 # 4. connects the seed's "5-10 tok/s naive, 200-500 optimised, for a 7B model on an A100" with the roofline
 #    arithmetic, and the same arithmetic with the ladder measured here;
 # 5. serves the engine over HTTP as users meet it: an OpenAI-compatible server in the background, a streamed
-#    answer through the official `openai` client, and the throughput-latency curve;
+#    answer through the official `openai` client, and the throughput-latency curve, measured and then under
+#    sliders (a simulation built on the engine's measured step costs);
 # 6. maps the primitives onto vLLM, TGI, SGLang and TensorRT-LLM, and lists what this engine still lacks.
 
 # %%
@@ -61,7 +63,8 @@ from tqdm.auto import tqdm
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.bench.ladder import LABELS, RUNGS, SEED_CLAIMS, LadderWorkload, agreement, bench_ladder
+from mini_engine.bench.ladder import (LABELS, RUNGS, SEED_CLAIMS, SHORT_SYSTEM_PROMPT, SYSTEM_PROMPT, LadderWorkload,
+                                      agreement, bench_ladder)
 from mini_engine.course.devices import default_device, pick
 from mini_engine.engine import LLM
 from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings
@@ -70,7 +73,7 @@ from mini_engine.course.metrics import percentile
 from mini_engine.speculative import NgramProposer
 
 device = default_device()
-dtype = "float32" if device == "cpu" else "bfloat16"
+dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 warm_up(model, [1 << i for i in range(9)])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
 print(describe_machine(device))
@@ -81,19 +84,26 @@ print(f"device: {device}, dtype: {dtype}")
 #
 # Each optimisation pays on a different kind of traffic, so the workload mixes them:
 #
-# - every request opens with the same **system prompt** of about 230 tokens (the assistant's rules): prefix
-#   caching computes it once;
+# - every request opens with the same **system prompt** of about 230 tokens (the assistant's rules; on a CPU its
+#   first 100, below): prefix caching computes it once;
 # - half the requests are **input-grounded**, "repeat this text exactly" or "fix the spelling and return it in
 #   full": the answer copies the prompt, so n-gram speculation finds its drafts there (chapter 06);
 # - the other half are **open questions** with different length limits, so requests finish at different
-#   times: continuous batching refills the lanes they free, and paging lets more of them in at once.
+#   times: a static batch waits for its longest request, continuous batching refills the places the others
+#   free, and paging lets more of them in at once.
 #
-# Greedy decoding, and EOS ends a request: every rung must produce the same tokens, which the ladder checks.
+# Greedy decoding, and EOS ends a request: every rung must produce the same tokens, which the ladder checks. On
+# a CPU the workload is smaller: 16 requests instead of 64, every length limit a quarter of the GPU's (so the mix of
+# short and long answers, which is what batching policies differ on, stays the same), and the system prompt's first
+# five sentences, because every rung but one computes each request's system prompt again, and on two cores sixteen
+# long prompts would take longer than their answers.
 
 # %%
-size = pick(cpu={"requests": 6, "batch": 3, "sample": 1, "cap": 32},
-            gpu={"requests": 64, "batch": 16, "sample": 2, "cap": None}, device=device)
-work = LadderWorkload.build(tok, size["requests"], size["cap"])
+size = pick(cpu={"requests": 16, "batch": 4, "sample": 1, "length_scale": 0.25, "system_prompt": SHORT_SYSTEM_PROMPT},
+            gpu={"requests": 64, "batch": 16, "sample": 2, "length_scale": 1.0, "system_prompt": SYSTEM_PROMPT},
+            device=device)
+work = LadderWorkload.build(tok, size["requests"], length_scale=size["length_scale"],
+                            system_prompt=size["system_prompt"])
 print(work.describe())
 for i in range(2):
     print(f"\nrequest {i} ({work.kinds[i]}, max_tokens {work.max_tokens[i]}), the part after the system prompt:")
@@ -104,6 +114,10 @@ for i in range(2):
 #
 # One row per rung, each adding one thing to the rung above it. The first row is HF transformers' batched
 # `generate` on the same requests (static batches, left-padded), the reference every engine is measured against.
+# The serving engine enters with **static batching**: it takes `batch` requests, runs them until the last one has
+# finished, then takes the next `batch`. The rung below it, **continuous batching**, changes only that: a place
+# freed by a finished request is refilled at the next step. Same places, same requests, same engine, so their
+# ratio is the seed's comparison (lanes about 50% busy against 90%, about 1.8x), measured like for like.
 # The starred rungs run one request at a time, on a sample of the requests: their tokens/s is what **one user**
 # gets; the other rows serve every request together, and their tokens/s is what **all users together** get.
 # That difference is the point of a serving engine, and the footnotes under the table say it again.
@@ -117,10 +131,13 @@ for i in range(2):
 RUN_COMPILED = pick(cpu=False, gpu=True, device=device)
 rungs = [r for r in RUNGS if RUN_COMPILED or r not in ("compiled", "compiled_engine")]
 ladder = bench_ladder(model=model, tok=tok, requests=size["requests"], batch=size["batch"], sample=size["sample"],
-                      max_tokens_cap=size["cap"], rungs=rungs, tune=False,  # warmed up above
+                      length_scale=size["length_scale"], system_prompt=size["system_prompt"], rungs=rungs,
+                      tune=False,  # warmed up above
                       print_fn=lambda _report: None)  # the bench's full report; the table and its footnotes below
 print(ladder.table())
 print(ladder.footnotes())
+print()
+print(ladder.batching_beside_seed())
 
 # %%
 ladder.plot()
@@ -137,7 +154,9 @@ plt.show()
 # the column, is the top rung's ratio to the bottom one. The real question is whether each idea keeps, on top of
 # the others, the gain it has **alone**. Three of them can be measured alone cheaply, on the sample request and
 # on one stream: speculation (n-gram, on `generate_speculative`), prefix caching (the time to first token of one
-# request whose system prompt is cached, against one whose is not), and the KV cache itself.
+# request whose system prompt is cached, against one whose is not), and the KV cache itself. Batching is measured
+# alone by its first rung (static batches against one user at a time), and continuous batching by its ratio to
+# static batching on the same places: the seed's own comparison.
 
 # %%
 GREEDY = me.SamplingParams(temperature=0.0)
@@ -182,18 +201,19 @@ def gain(a, b):
 ladder_order = [x.rung for x in ladder.rows if x.rung != "hf"]
 below = {x: ladder_order[i - 1] for i, x in enumerate(ladder_order) if i}
 alone = {"cached": gain("cached", "naive"), "compiled": gain("compiled", "cached"),
-         "continuous": gain("continuous", "cached"), "paged": gain("paged", "continuous"),
-         "prefix": ttft_off / ttft_on, "speculative": plain_s / spec_s,
+         "static": gain("static", "cached"), "continuous": gain("continuous", "static"),
+         "paged": gain("paged", "continuous"), "prefix": ttft_off / ttft_on, "speculative": plain_s / spec_s,
          "compiled_engine": float("nan")}
-alone_what = {"cached": "tok/s, one stream", "compiled": "tok/s, one stream", "continuous": "tok/s, all vs one user",
-              "paged": "tok/s, equal KV memory", "prefix": "TTFT, one request", "speculative": "tok/s, one stream",
-              "compiled_engine": "-"}
+alone_what = {"cached": "tok/s, one stream", "compiled": "tok/s, one stream", "static": "tok/s, all vs one user",
+              "continuous": "tok/s, same places", "paged": "tok/s, equal KV memory", "prefix": "TTFT, one request",
+              "speculative": "tok/s, one stream", "compiled_engine": "-"}
 print(f"{'rung':<34}{'alone':>8}  {'(measured as)':<24}{'on the rungs below':>19}  seed's claim")
 for rung in ladder_order[1:]:
     print(f"{LABELS[rung]:<34}{alone[rung]:>7.2f}x  {alone_what[rung]:<24}{gain(rung, below[rung]):>18.2f}x  "
           f"{SEED_CLAIMS[rung]}")
 paged, prefix, spec_row = r("paged"), r("prefix"), r("speculative")
-print(f"\npaging: {r('continuous').peak_running} -> {paged.peak_running} requests at once on the same KV memory")
+print(f"\n{ladder.batching_beside_seed()}")
+print(f"paging: {r('continuous').peak_running} -> {paged.peak_running} requests at once on the same KV memory")
 print(f"prefix caching in the batch: hit rate {prefix.stats['cached_tokens'] / prefix.stats['prompt_tokens']:.0%} "
       f"of prompt tokens; TTFT p50 {percentile(paged.ttft, 50) * 1e3:.0f} -> {percentile(prefix.ttft, 50) * 1e3:.0f} ms")
 print(f"speculation in the batch: {spec_row.stats['accepted']} of {spec_row.stats['drafts']} drafts accepted")
@@ -205,12 +225,19 @@ print(f"\nproduct of the tok/s gains measured alone: {isolated:.0f}x; measured t
 # How to read it (your numbers are in the table above; the reasons do not depend on them):
 #
 # - **The KV cache** is the largest single step, and it grows with the prompt: the naive loop runs the whole
-#   ~300-token sequence through the model for every new token, the cached loop one token. The seed's "700×"
-#   counts attention work over 1,024 tokens; on tokens/s the weight products, which the naive loop also repeats,
-#   set the ratio (chapter 01).
-# - **Batching** (continuous, one user → all users) buys what the machine had spare. On a GPU a decode step is
-#   memory-bound and 16 sequences cost about what one does; on a CPU the products turn compute-bound after a
-#   few rows (chapter 02), so the gain is real but well below the batch size.
+#   sequence (the prompt and the answer so far, over a hundred tokens) through the model for every new token, the
+#   cached loop one token. The seed's "700×" counts attention work over 1,024 tokens; on tokens/s the weight
+#   products, which the naive loop also repeats, set the ratio (chapter 01).
+# - **Batching** (static batches, one user → a batch of users) buys what the machine had spare. On a GPU a
+#   decode step is memory-bound and 16 sequences cost about what one does; on a CPU the products turn
+#   compute-bound after a few rows (chapter 02), so the gain is real but well below the batch size.
+# - **Continuous batching** against static batching, on the same places, is the seed's comparison. A static batch
+#   keeps its places until its longest request ends, so the places of the requests that finished early sit idle
+#   (the "places busy" line); continuous batching gives them to waiting requests at the next step. How idle a
+#   static batch is depends on how much the lengths differ within it, which is why the workload mixes them. The
+#   seed's 50% → 90% turns into 1.8× tokens/s only if a fuller step costs no more than an emptier one: true of a
+#   memory-bound GPU step, not of a CPU step, where more requests per step make the step slower. So on a CPU the
+#   tokens/s gain falls short of the rise in busy places; on a GPU the two come close.
 # - **Paging** lets more requests in at once on the same memory (the concurrency line), which the seed prices
 #   at 2-4×. On this CPU more requests per step no longer buy much, so its tokens/s gain is small; its wins here
 #   are concurrency and time to first token (chapter 07).
@@ -309,9 +336,10 @@ from openai import OpenAI
 from mini_engine.bench.server import tuned_env, warm_server
 from mini_engine.serving.loadtest import PROMPTS, format_table, plot_sweep, start_server, sweep
 
+SERVER_SEQS = pick(cpu=4, gpu=16, device=device)  # the most requests the server decodes at once
 with tuned_env():
     server = start_server("--device", device, "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs",
-                          str(pick(cpu=4, gpu=16, device=device)))
+                          str(SERVER_SEQS))
 print(f"server at {server.url} (log: {server.log_path})")
 print(f"warm-up bursts: {warm_server(server.url, PROMPTS, up_to=8):.1f} s")
 
@@ -342,11 +370,65 @@ print(f"\n\n[{len(pieces)} chunks, TTFT {(first - t0) * 1e3:.0f} ms, {stream_s:.
 
 # %%
 rates = pick(cpu=[1.5, 6, 24], gpu=[4, 16, 64, 256], device=device)
-curve = sweep(server.url, rates, pick(cpu=8, gpu=64, device=device), max_tokens=32)
+SWEEP_REQUESTS, SWEEP_TOKENS = pick(cpu=8, gpu=64, device=device), 32
+curve = sweep(server.url, rates, SWEEP_REQUESTS, max_tokens=SWEEP_TOKENS)
 print(format_table(curve))
 plot_sweep(curve)
 plt.show()
 server.stop()
+
+# %% [markdown]
+# ### The same curve under sliders
+#
+# A load test takes tens of seconds a point; a simulation takes milliseconds. What a continuous-batching server
+# does under load follows mostly from two costs the engine can measure: the time of one decode step with n
+# requests in it, and the prefill a new request adds to the step it joins. Below, both are measured on the
+# engine, on the server's prompts: n requests start together and ask for the same number of tokens, so each of
+# them waits one step per token, and its time per output token is the step's time at batch n. Then
+# `serving_sim.simulate_load` replays the load test with those costs: Poisson arrivals, at most a batch limit of
+# requests at once, the others waiting in the queue. First the simulation beside the curve just measured:
+
+# %%
+from IPython.display import display
+
+from mini_engine.course.serving_sim import capacity, simulate_load
+from mini_engine.course.widgets import load_widget
+
+step_batches = pick(cpu=(1, 2, 4, 8, 16), gpu=(1, 4, 16, 64), device=device)
+server_prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+steps_llm = LLM.from_model(model, tok, max_num_seqs=max(step_batches), max_model_len=512)
+fixed = me.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+steps_llm.generate(server_prompts[:2], me.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+step_s = {}
+for b in step_batches:
+    outs = steps_llm.generate((server_prompts * b)[:b], fixed, use_tqdm=False)
+    step_s[b] = float(np.median([o.metrics.tpot_s for o in outs]))
+    if b == 1:  # one request alone: its time to first token is its prefill and one step
+        prompt_s = max(outs[0].metrics.ttft_s - step_s[1], 0.0)
+del steps_llm
+print("decode step: " + ", ".join(f"batch {b} {t * 1e3:.1f} ms" for b, t in step_s.items())
+      + f"; a prompt's prefill {prompt_s * 1e3:.0f} ms")
+print(f"capacity with {SERVER_SEQS} places: {capacity(step_s, SERVER_SEQS, SWEEP_TOKENS, prompt_s):.2f} requests/s")
+print(f"{'rate/s':>7}{'tok/s measured':>16}{'simulated':>11}{'TTFT p50 measured':>19}{'simulated':>11}")
+for c_ in curve:  # the simulation averaged over 20 draws of the same number of arrivals as the load test
+    sims = [simulate_load(step_s, c_["rate"], SERVER_SEQS, SWEEP_TOKENS, prompt_s, SWEEP_REQUESTS, seed)
+            for seed in range(20)]
+    c_["sim_tok_s"] = np.mean([x.tok_s for x in sims])
+    print(f"{c_['rate']:>7g}{c_['output_tok_s']:>16.1f}{c_['sim_tok_s']:>11.1f}{c_['ttft_p50_s'] * 1e3:>17.0f}ms"
+          f"{np.mean([x.ttft_p50 for x in sims]) * 1e3:>9.0f}ms")
+
+# %% [markdown]
+# The simulation should land near the measured points, and above them where the server is busy: it has no HTTP,
+# no streaming, no tokenizer, and no load generator sharing the cores with the engine, all of which the
+# measured curve pays for. Now move the sliders. The arrival rate walks the curve: throughput follows the
+# offered load until the server's capacity, then levels off while the latency takes off (requests wait for a
+# place). The batch limit moves the capacity: each extra place adds a request per step but makes the step slower
+# by the measured amount, so the capacity grows while a step of more requests costs little more (a memory-bound
+# step: a GPU) and stops growing once the step's cost grows with its rows (a compute-bound step: a CPU after a
+# few requests). Longer answers hold a place longer: the same rate is then a heavier load.
+
+# %%
+display(load_widget(step_s, prompt_s, max_batch=SERVER_SEQS, tokens=SWEEP_TOKENS))
 
 # %% [markdown]
 # `python -m mini_engine bench --workload server` measures the same at full size: the server's throughput
@@ -403,13 +485,19 @@ summary = [
      ", ".join(f"{x.rung} {same[0]}/{same[1]}" for x in ladder.rows if (same := agreement(x, cached)))),
     ("speculation alone: speedup, alpha", f"{plain_s / spec_s:.2f}x, {spec_stats.alpha:.2f}"),
     ("prefix caching alone: TTFT off -> on", f"{ttft_off * 1e3:.0f} -> {ttft_on * 1e3:.0f} ms ({ttft_off / ttft_on:.1f}x)"),
+    ("continuous / static batching: tok/s, places busy",
+     f"{gain('continuous', 'static'):.2f}x, {r('static').stats['lanes_busy']:.0%} -> "
+     f"{r('continuous').stats['lanes_busy']:.0%} (seed: about 1.8x, 50% -> 90%)"),
     ("paging: requests at once, contiguous -> paged", f"{r('continuous').peak_running} -> {paged.peak_running}"),
     ("roofline here: naive, cached, top (share reached)",
      ", ".join(f"{row.tok_s / ceiling:.0%}" for _, row, ceiling in cases)),
     ("A100 roofline, Llama-7B: naive, batch 1, batch 16 (tok/s)", ", ".join(f"{x[1]:.0f}" for x in rows[:2] + rows[3:4])),
     ("server: streamed answer TTFT", f"{(first - t0) * 1e3:.0f} ms"),
-    *((f"server at {c_['rate']:g} req/s: tok/s, TTFT p50, errors",
-       f"{c_['output_tok_s']:.1f}, {c_['ttft_p50_s'] * 1e3:.0f} ms, {c_['errors']}") for c_ in curve),
+    *((f"server at {c_['rate']:g} req/s: tok/s (simulated), TTFT p50, errors",
+       f"{c_['output_tok_s']:.1f} ({c_['sim_tok_s']:.1f}), {c_['ttft_p50_s'] * 1e3:.0f} ms, {c_['errors']}")
+      for c_ in curve),
+    ("decode step at batch 1 / largest measured", f"{step_s[min(step_s)] * 1e3:.1f} / {step_s[max(step_s)] * 1e3:.1f} ms "
+                                                  f"(batch {max(step_s)})"),
 ]
 width = max(len(k) for k, _ in summary)
 for k, v in summary:

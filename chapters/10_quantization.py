@@ -68,9 +68,9 @@ import mini_engine as me
 from mini_engine import formulas
 from mini_engine.course import quality
 from mini_engine.course.devices import default_device, pick
-from mini_engine.engine import LLM
 from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings
 from mini_engine.backends.cpu import warm_up
+from mini_engine.bench.paging import time_decode_steps
 from mini_engine.quant import from_scales_and_zeros, quantize_int4, weight_bytes
 
 device = default_device()
@@ -86,7 +86,7 @@ for name, kwargs in tqdm(VARIANTS.items(), desc="loading"):
 models = {"fp32": models["fp32"], "bf16": copy.deepcopy(models["fp32"]).to(torch.bfloat16),
           "int8": models["int8"], "int4": models["int4"]}
 NEW = pick(32, 128, device)    # tokens per single-stream run
-BATCH, BATCH_NEW = 16, pick(16, 64, device)
+BATCH = 16                     # sequences per decode step, beside one
 print(describe_machine(device))
 print(f"device: {device}; the quantized models compute with {act_dtype} activations, like the bf16 model")
 print(models["int4"].layers[0].self_attn.qkv_proj)
@@ -167,6 +167,25 @@ plt.show()
 # batch of a few sequences; on an A100 (about 150 FLOP per byte) it takes a batch of a hundred or more. The
 # curves are ceilings; section 3 measures what the engine reaches.
 #
+# The same arithmetic under sliders, for the GPUs the course names (published peaks: dense 16-bit tensor-core
+# FLOP/s and memory bandwidth) and this CPU (its ceilings measured above). Bits per weight is the slider: the
+# left plot splits the bytes a decode step moves per token into the weights' share, which the bits shrink and
+# the batch divides, and the rest (keys, values, activations), which neither touches; the right one is each
+# machine's ceiling. It opens on Llama-7B, the model the seed's GPU numbers are about; the menu has this
+# chapter's SmolLM2-135M too. Things to find: at batch 1 every GPU gains almost 4× from 16 bits to 4, and the
+# gain melts as the batch and the context grow; the CPU's low ridge makes its step compute-bound at a few bits
+# ("compute-bound below" in the table), where fewer bits buy nothing more.
+
+# %%
+from IPython.display import display
+
+from mini_engine.course.rooflines import GPU_ROOFS, Roof
+from mini_engine.course.widgets import quant_roofline_widget
+
+machines = {**GPU_ROOFS, "this CPU": Roof("this CPU (measured)", roof["peak_flops"], roof["peak_bw"])}
+display(quant_roofline_widget(machines, model="llama-7b", bits=4.0, batch=1, context=1024))
+
+# %% [markdown]
 # ## 2. One weight matrix and its int4 grid
 #
 # Layer 0's fused query-key-value projection, as the fp32 model holds it (the GGUF's Q4_1 blocks dequantized),
@@ -257,8 +276,9 @@ for name, w in grids.items():
 # which read the codes and scales as stored and turn them into values inside the product (on a CPU the
 # optional backend may run the same products in faster forms of its own: appendix [A1](A1_fast_on_a_cpu.ipynb)).
 #
-# Speed: decode tok/s of one stream (tokens after the first, greedy) and the serving engine's tok/s for 16
-# requests at once (prefill included). Quality: perplexity on the course's fixed text (`quality.PERPLEXITY_TEXT`)
+# Speed: decode tok/s of one stream (tokens after the first, greedy), and of a decode step of 16 sequences (the
+# whole model, attention included, each sequence at section 1's context): the step whose ceilings section 1
+# computed. Quality: perplexity on the course's fixed text (`quality.PERPLEXITY_TEXT`)
 # and greedy agreement with the fp32 model, teacher-forced: the fp32 model's greedy continuation of each chat
 # prompt is fed to both models and we count the positions where their next-token choices agree.
 
@@ -266,7 +286,6 @@ for name, w in grids.items():
 GREEDY = me.SamplingParams(temperature=0.0, ignore_eos=True)
 prompts = quality.chat_prompt_ids(tok)
 single_prompt = prompts[0]
-batch_prompts = (prompts * BATCH)[:BATCH]
 quality_prompts = prompts[:pick(4, len(prompts), device)]
 QUALITY_NEW = pick(24, 32, device)
 
@@ -278,25 +297,25 @@ def decode_tok_s(model, prompt, n):
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def serving_tok_s(model, prompts, n):
-    """The serving engine (continuous batching) with every request at once: output tok/s, prefill included."""
-    llm = LLM.from_model(model, tok, max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + n + 8)
-    params = me.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    llm.generate(prompts, me.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+def batch_tok_s(model, batch):
+    """tok/s of decode steps of `batch` sequences at CONTEXT positions each (median of 7, random keys and values:
+    a step's cost does not depend on them)."""
+    return batch / time_decode_steps(model, batch, CONTEXT, block_sizes=())["contiguous"]
 
 
+# Every row count the measurements bring: one token, the batch, a prompt and its answer (under 64 tokens) and the
+# perplexity text (256 and more). The optional CPU backend times its forms for each now, off the clock.
+ROWS = (1, BATCH, 64, 256)
 reference = quality.reference_greedy(models["fp32"], quality_prompts, QUALITY_NEW)
 measured = {}
 for name, m in tqdm(models.items(), desc="measuring"):
+    warm_up(m, ROWS)
     decode_tok_s(m, single_prompt, 4)  # warm-up: first-use costs stay off the clock
     agree = quality.greedy_agreement(m, models["fp32"], quality_prompts, QUALITY_NEW, reference_tokens=reference)
     measured[name] = dict(
         mib=weight_bytes(m) / 2**20,
         b1=decode_tok_s(m, single_prompt, NEW),
-        b16=serving_tok_s(m, batch_prompts, BATCH_NEW),
+        b16=batch_tok_s(m, BATCH),
         floor=matmul_floor_tok_s(m, 1),
         ppl=quality.perplexity(m, tok),
         agree=agree,

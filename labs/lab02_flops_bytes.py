@@ -21,9 +21,9 @@ def forward_flops(model: nn.Module, n_tokens: int, context_len: int | None = Non
     Count attention as naive attention computes it: per layer and query head, Q·Kᵀ and P·V each do
     n_tokens · context_len · head_dim multiply-adds, masked or not. One multiply-add is 2 FLOPs.
     """
-    # TODO: per new token, 2*in*out for every nn.Linear, plus 2 products of context_len*head_dim multiply-adds
-    #       (2 FLOPs each) per layer and query head.
-    raise NotImplementedError("lab02 forward_flops: per token, 2*in*out per nn.Linear + 2*2*context_len*head_dim per layer and query head")
+    # TODO: lab 01 counted a full pass; what changes when only n_tokens are new and they attend to context_len keys?
+    raise NotImplementedError("lab02 forward_flops: which part of the work grows with the new tokens alone, and "
+                              "which with new tokens times keys?")
 
 
 def forward_bytes(model: nn.Module, n_tokens: int, context_len: int | None = None, dtype_bytes: int = 4) -> int:
@@ -36,31 +36,34 @@ def forward_bytes(model: nn.Module, n_tokens: int, context_len: int | None = Non
 
     Everything is `dtype_bytes` bytes per number (4 for fp32, 2 for fp16/bf16).
     """
-    # TODO: (parameters + K/V numbers of the context + hidden-state numbers in and out of every layer) * dtype_bytes.
-    raise NotImplementedError("lab02 forward_bytes: (parameters + 2*layers*kv_heads*head_dim*context_len + 2*layers*hidden*n_tokens) * dtype_bytes")
+    # TODO: the docstring lists three kinds of traffic: count the numbers of each, then their bytes.
+    raise NotImplementedError("lab02 forward_bytes: model.parameters() and model.config give every count (a tied "
+                              "weight is one tensor: count it once)")
 
 
 def arithmetic_intensity(model: nn.Module, n_tokens: int, context_len: int | None = None,
                          dtype_bytes: int = 4) -> float:
     """FLOPs per byte moved of that forward pass. A prefill of n tokens reuses every weight n times;
     a decode step (n_tokens = 1) uses each weight once."""
-    # TODO: divide forward_flops by forward_bytes.
-    raise NotImplementedError("lab02 arithmetic_intensity: divide forward_flops by forward_bytes")
+    # TODO: intensity is work over traffic.
+    raise NotImplementedError("lab02 arithmetic_intensity: you have both halves of the ratio above")
 
 
 def decode_intensity(model: nn.Module, batch: int, context_len: int, dtype_bytes: int = 4) -> float:
     """Arithmetic intensity of ONE decode step that advances `batch` sequences by one token each, every
     sequence attending to `context_len` keys. The batch shares one read of the weights; each sequence
     brings its own FLOPs, its own K/V and its own hidden state."""
-    # TODO: the batch shares one read of the weights; FLOPs, K/V and hidden states are paid per sequence.
-    raise NotImplementedError("lab02 decode_intensity: weights read once per step, everything else once per sequence")
+    # TODO: which traffic does the batch share, and which does each sequence bring?
+    raise NotImplementedError("lab02 decode_intensity: split a pass's bytes into the part the batch shares and the "
+                              "part each sequence adds")
 
 
 def attainable_flops(intensity: float, peak_flops: float, peak_bw: float) -> float:
     """The roofline: the FLOP/s a kernel of this intensity can reach, limited either by the bytes the
     memory delivers per second (intensity · bandwidth) or by the arithmetic units (peak FLOP/s)."""
-    # TODO: the lower of the two roofs.
-    raise NotImplementedError("lab02 attainable_flops: the lower of peak FLOP/s and intensity * bandwidth")
+    # TODO: chapter 02's roofline: two ceilings, and a kernel meets the lower one.
+    raise NotImplementedError("lab02 attainable_flops: what limits a kernel whose bytes arrive slower than its "
+                              "FLOPs could use them, and what otherwise?")
 
 
 def min_batch_for_compute_bound(model: nn.Module, context_len: int, peak_flops: float, peak_bw: float,
@@ -68,5 +71,6 @@ def min_batch_for_compute_bound(model: nn.Module, context_len: int, peak_flops: 
     """The smallest batch (1 .. max_batch) whose decode step reaches the ridge point (intensity ≥
     peak_flops / peak_bw), i.e. is no longer memory-bound. None if no batch up to max_batch does: the
     per-sequence K/V reads grow with the batch too, so for long contexts the ridge may be out of reach."""
-    # TODO: try batch = 1, 2, ... until decode_intensity reaches the ridge point peak_flops / peak_bw.
-    raise NotImplementedError("lab02 min_batch_for_compute_bound: try batch = 1, 2, ... until decode_intensity >= peak_flops / peak_bw")
+    # TODO: where is the ridge point, and how does decode_intensity move with the batch?
+    raise NotImplementedError("lab02 min_batch_for_compute_bound: try the batches in order with decode_intensity; "
+                              "when is there no answer?")

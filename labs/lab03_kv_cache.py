@@ -20,15 +20,17 @@ from mini_engine.kv_cache import ContiguousKVCache
 def kv_cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> int:
     """Bytes of the K and V a model keeps for `batch` sequences of `seq_len` tokens: every layer stores,
     for every token, one key and one value vector of head_dim numbers per KV head (not per query head)."""
-    # TODO: K and V, per layer, per KV head, per token, head_dim numbers of dtype_bytes each.
-    raise NotImplementedError("lab03 kv_cache_bytes: 2 * layers * kv_heads * head_dim * seq_len * batch * dtype_bytes")
+    # TODO: chapter 03's section on the cache's memory: what does each layer keep per token?
+    raise NotImplementedError("lab03 kv_cache_bytes: count the numbers the cache holds (keys and values, layers, KV "
+                              "heads, tokens, sequences), then their bytes")
 
 
 def max_concurrent_requests(config, gpu_bytes: int, seq_len: int, dtype_bytes: int = 2) -> int:
     """How many requests of `seq_len` tokens fit their KV cache in the memory a GPU has left beside the
     weights (config.num_params numbers of dtype_bytes each). Whole requests only; 0 if none fit."""
-    # TODO: (GPU bytes - weight bytes) // KV bytes of one request, never below 0.
-    raise NotImplementedError("lab03 max_concurrent_requests: (gpu_bytes - num_params * dtype_bytes) // kv_cache_bytes of one request, at least 0")
+    # TODO: what do the weights leave, and what does one request need?
+    raise NotImplementedError("lab03 max_concurrent_requests: how many whole requests fit in the memory the weights "
+                              "leave (and when do none)?")
 
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
@@ -44,9 +46,9 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
        head h reads KV head h // g.
     Returns the output [Hq, D]. Raises ValueError if `position` is past the end of the cache.
     """
-    # TODO: write k_new/v_new at `position`; scores of q against keys 0..position (head h reads KV head
-    #       h // g), scaled by 1/sqrt(D), softmax, weighted sum of the values.
-    raise NotImplementedError("lab03 decode_attention: write the new K/V at `position`, then attend q to positions 0..position (query head h uses KV head h // g)")
+    # TODO: the next step reads this token's key and value from the cache; attention reads only filled positions.
+    raise NotImplementedError("lab03 decode_attention: which cache positions hold data at this step, and which KV "
+                              "head does each query head read?")
 
 
 def cached_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
@@ -58,6 +60,6 @@ def cached_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_token
     Returns only the new tokens; stop after `max_new_tokens`, or right after emitting `eos_token_id`
     (included). Must produce exactly the tokens of full-recompute greedy generation.
     """
-    # TODO: ContiguousKVCache with 1 slot; prefill the prompt; then decode_step with the newest token,
-    #       context_lens=[prompt + tokens so far]; greedy = argmax.
-    raise NotImplementedError("lab03 cached_generate: prefill once into a ContiguousKVCache, then one decode_step per new token with only the newest token")
+    # TODO: the docstring names the engine pieces to use; what context length does each decode step need?
+    raise NotImplementedError("lab03 cached_generate: the prefill gives the first token; after it, what does each "
+                              "decode_step feed the model, and with what context length?")

@@ -11,7 +11,8 @@ Fill in every function marked TODO in labs/lab04_continuous_batching.py, then gr
     pytest tests/labs/test_lab04.py --impl=labs
 
 Pure Python: the model hides behind `step_fn`. `make_model_step` (given) builds one from a real model
-and a contiguous KV cache, so the same scheduler also drives real generation.
+and a contiguous KV cache, so the same scheduler also drives real generation; `EnginePolicy` (given) plugs your
+admission rule into the serving engine, `mini_engine.LLM`, in place of its own continuous batching.
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ class Request:
 def is_finished(request: Request) -> bool:
     """True once the request has `max_tokens` output tokens, or its last output token is its
     `stop_token_id` (when that is not None)."""
-    # TODO: compare len(request.output) with max_tokens, and the last output token with stop_token_id
-    raise NotImplementedError("lab04 is_finished: compare len(request.output) with max_tokens, and the last output token with stop_token_id")
+    # TODO: two ways a request ends (see the docstring).
+    raise NotImplementedError("lab04 is_finished: a request ends at its length limit or at its stop token; which of "
+                              "its tokens can be the stop?")
 
 
 class ContinuousBatcher:
@@ -77,26 +79,29 @@ class ContinuousBatcher:
         """Move waiting requests that have arrived (arrival_step <= step_count) into the batch, in the order they
         were added, while free slots remain. Give each one a slot from `free_slots` and set its admitted_step.
         Requests that have not arrived yet stay in `waiting`, in order. Returns the admitted requests."""
-        # TODO: walk self.waiting in order; admit requests that have arrived while self.free_slots is not empty
-        raise NotImplementedError("lab04 admit: walk self.waiting in order; admit requests that have arrived while self.free_slots is not empty")
+        # TODO: first come, first served, among the requests that have arrived.
+        raise NotImplementedError("lab04 admit: which waiting requests may start at this step, and what does each "
+                                  "take and record when it does?")
 
     def evict(self) -> list[Request]:
         """Remove every finished request (see `is_finished`) from the batch, give its slot back to
         `free_slots`, set its slot to None and its finished_step to the current step. Returns them."""
-        # TODO: find the finished requests in self.running, remove them and put their slots back in self.free_slots
-        raise NotImplementedError("lab04 evict: find the finished requests in self.running, remove them and put their slots back in self.free_slots")
+        # TODO: is_finished says who is done; what must a finished request give back?
+        raise NotImplementedError("lab04 evict: a finished request leaves the batch and returns what it held; which "
+                                  "of its fields record that?")
 
     def step(self) -> list[Request]:
         """One iteration: admit, run `step_fn` once on the whole batch (not at all if the batch is empty) and
         append each returned token to its request's output, record the timeline row (which request held which
         slot during this step), evict, and advance step_count. Returns the requests that finished."""
-        # TODO: admit; call self.step_fn once with the running batch; append tokens; record the timeline row; evict; count the step
-        raise NotImplementedError("lab04 step: admit; call self.step_fn once with the running batch; append tokens; record the timeline row; evict; count the step")
+        # TODO: one iteration, in the docstring's order; the timeline row shows the slots as the batch held them.
+        raise NotImplementedError("lab04 step: one iteration in the docstring's order; what happens when nobody is "
+                                  "running?")
 
     def run(self) -> list[Request]:
         """Step until no request is waiting or running; return every request in the order they finished."""
-        # TODO: call self.step() until self.has_unfinished() is False, collecting what each step returns
-        raise NotImplementedError("lab04 run: call self.step() until self.has_unfinished() is False, collecting what each step returns")
+        # TODO: step until nothing is left.
+        raise NotImplementedError("lab04 run: what tells you the work is done, and what does each step hand back?")
 
 
 def make_model_step(model, kv_cache) -> Callable[[list[Request]], list[int]]:
@@ -115,3 +120,33 @@ def make_model_step(model, kv_cache) -> Callable[[list[Request]], list[int]]:
         logits = model(torch.tensor(ids, device=model.device), meta, kv_cache)
         return logits.argmax(dim=-1).tolist()
     return step
+
+
+class EnginePolicy:
+    """Given: your `ContinuousBatcher.admit` as the serving engine's scheduling policy, `LLM(...,
+    scheduling=EnginePolicy())` (the engine takes any object with these two methods; see `EngineConfig`).
+
+    The engine keeps its own requests, slots and steps, and at every step asks its policy which waiting requests
+    to start. This adapter puts the question to your batcher: the engine's waiting requests become your
+    `Request`s (all of them have arrived), its free slots your `free_slots`, and the requests your `admit` takes
+    start in the order it took them, while the step's token budget lasts (your batcher knows nothing of tokens)."""
+    name = "lab04"
+
+    def admit(self, waiting, running, free_slots: int, budget: float, now: float) -> list:
+        batcher = ContinuousBatcher(step_fn=None, num_slots=free_slots)
+        for i, r in enumerate(waiting):
+            batcher.add_request(Request(i, list(r.prompt_ids), r.params.max_tokens))
+        started = []
+        for mine in batcher.admit():
+            if budget <= 0:
+                break
+            r = waiting[mine.request_id]
+            started.append(r)
+            budget -= r.num_uncomputed - r.num_cached_hint  # a prefix-cache hit costs the step nothing
+        if waiting and free_slots and budget > 0 and not running and not started:
+            raise RuntimeError(f"admit() started none of {len(waiting)} waiting requests with {free_slots} slots "
+                               "free and nothing running: the engine would wait forever")
+        return started
+
+    def seconds_until_admission(self, waiting, running, now: float) -> float:
+        return 0.0  # every request in the engine's queue has arrived: admission never waits for a clock

@@ -16,8 +16,9 @@
 #
 # Open `labs/lab04_continuous_batching.py` and fill in the five functions marked `TODO`: `is_finished`, and
 # `admit`, `evict`, `step` and `run` of `ContinuousBatcher`. This notebook runs your scheduler on the real
-# model, draws which request held which slot at every step, and then runs the grader, the same tests CI
-# runs against the reference solution:
+# model, draws which request held which slot at every step, serves chapter 04's workload with the engine,
+# `LLM`, using your admission rule, and then runs the grader, the same tests CI runs against the reference
+# solution:
 #
 #     pytest tests/labs/test_lab04.py --impl=labs
 #
@@ -106,7 +107,43 @@ if done:
     print("every answer equals generating it alone:", same)
 
 # %% [markdown]
-# ## 3. Grade
+# ## 3. Your admission rule inside the serving engine
+# The engine of chapter 04, `mini_engine.LLM`, keeps its own requests, slots and KV cache, and at every step asks
+# its scheduling policy which waiting requests to start. `EnginePolicy` (given) hands that question to your
+# `ContinuousBatcher.admit`. Below, the chapter's mixed workload runs twice on the real model: once under the
+# engine's own continuous batching, once under yours. The two must start the same requests at the same steps,
+# and so give every request the same tokens.
+
+# %%
+from mini_engine import LLM
+
+rng = np.random.default_rng(0)  # the workload of chapter 04, section 3 (its CPU size)
+prompt_lens, output_lens = rng.integers(8, 49, size=16), rng.integers(4, 41, size=16)
+prompts = [rng.integers(1000, 20000, size=n).tolist() for n in prompt_lens]
+work_params = [me.SamplingParams(max_tokens=int(n), ignore_eos=True) for n in output_lens]
+
+
+def serve(policy):
+    """The workload through LLM under one policy: each request's tokens, and what every step ran."""
+    llm = LLM.from_model(model, tok, kv_cache="contiguous", scheduling=policy, max_num_seqs=4,
+                         max_model_len=int((prompt_lens + output_lens).max()), chunked_prefill_tokens=512,
+                         record_trace=True)
+    outs = llm.generate(prompts, work_params, use_tqdm=False)
+    return [o.token_ids for o in outs], [[(rid, n) for rid, _, n, _ in step.chunks] for step in llm.engine.trace]
+
+
+try:
+    your_tokens, your_steps = serve(lab.EnginePolicy())
+except NotImplementedError as err:
+    print(f"not implemented yet: {err}")
+else:
+    engine_tokens, engine_steps = serve("continuous")
+    print(f"{len(prompts)} requests, {sum(map(len, your_tokens))} tokens in {len(your_steps)} engine steps")
+    print("same tokens as the engine's own continuous batching:", your_tokens == engine_tokens)
+    print("same requests started at the same steps:            ", your_steps == engine_steps)
+
+# %% [markdown]
+# ## 4. Grade
 # The grader prints one line per test; a failing test says what to fix.
 
 # %%

@@ -34,10 +34,9 @@ def online_softmax(score_tiles: Iterable[np.ndarray], value_tiles: Iterable[np.n
     l of exp(s - m), and the running output acc = sum of exp(s - m) * v. Return acc / l, shape [Q, D].
     Must not overflow for scores in the hundreds.
     """
-    raise NotImplementedError(
-        "hint: start m at -inf and l, acc at 0 (shapes from the first tile); for each tile take "
-        "m_new = max(m, tile max), rescale l and acc by exp(m - m_new), add exp(s - m_new) summed (to l) "
-        "and times the values (to acc); at the end return acc / l[:, None]")
+    # TODO: chapter 05's "Online softmax, step by step" follows one row through the tiles.
+    raise NotImplementedError("lab05 online_softmax: what must m, l and acc start as, and when a tile raises a row's "
+                              "max, what happens to what l and acc already hold?")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -52,11 +51,10 @@ def attention_tile_step(acc, l_i, m_i, qk, v):
     NaN). qk [BLOCK_M, BLOCK_N] fp32: this tile's scores, already multiplied by sm_scale * log2(e) and
     set to -inf where masked, so the softmax weights are exp2(qk - max), not exp. v [BLOCK_N, D] fp32.
     """
-    # TODO: the recurrence of Part 1 on a whole tile of query rows at once.
-    raise NotImplementedError(
-        "hint: mirror Part 1 row-wise: tl.max(qk, 1) is each row's tile max, tl.maximum merges it with m_i, "
-        "tl.math.exp2 replaces exp (qk is already in log2 units), tl.sum(p, 1) gives the row sums, "
-        "tl.dot(p, v) the weighted values; scale the old l_i and acc before adding; return (acc, l_i, m_new)")
+    # TODO: Part 1's update for BLOCK_M query rows at once, written with triton.language.
+    raise NotImplementedError("lab05 attention_tile_step: triton.language has per-row reductions, an exp2 and a "
+                              "matrix product; which units are the scores in, and what must the old state be "
+                              "multiplied by?")
 
 
 # ---- given: a harness that runs your step once, the kernel around it, and the wrapper -------------

@@ -12,17 +12,19 @@
 # ---
 
 # %% [markdown]
-# # Lab 06 · Speculative decoding: the n-gram proposer and the rejection sampler
+# # Lab 06 · Speculative decoding: the proposer, the rejection sampler and the loop
 #
-# Open `labs/lab06_speculative.py` and fill in the three functions marked `TODO`:
+# Open `labs/lab06_speculative.py` and fill in the four functions marked `TODO`:
 #
 # * `ngram_propose`: prompt lookup, the cheapest guesser there is;
 # * `residual_distribution`: max(0, p − q), normalised, where a rejected position draws from;
-# * `rejection_sample`: the batched accept / reject step that makes speculation lossless.
+# * `rejection_sample`: the batched accept / reject step that makes speculation lossless;
+# * `generate_speculative`: the loop around them: draft, verify in one forward pass, accept, roll the cache back.
 #
 # This notebook tries each piece on small cases, checks your sampler's output against the target
-# distribution with 100,000 draws, then runs the real model with your proposer inside the course's
-# speculative loop, and finally runs the grader, the same tests CI runs against the reference solution:
+# distribution with 100,000 draws, runs your loop on the real model, then serves requests with the real
+# engine drafting with your proposer, and finally runs the grader, the same tests CI runs against the
+# reference solution:
 #
 #     pytest tests/labs/test_lab06.py --impl=labs
 #
@@ -169,30 +171,79 @@ if rows is not None:
     plt.show()
 
 # %% [markdown]
-# ## 4. Your proposer on the real model
-# `me.generate_speculative` is the course's speculative loop for one sequence. Any object with
-# `propose(token_ids, k)` can draft for it; wrap yours and ask the model to repeat a sentence. The output
-# must be the plain greedy output, token for token, and most rounds should accept several drafts.
+# ## 4. Your loop on the real model
+# `Target` (given) holds the model and the KV cache of one sequence: `forward(tokens)` runs tokens after what
+# the cache holds, in one pass, and returns the logits at each; `rollback(n)` keeps the first n positions. Your
+# `generate_speculative` drafts with your `ngram_propose` while the model repeats a sentence. Greedy, its
+# tokens should be the plain greedy decoding's: a verify pass computes the same logits as one-token steps up to
+# rounding, which could flip only a near-tie between the two top tokens. Most rounds should accept several
+# drafts, so the model runs far fewer passes than there are tokens.
 
 # %%
-class LabProposer:
-    def propose(self, token_ids, k):
-        return lab.ngram_propose(token_ids, k, ngram_min=1, ngram_max=3)
+def my_proposer(token_ids, k):
+    return lab.ngram_propose(token_ids, k, ngram_min=1, ngram_max=3)
 
 
 prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Repeat exactly: " + sentence}]))
 greedy = me.SamplingParams(temperature=0.0, ignore_eos=True)
-result = attempt("speculative loop with your proposer",
-                 lambda: me.generate_speculative(model, prompt, LabProposer(), k=4, max_new_tokens=20, params=greedy))
+target = lab.Target(model, len(prompt) + 20)
+result = attempt("your speculative loop", lambda: lab.generate_speculative(target, prompt, my_proposer, 4, 20))
 if result is not None:
-    out, stats = result
+    out, rounds = result
     plain = me.generate_cached(model, prompt, 20, greedy)
+    accepted, drafted = sum(a for _, a in rounds), sum(d for d, _ in rounds)
     print(repr(tok.decode(out)))
-    print(f"identical to plain decoding: {out == plain}; {stats.target_steps} target passes for {len(out)} tokens "
-          f"(α = {stats.alpha:.2f}, {stats.tokens_per_step:.2f} tokens per pass)")
+    print(f"identical to plain decoding: {out == plain}; {target.num_passes} forward passes for {len(out)} tokens; "
+          f"{accepted} of {drafted} drafts accepted")
+    print("rounds (drafts, accepted):", rounds)
 
 # %% [markdown]
-# ## 5. Grade
+# ## 5. Your proposer serves requests
+# The serving engine speculates too, and takes any object with a `propose(token_ids, k)` method as its
+# proposer: `LLM(speculative={"method": proposer, "k": 4})`. Chapter 06's two workloads, a text to repeat and
+# an open question, run twice on the same engine: drafting with the engine's own n-gram lookup, then with
+# yours. Both must give the same tokens, and the same drafts and accepted drafts, request by request.
+
+# %%
+from mini_engine.engine import LLM
+
+SOURCE = ("The committee met on Tuesday to discuss the new park. Members agreed that the playground needs new "
+          "swings, that the benches along the river should be repaired, and that the lights on the main path "
+          "must stay on until midnight.")
+WORKLOADS = {
+    "input-grounded": [{"role": "user", "content": "Repeat the following text word for word:\n\n" + SOURCE}],
+    "open chat": [{"role": "user", "content": "Give me three ideas for a rainy weekend with children."}],
+}
+requests = [tok.encode(tok.apply_chat_template(m)) for m in WORKLOADS.values()]
+params = me.SamplingParams(temperature=0.0, max_tokens=48)
+
+
+class LabProposer:
+    """Your ngram_propose, for the engine's proposer hook."""
+
+    def propose(self, token_ids, k):
+        return lab.ngram_propose(token_ids, k, ngram_min=1, ngram_max=3)
+
+
+def serve(method):
+    llm = LLM.from_model(model, tok, max_num_seqs=2,
+                         speculative={"method": method, "k": 4, **({"ngram_max": 3} if method == "ngram" else {})})
+    return llm.generate(requests, params, use_tqdm=False)
+
+
+yours = attempt("the engine with your proposer", lambda: serve(LabProposer()))
+if yours is not None:
+    engine_own = serve("ngram")
+    print(f"{'workload':<16}{'tokens':>7}{'drafted':>9}{'accepted':>10}  same tokens and drafts as the engine's")
+    for name, a, b in zip(WORKLOADS, engine_own, yours):
+        same = a.token_ids == b.token_ids and (a.metrics.num_draft_tokens, a.metrics.num_accepted_tokens) == \
+            (b.metrics.num_draft_tokens, b.metrics.num_accepted_tokens)
+        print(f"{name:<16}{len(b.token_ids):7d}{b.metrics.num_draft_tokens:9d}{b.metrics.num_accepted_tokens:10d}  {same}")
+    print("the engine serves your proposer's drafts exactly as its own:",
+          all(a.token_ids == b.token_ids for a, b in zip(engine_own, yours)))
+
+# %% [markdown]
+# ## 6. Grade
 # The grader prints one line per failing test, saying what to fix.
 
 # %%

@@ -1,4 +1,4 @@
-"""Lab 06: speculative decoding's two small pieces, the n-gram proposer and the lossless rejection sampler.
+"""Lab 06: speculative decoding: the n-gram proposer, the lossless rejection sampler, and the loop around them.
 
 A decode step reads every weight to produce one token. Speculative decoding lets something cheap guess the
 next k tokens, then checks all k guesses in one target forward pass: the target's distributions
@@ -9,17 +9,25 @@ p_0 .. p_k at the k + 1 positions come out of that one pass. You write:
   3. `rejection_sample`: accept draft x with probability min(1, p(x) / q(x)); at the first rejection draw
      one token from the residual and stop; if every draft passes, draw a bonus token from p_k. The tokens
      that come out follow the target's distribution exactly, whatever the guesser proposed.
+  4. `generate_speculative`: the loop that makes it pay. Each round drafts, verifies the drafts in ONE
+     forward pass of the target, keeps what the rejection sampler accepts, and rolls the KV cache back to
+     the tokens kept. `Target` (given) wraps the real model and its cache in the two operations you need.
 
 Fill in every function marked TODO in labs/lab06_speculative.py, then grade your work with
 
     pytest tests/labs/test_lab06.py --impl=labs
 
 The tests draw 100,000 samples from your sampler and compare their frequencies with p: a sampler that
-skips the residual, or accepts too eagerly, emits a different distribution and fails them.
+skips the residual, or accepts too eagerly, emits a different distribution and fails them. Your loop must
+give the engine's tokens on the real model, and the lab notebook ends by serving requests with the real
+engine (`LLM`) drafting with your `ngram_propose`.
 """
 from __future__ import annotations
 
 import torch
+
+from mini_engine.attention import AttentionMetadata
+from mini_engine.kv_cache import ContiguousKVCache
 
 
 def ngram_propose(token_ids: list[int], k: int, ngram_min: int = 1, ngram_max: int = 3) -> list[int]:
@@ -30,10 +38,10 @@ def ngram_propose(token_ids: list[int], k: int, ngram_min: int = 1, ngram_max: i
     i < len(token_ids) - n. At the first n that has a match, take the latest such i and return the tokens
     that followed it, token_ids[i + n : i + n + k] (fewer than k when the sequence ends sooner). Return []
     when no n matches, and when k is 0."""
-    # TODO: for n from min(ngram_max, len - 1) down to ngram_min, scan starts i = len - n - 1 down to 0; at the
-    #       first i with token_ids[i:i + n] == token_ids[-n:], return token_ids[i + n:i + n + k]; else []
-    raise NotImplementedError("lab06 ngram_propose: for n from ngram_max down to ngram_min, find the LATEST earlier "
-                              "i with token_ids[i:i+n] == token_ids[-n:] and return token_ids[i+n:i+n+k]; [] if none")
+    # TODO: think about which n to try first and, for one n, which earlier start wins. Where may a match
+    #       start so that it is not the suffix itself? What does a match near the end leave to propose?
+    raise NotImplementedError("lab06 ngram_propose: prompt lookup, longest n first, latest earlier match (see the "
+                              "docstring)")
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -41,9 +49,10 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
     often than the draft offered it, the only place a rejected position may draw from.
 
     Rows where nothing is left (p ≤ q everywhere, which happens when p = q up to rounding) return p itself."""
-    # TODO: (p - q).clamp_min(0), divided by its sum over the last axis (keepdim); torch.where(sum > 0, ..., p)
-    raise NotImplementedError("lab06 residual_distribution: (p - q).clamp_min(0) / its sum over the last axis, "
-                              "or p itself in rows where that sum is 0")
+    # TODO: which tokens does the draft offer less often than the target wants, and by how much? A row where
+    #       nothing is left must not divide by zero.
+    raise NotImplementedError("lab06 residual_distribution: what p wants beyond q, normalised over the last axis "
+                              "(see the docstring)")
 
 
 def one_hot_drafts(draft_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -64,13 +73,75 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
       1. p(x_j) and q(x_j) for each draft (torch.gather on the last axis);
       2. accept draft j when u_j · q(x_j) < p(x_j) with u_j uniform in [0, 1) (torch.rand): probability
          min(1, p/q), written without dividing by a q that may be 0;
-      3. a sequence keeps drafts up to its first rejection: num_accepted = the accepted flags' cumulative
-         product (cumprod), summed along k;
+      3. a sequence keeps its drafts up to its first rejection, and none after it, even those that would pass;
       4. the last token: at a rejected position j, drawn from residual_distribution(p_j, q_j); when all k
          passed, from p_k (the bonus token). torch.multinomial draws one index per row.
     """
-    # TODO: follow steps 1-4. Useful: rows = torch.arange(S); target_probs[rows, num_accepted] picks p_j per
-    #       sequence; torch.where(rejected[:, None], residual, p) chooses per row; then one list per sequence:
-    #       its first num_accepted drafts + [the drawn token]
-    raise NotImplementedError("lab06 rejection_sample: accept draft j when u * q(x_j) < p(x_j); keep drafts up to the "
-                              "first rejection; draw the last token from the residual there, or from p_k if all passed")
+    # TODO: steps 1-4, batched over the S sequences (no Python loop over them is needed until the last line).
+    #       Tools worth looking up: torch.gather, cumprod, indexing with a tensor of row numbers, torch.where,
+    #       torch.multinomial. Think: which position's q does a rejection read when every draft was accepted?
+    raise NotImplementedError("lab06 rejection_sample: accept with probability min(1, p/q), stop at the first "
+                              "rejection, then one token from the residual or the bonus row (see the docstring)")
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
+    """Given: the distributions a request samples from, [..., V] in fp32: softmax(logits / temperature), or
+    one-hot at the argmax when temperature is 0 (greedy)."""
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+class Target:
+    """Given: the target model and the KV cache of ONE sequence, behind the two operations the loop needs.
+
+    `forward(token_ids)` runs the tokens at positions num_cached, num_cached + 1, ... in one forward pass: their
+    keys and values join the cache, and the logits at every position come back, [len(token_ids), V] (row i:
+    the next-token logits after token_ids[i]). `rollback(num_tokens)` keeps the first num_tokens positions and
+    forgets the rest: attention never reads past num_cached, and the next forward overwrites those rows.
+    State: `num_cached`, the positions the cache holds; `num_passes`, forward passes so far."""
+
+    def __init__(self, model, max_len: int):
+        self.model, self.max_len = model, max_len
+        self.kv_cache = ContiguousKVCache(model.config, 1, max_len, model.device, model.dtype)
+        self.num_cached = self.num_passes = 0
+
+    def forward(self, token_ids: list[int]) -> torch.Tensor:
+        n = len(token_ids)
+        if n == 0 or self.num_cached + n > self.max_len:
+            raise ValueError(f"forward: {n} tokens after {self.num_cached} cached positions (the cache holds "
+                             f"{self.max_len}; at least one token)")
+        meta = AttentionMetadata.build([n], [self.num_cached + n], slots=[0], device=self.model.device)
+        logits = self.model(torch.tensor(token_ids, device=self.model.device), meta, self.kv_cache)
+        self.num_cached += n
+        self.num_passes += 1
+        return logits
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.num_cached:
+            raise ValueError(f"rollback: keep {num_tokens} positions of the {self.num_cached} the cache holds?")
+        self.num_cached = num_tokens
+
+
+def generate_speculative(target: Target, prompt_ids: list[int], propose, k: int, max_new_tokens: int,
+                         temperature: float = 0.0, stop_token_id: int | None = None,
+                         generator: torch.Generator | None = None) -> tuple[list[int], list[tuple[int, int]]]:
+    """Speculative decoding of one sequence on `target` (its cache empty). Returns the new tokens and, for each
+    verify round, (drafts proposed, drafts accepted).
+
+      1. Prefill: run the prompt; the first new token is drawn from its last row's distribution.
+      2. Each round: `propose(token_ids, n)` (the prompt and the output so far) guesses up to n tokens, with
+         n = min(k, max_new_tokens - len(output) - 1), since a round yields its accepted drafts plus one token:
+         never more than are left. Verify the drafts in ONE `target.forward` pass, turn its logits into
+         distributions with `probs_from_logits`, and keep what your `rejection_sample` returns. With no draft,
+         the round's one token is drawn from p_0 (torch.multinomial).
+      3. Roll back: the cache must hold keys and values for every token kept but the newest (the next round
+         runs that one), and none for a rejected draft.
+    Tokens join the output one at a time: stop after max_new_tokens of them, or right after stop_token_id.
+    Draw every random number from `generator`."""
+    # TODO: prefill, then rounds until the output is complete. Think: how many positions does the cache hold
+    #       right after a verify pass, how many should it hold once you know which drafts were kept, and which
+    #       token must the next round's chunk start with? Chapter 06, section 2, walks through one round.
+    raise NotImplementedError("lab06 generate_speculative: prefill, then rounds of propose, one verify pass, "
+                              "rejection_sample and rollback (see the docstring)")

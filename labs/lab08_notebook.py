@@ -18,8 +18,9 @@
 # (the hash chain), then `allocate`, `free`, `release`, `lookup`, `cache_full_blocks` and `admit` of `PrefixCache`.
 # This notebook hashes a few prompts with your code, serves a stream of requests that share a system prompt
 # through your cache and checks its hits against the closed form in `mini_engine.course.formulas`, shrinks the pool
-# until least-recently-used eviction starts to cost hits, turns hits into time to first token, and then runs
-# the grader, the same tests CI runs against the reference solution:
+# until least-recently-used eviction starts to cost hits, turns hits into time to first token, serves requests
+# with the real engine running on your cache, and then runs the grader, the same tests CI runs against the
+# reference solution:
 #
 #     pytest tests/labs/test_lab08.py --impl=labs
 #
@@ -220,7 +221,47 @@ for name, dtype_bytes, peak_flops, peak_bw in machines:
 display(widgets.prefix_cache_widget())
 
 # %% [markdown]
-# ## 5. Grade
+# ## 5. Your cache serves requests
+# `EngineBlockManager` (given, in your lab file) runs the engine's paged pool and prefix cache on your
+# `PrefixCache` and your hashes: a new request takes its cached blocks through your `lookup`, every other block
+# through your `allocate`, registers its full blocks with your `cache_full_blocks`, and gives them back with your
+# `release`. The engine takes it through a hook, `LLM(..., block_manager=lab.EngineBlockManager)`. Chapter 08's
+# workload: a bicycle shop's long system prompt and short questions behind it, served one at a time, on the
+# engine's own block manager and then on yours. The tokens, and the prompt tokens each request finds cached,
+# must be the same; the time to first token shows what the hits save.
+
+# %%
+import mini_engine as me
+from mini_engine.engine import LLM
+
+model, tok = me.load_model("smollm2-135m", device="cpu", dtype="float32")
+rules = [f"Rule {i}: when a customer asks about item {i}, check the stock list, give the price in euros, "
+         f"mention the warranty of {i % 3 + 1} years and offer a test ride if the item is a bicycle." for i in range(24)]
+shop = "You are the assistant of a bicycle shop. Follow these rules.\n" + "\n".join(rules)
+asks = ["Do you fix flat tyres?", "Are you open on Sunday?", "How much is a new chain?", "Can I rent a bike?"]
+shop_prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": shop},
+                                                    {"role": "user", "content": q}])) for q in asks]
+
+
+def serve_shop(block_manager=None):
+    llm = LLM.from_model(model, tok, block_manager=block_manager, block_size=16, max_num_seqs=4,
+                         max_model_len=max(map(len, shop_prompts)) + 16)
+    return [llm.generate([p], me.SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+            for p in shop_prompts]
+
+
+yours = attempt("the engine on your cache", lambda: serve_shop(lab.EngineBlockManager))
+if yours:
+    engine_own = serve_shop()
+    print(f"{'question':28} {'prompt':>6} {'cached (yours)':>14} {'cached (engine)':>15} {'TTFT (yours)':>12}")
+    for q, p, a, b in zip(asks, shop_prompts, engine_own, yours):
+        print(f"{q:28} {len(p):6} {b.num_cached_tokens:14} {a.num_cached_tokens:15} {b.metrics.ttft_s * 1e3:9.0f} ms")
+    same = all(a.token_ids == b.token_ids and a.num_cached_tokens == b.num_cached_tokens
+               for a, b in zip(engine_own, yours))
+    print("same tokens and the same hits as the engine's own cache:", same)
+
+# %% [markdown]
+# ## 6. Grade
 # The grader prints one line per test; a failing test says what to fix.
 
 # %%

@@ -39,34 +39,38 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, 
     q = round((w - zero) / scale + 8) clamped to [0, 15]. A group whose weights are all equal (max = min) would
     divide by zero: it gets scale 0, zero = its value and codes 8, which dequantize to the value exactly.
     Raises ValueError naming group_size when K is not a multiple of it."""
-    # TODO: per group (reshape to [N, K // g, g]): lo, hi = amin, amax; scale = (hi - lo) / 15; zero = lo + 8 * scale; q = round((w - zero) / scale + 8).clamp(0, 15); equal groups: scale 0, codes 8
-    raise NotImplementedError("lab10 quantize_int4: per group (reshape to [N, K // g, g]): lo, hi = amin, amax; scale = (hi - lo) / 15; zero = lo + 8 * scale; q = round((w - zero) / scale + 8).clamp(0, 15); equal groups: scale 0, codes 8")
+    # TODO: part 1 of the module docstring, per group: make the groups a dimension of their own first.
+    raise NotImplementedError("lab10 quantize_int4: view each row as its groups, find each group's extremes, then "
+                              "scale, zero and codes as defined above; what must a constant group get?")
 
 
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 32) -> torch.Tensor:
     """w = (q - 8) * scale + zero, each weight with its group's scale and zero. Returns fp32 [N, K]."""
-    # TODO: reshape q to [N, K // g, g], (q.float() - 8) * scales[..., None] + zeros[..., None], back to [N, K]
-    raise NotImplementedError("lab10 dequantize_int4: reshape q to [N, K // g, g], (q.float() - 8) * scales[..., None] + zeros[..., None], back to [N, K]")
+    # TODO: the rule at the top of the module, each weight with its own group's scale and zero.
+    raise NotImplementedError("lab10 dequantize_int4: how do you line each weight up with its group's scale and "
+                              "zero? (the grouping of quantize_int4)")
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Codes [N, K] (K even, values 0-15) -> uint8 [N, K // 2]: byte j of a row holds column 2j in its low 4 bits
     and column 2j + 1 in its high 4 bits."""
-    # TODO: q[:, 0::2] | (q[:, 1::2] << 4), as uint8
-    raise NotImplementedError("lab10 pack_int4: q[:, 0::2] | (q[:, 1::2] << 4), as uint8")
+    # TODO: the byte layout in the docstring: which two columns share a byte, and in which half?
+    raise NotImplementedError("lab10 pack_int4: a row's even and odd columns become the two halves of its bytes; "
+                              "mind the dtype")
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_int4`: uint8 [N, K // 2] -> codes uint8 [N, K]."""
-    # TODO: low nibble (& 15) to the even columns, high nibble (>> 4) to the odd ones
-    raise NotImplementedError("lab10 unpack_int4: low nibble (& 15) to the even columns, high nibble (>> 4) to the odd ones")
+    # TODO: undo pack_int4.
+    raise NotImplementedError("lab10 unpack_int4: which four bits of a byte hold which column?")
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int = 32) -> torch.Tensor:
     """y = x W^T for x [M, K] (fp32) and W stored as `pack_int4` codes with their scales and zeros: [M, N]."""
-    # TODO: x @ dequantize_int4(unpack_int4(packed), ...).t()
-    raise NotImplementedError("lab10 int4_matmul: x @ dequantize_int4(unpack_int4(packed), ...).t()")
+    # TODO: build it from the functions above.
+    raise NotImplementedError("lab10 int4_matmul: what matrix do the packed codes stand for? You have written every "
+                              "step to it")
 
 
 def repack_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,8 +80,9 @@ def repack_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.
     Block layout (20 bytes): bytes 0-1 d (fp16, little-endian), bytes 2-3 m (fp16), bytes 4-19 qs; weight i
     of the block (i < 16) is qs[i] & 15 and weight i + 16 is qs[i] >> 4. Hint: `t.contiguous().view(torch.float16)`
     reinterprets pairs of bytes as fp16 numbers."""
-    # TODO: reshape to [n, k // 32, 20]; d, m = bytes 0-1, 2-3 viewed as fp16; codes = cat(qs & 15, qs >> 4); scale d, zero m + 8 d
-    raise NotImplementedError("lab10 repack_q4_1: reshape to [n, k // 32, 20]; d, m = bytes 0-1, 2-3 viewed as fp16; codes = cat(qs & 15, qs >> 4); scale d, zero m + 8 d")
+    # TODO: the block layout in the docstring, and part 5 of the module docstring for scale and zero.
+    raise NotImplementedError("lab10 repack_q4_1: view the bytes block by block, read d and m as fp16 (the "
+                              "docstring's hint), and the codes from the nibbles in the documented order")
 
 
 def compact_scales(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,6 +90,6 @@ def compact_scales(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torc
     f_d fp32 [n], f_m fp32 [n]) with f_d = max of the row's d / 255, f_m = max of the row's |m| / 127 (at least
     1e-12, so an all-zero row divides by something), d_codes = round(d / f_d) in [0, 255] and
     m_codes = round(m / f_m) in [-127, 127]; so d ~ d_codes * f_d and m ~ m_codes * f_m, within half a code."""
-    # TODO: per row, f_d = d.amax(dim=1) / 255 and f_m = m.abs().amax(dim=1) / 127 (clamp_min(1e-12)); codes = round, clamp
-    raise NotImplementedError("lab10 compact_scales: f_d = row max of d / 255, f_m = row max of |m| / 127; "
-                              "codes = round(d / f_d) in [0, 255] (uint8), round(m / f_m) in [-127, 127] (int8)")
+    # TODO: per row, the factors and code ranges the docstring gives.
+    raise NotImplementedError("lab10 compact_scales: one factor per row for d and one for m, then each number "
+                              "rounded to a code within its range and integer type")

@@ -11,11 +11,13 @@ from .sampling import SamplingParams
 
 __all__ = ["formulas", "simulate", "LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "EngineConfig",
            "ModelConfig", "PRESETS", "load_model", "generate_naive", "generate_cached", "generate_batch",
-           "generate_speculative", "SpeculativeStats", "SamplingParams"]
+           "generate_speculative", "SpeculativeStats", "SamplingParams", "default_dtype"]
 
 
 def __getattr__(name: str):
-    # `me.formulas` and `me.simulate` are public API; they live with the course support and load on first use.
+    # `me.formulas`, `me.simulate` and `me.default_dtype` are public API, loaded from the course support on first use.
     if name in ("formulas", "simulate"):
         return importlib.import_module(f"mini_engine.course.{name}")
+    if name == "default_dtype":
+        return importlib.import_module("mini_engine.course.devices").default_dtype
     raise AttributeError(f"module 'mini_engine' has no attribute {name!r}")

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .course.devices import default_device
+from .course.devices import default_device, default_dtype
 
 
 def _stream_printer(tok):
@@ -157,13 +157,25 @@ def cmd_loadtest(args) -> None:
         print(f"saved {args.plot}")
 
 
-def main(argv=None) -> None:
+def with_default_dtype(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill in --dtype, when none was given, with the device's: `mini_engine.default_dtype`."""
+    if getattr(args, "device", None) is not None and args.dtype is None:
+        try:
+            args.dtype = default_dtype(args.device)
+        except (AssertionError, RuntimeError) as e:  # torch without CUDA, or no GPU: its message says which
+            raise ValueError(f"--device {args.device}: {e}") from e
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mini_engine", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default="smollm2-135m", help="embedded name, .gguf file or HF folder")
     common.add_argument("--device", default=default_device())
-    common.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    common.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="default: float32 on a CPU; on a GPU bfloat16 from compute capability 8.0, float16 "
+                             "below (T4, V100)")
     common.add_argument("--quantization", default=None, choices=["int4", "int4_compact", "int8"],
                         help="weight-only quantized products (int4: the GGUF's Q4_1 blocks repacked; chapter 10); "
                              "bench: the quantized rows beside the float ones")
@@ -244,10 +256,15 @@ def main(argv=None) -> None:
     lt.add_argument("--plot", default=None, help="save the throughput-latency curve to this PNG")
     lt.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
     lt.add_argument("--api-key", default=os.environ.get("MINI_ENGINE_API_KEY"))
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve,
-         "loadtest": cmd_loadtest}[args.cmd](args)
+         "loadtest": cmd_loadtest}[args.cmd](with_default_dtype(args))
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"error: {e}\n")
 

@@ -293,16 +293,19 @@ class TritonAttention(TorchAttention):
         from .kernels import store_kv_cache
         store_kv_cache(k, v, *kv_cache.layer(layer), meta.slot_mapping)
 
-    def flash(self, q, k, v, query_lens, key_lens):
+    def flash(self, q, k, v, query_lens, key_lens, meta: AttentionMetadata):
         from .kernels import flash_attention_varlen
 
-        def cu(lens):
-            return torch.tensor([0, *lens], device=q.device).cumsum(0).to(torch.int32)
+        def cu(lens):  # once a step, not once a layer: copying a list to a GPU makes the host wait
+            key = ("cu_seqlens", *lens)
+            if key not in meta.extras:
+                meta.extras[key] = torch.tensor([0, *lens], device=q.device).cumsum(0).to(torch.int32)
+            return meta.extras[key]
         return flash_attention_varlen(q, k, v, cu(query_lens), cu(key_lens), max(query_lens), max(key_lens),
                                       causal=True)
 
     def no_cache(self, q, k, v, meta: AttentionMetadata):
-        return self.flash(q, k, v, meta.query_lens, meta.query_lens)
+        return self.flash(q, k, v, meta.query_lens, meta.query_lens, meta)
 
     def decode(self, q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata):
         if group.block_tables is None:
@@ -312,7 +315,7 @@ class TritonAttention(TorchAttention):
 
     def prefill_chunk(self, q, k_cache, v_cache, meta: AttentionMetadata, i: int):
         ks, vs = self.context(k_cache, meta, i)[0].transpose(0, 1), self.context(v_cache, meta, i)[0].transpose(0, 1)
-        return self.flash(q, ks, vs, [meta.query_lens[i]], [meta.context_lens[i]])
+        return self.flash(q, ks, vs, [meta.query_lens[i]], [meta.context_lens[i]], meta)
 
     def chunks(self, q, k_cache, v_cache, meta: AttentionMetadata, chunks: list[int], out) -> None:
         """Every multi-token chunk (prefills and verify chunks alike) in one FlashAttention launch, each
@@ -322,7 +325,7 @@ class TritonAttention(TorchAttention):
         ks = torch.cat([self.context(k_cache, meta, i)[0].transpose(0, 1) for i in chunks])
         vs = torch.cat([self.context(v_cache, meta, i)[0].transpose(0, 1) for i in chunks])
         qs = torch.cat([q[starts[i]:starts[i + 1]] for i in chunks])
-        parts = self.flash(qs, ks, vs, q_lens, [meta.context_lens[i] for i in chunks]).split(q_lens)
+        parts = self.flash(qs, ks, vs, q_lens, [meta.context_lens[i] for i in chunks], meta).split(q_lens)
         for i, part in zip(chunks, parts):
             out[starts[i]:starts[i + 1]] = part
 
@@ -330,11 +333,6 @@ class TritonAttention(TorchAttention):
 def make_backends() -> dict[str, TorchAttention]:
     """A model's attention backends by name (`LlamaModel.attention_backends`)."""
     return {"naive": TorchAttention(naive=True), "torch": TorchAttention(), "triton": TritonAttention()}
-
-
-def attention_no_cache(q, k, v, meta: AttentionMetadata, backend: str = "torch"):
-    """Causal attention of each sequence over its own packed tokens. q [T,Hq,D], k/v [T,Hkv,D]."""
-    return make_backends()[backend].no_cache(q, k, v, meta)
 
 
 def attention_with_cache(q, k_cache, v_cache, meta: AttentionMetadata, backend: str = "torch"):

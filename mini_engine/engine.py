@@ -70,7 +70,7 @@ class LLMEngine:
         # compile=True: one more block (or slot) than the scheduler manages, for the compiled step's padded rows.
         scratch = int(bool(c.compile))
         if c.kv_cache == "paged":
-            blocks = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+            blocks = (c.block_manager or BlockManager)(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
             cache = PagedKVCache(model.config, c.num_kv_blocks + scratch, c.block_size, model.device, model.dtype)
         else:
             blocks = None
@@ -120,8 +120,8 @@ class LLMEngine:
             how = " (max-autotune)" if c.compile == "max-autotune" else ""
             compiled = f", compiled decode steps{how} (batch buckets {buckets})"
         weights = f", {c.quantization} weights" if c.quantization else ""
-        return (f"LLMEngine(scheduling={c.scheduling}, {cache}, chunked prefill {chunking}, "
-                f"attention={c.attention_backend}{spec}{compiled}, {c.device} {c.dtype}{weights})")
+        return (f"LLMEngine(scheduling={getattr(c.scheduling, 'name', c.scheduling)}, {cache}, chunked prefill "
+                f"{chunking}, attention={c.attention_backend}{spec}{compiled}, {c.device} {c.dtype}{weights})")
 
     @property
     def compile_seconds(self) -> float:
@@ -136,8 +136,8 @@ class LLMEngine:
         return self.runner.compiled.warmup(progress) if self.runner.compiled is not None else 0.0
 
     def _make_proposer(self, spec: SpeculativeConfig):
-        if spec.method == "ngram":
-            return NgramProposer(spec.ngram_min, spec.ngram_max)
+        if spec.method != "draft":  # prompt lookup, or a proposer of your own (`speculative.Proposer`)
+            return NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else spec.method
         draft = spec.model
         if isinstance(draft, (str, os.PathLike)):
             from .loading.loader import load_model
@@ -184,8 +184,7 @@ class LLMEngine:
     def validate(self, prompt, params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
         """Check one request without adding it: (prompt token ids, a private copy of the params), or a
         ValueError naming the bad argument."""
-        if params is None:
-            params = SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # re-runs its checks (fields may have been changed) and copies it
@@ -289,6 +288,7 @@ class LLMEngine:
             return []
         logits = self.runner.execute(chunks, self.scheduler.block_copies)
         tokens = self._sample(chunks, logits)
+        self.runner.record_logprobs(chunks, logits, self.scheduler.samplers(chunks), tokens)
         end = time.perf_counter()  # sample() read the tokens back, so the device has finished the step
         if self.config.record_trace:
             self.trace.append(StepRecord(self._num_steps, start, end, tuple(
@@ -376,13 +376,14 @@ class LLM:
 
     `LLM.from_model(model, tokenizer, **engine_kwargs)` serves weights already in memory.
     `quantization="int4"` or `"int8"` loads the model with weight-only quantized products (mini_engine/quant); a model
-    already quantized (`load_model(..., quantization=...)`) is served as it is by `from_model`."""
+    already quantized (`load_model(..., quantization=...)`) is served as it is by `from_model`. Parts of your own
+    plug in through `scheduling=`, `speculative=` and `block_manager=` (see `EngineConfig`)."""
 
     def __init__(self, model: str = "smollm2-135m", device: str = "cpu", dtype: str = "float32",
                  kv_cache: str = "paged", block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool | None = None, chunked_prefill_tokens: int | None = 512,
-                 scheduling: str = "continuous", speculative: dict | None = None, attention_backend: str = "auto",
+                 scheduling: object = "continuous", speculative: dict | None = None, attention_backend: str = "auto",
                  compile: bool | str = False, quantization: str | None = None, **engine_kwargs):
         from .loading.loader import load_model
 
@@ -426,12 +427,10 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if not prompts:
             raise ValueError("prompts must not be empty")
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params] * len(prompts)
+        many = isinstance(sampling_params, (list, tuple))
+        params = list(sampling_params) if many else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         checked = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:

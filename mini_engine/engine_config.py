@@ -1,13 +1,14 @@
 """EngineConfig: every knob of the serving engine (chapter 04 on), checked where it is made.
 
 `speculative` (chapter 06) is a dict parsed into a `SpeculativeConfig` here, so a typo in it fails before
-any weights load.
+any weights load. Three knobs also take a part of your own (the labs plug theirs in): see `EngineConfig`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
 from .attention import resolve_backend
+from .paging import BlockManager
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHES = ("paged", "contiguous")
@@ -32,8 +33,9 @@ class SpeculativeConfig:
     already in memory) drafts greedily, or from its own distribution when a request samples, with `dtype`
     (None: the target's). k: the most tokens drafted per request and step. adaptive: a request drafts one
     token more than it had accepted in its last round (at most k), so a request whose drafts keep failing
-    drafts one at a time and its rows stop weighing on a batched step; False drafts k every round."""
-    method: str
+    drafts one at a time and its rows stop weighing on a batched step; False drafts k every round. method may
+    also be a proposer of your own (keys k, adaptive): an object with `speculative.Proposer`'s propose(ids, k)."""
+    method: str | object
     k: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
@@ -44,7 +46,7 @@ class SpeculativeConfig:
 
     # Keys each method reads: any other key is a typo the user should hear about, not silently ignored.
     KEYS = {"ngram": ("method", "k", "ngram_min", "ngram_max", "adaptive"),
-            "draft": ("method", "k", "model", "dtype", "adaptive", "quantization")}
+            "draft": ("method", "k", "model", "dtype", "adaptive", "quantization"), "own": ("method", "k", "adaptive")}
 
     @classmethod
     def parse(cls, spec) -> "SpeculativeConfig":
@@ -53,12 +55,15 @@ class SpeculativeConfig:
         if not isinstance(spec, dict):
             raise ValueError(f"speculative must be a dict such as {{'method': 'ngram', 'k': 4}} or None, got {spec!r}")
         method = spec.get("method")
-        if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative['method'] must be one of {SPECULATIVE_METHODS}, got {method!r}")
-        unknown = sorted(set(spec) - set(cls.KEYS[method]))
+        own = not isinstance(method, type) and callable(getattr(method, "propose", None))  # a proposer object
+        if method not in SPECULATIVE_METHODS and not own:
+            raise ValueError(f"speculative['method'] must be one of {SPECULATIVE_METHODS} or a proposer object with "
+                             f"a propose(token_ids, k) method, got {method!r}")
+        keys = cls.KEYS[method if method in SPECULATIVE_METHODS else "own"]
+        unknown = sorted(set(spec) - set(keys))
         if unknown:
             raise ValueError(f"speculative[{unknown[0]!r}]: unknown key for method {method!r} "
-                             f"(it takes {', '.join(cls.KEYS[method])})")
+                             f"(it takes {', '.join(keys)})")
         config = cls(**spec)
         config.check()
         return config
@@ -77,7 +82,7 @@ class SpeculativeConfig:
             if self.ngram_max < self.ngram_min:
                 raise ValueError(f"speculative['ngram_max'] must be >= ngram_min ({self.ngram_min}), "
                                  f"got {self.ngram_max}")
-        else:
+        elif self.method == "draft":
             if self.model is None or (isinstance(self.model, str) and not self.model):
                 raise ValueError("speculative['model'] is required for method 'draft' (a name, a path, or a model)")
             if self.dtype is not None and self.dtype not in DTYPES:
@@ -90,11 +95,18 @@ class SpeculativeConfig:
                                  "to load; quantize a model in memory with load_model(..., quantization=...)")
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in self.KEYS[self.method]}
+        keys = self.KEYS[self.method if self.method in SPECULATIVE_METHODS else "own"]
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in keys}
 
 
 @dataclass
 class EngineConfig:
+    """Three knobs also take a part of your own, checked here (the labs plug theirs in). scheduling: a policy
+    object with `scheduler.ContinuousPolicy`'s methods: admit(waiting, running, free_slots, budget, now) returns
+    the waiting requests to start now, in order (read-only; admission stops at the first that does not fit), and
+    seconds_until_admission(waiting, running, now) how long nothing can start (0.0: no wait). speculative:
+    {"method": a proposer, "k": ...} (`SpeculativeConfig`). block_manager: a `paging.BlockManager` subclass, built
+    as cls(num_kv_blocks, block_size, enable_prefix_caching) in place of the engine's: override what you replace."""
     model: str = "smollm2-135m"
     device: str = "cpu"
     dtype: str = "float32"
@@ -105,9 +117,10 @@ class EngineConfig:
     max_model_len: int | None = None    # None: 2048 on a GPU, 1024 on a CPU, capped by the model's positions
     enable_prefix_caching: bool | None = None  # paged: share cached full blocks (chapter 08); None: on with paged
     chunked_prefill_tokens: int | None = 512  # tokens per step; None turns chunking off (prompts run whole)
-    scheduling: str = "continuous"
+    scheduling: str | object = "continuous"  # a name in SCHEDULING, or a policy object (see above)
     speculative: dict | SpeculativeConfig | None = None  # see SpeculativeConfig; a dict is parsed into one
     attention_backend: str = "auto"
+    block_manager: type[BlockManager] | None = None  # paged: your BlockManager subclass (see above)
     quantization: str | None = None     # "int4" | "int8": weight-only quantized model (chapter 10); dtype: activations
     dynamic_bucket_width: int = 64      # scheduling="dynamic": prompt-length bucket, in tokens
     dynamic_timeout_s: float = 0.05     # scheduling="dynamic": longest wait for a bucket to fill
@@ -121,18 +134,25 @@ class EngineConfig:
             raise ValueError(f"record_trace must be True or False, got {self.record_trace!r}")
         if not (isinstance(self.compile, bool) or self.compile == "max-autotune"):
             raise ValueError(f"compile must be False, True or 'max-autotune', got {self.compile!r}")
-        for name, allowed in (("kv_cache", KV_CACHES), ("dtype", DTYPES), ("scheduling", SCHEDULING)):
+        for name, allowed in (("kv_cache", KV_CACHES), ("dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.num_kv_blocks is not None and self.kv_cache != "paged":
-            raise ValueError(f"num_kv_blocks sizes the paged KV pool; kv_cache={self.kv_cache!r} does not use it")
+        policy, manager = self.scheduling, self.block_manager  # a name, or a policy object of your own
+        if not (policy in SCHEDULING if isinstance(policy, str) else not isinstance(policy, type)
+                and all(callable(getattr(policy, m, None)) for m in ("admit", "seconds_until_admission"))):
+            raise ValueError(f"scheduling must be one of {SCHEDULING} or a policy object with admit() and "
+                             f"seconds_until_admission() methods, got {policy!r}")
+        if manager is not None and not (isinstance(manager, type) and issubclass(manager, BlockManager)):
+            raise ValueError(f"block_manager must be a subclass of paging.BlockManager or None, got {manager!r}")
+        for name, verb in (("num_kv_blocks", "sizes"), ("block_manager", "runs")):
+            if getattr(self, name) is not None and self.kv_cache != "paged":
+                raise ValueError(f"{name} {verb} the paged KV pool; kv_cache={self.kv_cache!r} does not use it")
         if self.enable_prefix_caching not in (None, True, False):
             raise ValueError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}")
         if self.enable_prefix_caching and self.kv_cache != "paged":
             raise ValueError("enable_prefix_caching=True shares blocks of the paged KV cache; "
                              f"kv_cache={self.kv_cache!r} has none (leave it None or False)")
-        if self.speculative is not None:
-            self.speculative = SpeculativeConfig.parse(self.speculative)
+        self.speculative = None if self.speculative is None else SpeculativeConfig.parse(self.speculative)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         resolve_backend(self.attention_backend, self.device)  # a bad name fails here, before any weights load

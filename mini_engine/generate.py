@@ -2,14 +2,13 @@
 speculative loop (chapter 06), each for one sequence (`generate_batch` decodes several together)."""
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .attention import AttentionMetadata
-from .compiled_decode import compiled_decode_step
+from .compiled_decode import COMPILE_MODES, CompiledDecode, cache_length
 from .kv_cache import ContiguousKVCache
 from .sampling import SamplingParams, make_generator, sample, stop_tokens
 from .speculative import _check_k, verify
@@ -68,7 +67,8 @@ def generate_cached(model, prompt_ids: list[int], max_new_tokens: int = 32, para
                     compile: bool | str = False) -> list[int]:
     """Prefill once, then decode one token per step against the KV cache. Same tokens as `generate_naive`.
     compile=True runs each decode step as one compiled graph (`compiled_decode`; the first call compiles);
-    compile="cpp" compiles it with Inductor's C++ wrapper (longer to compile, less overhead per step)."""
+    compile="cpp" compiles it with Inductor's C++ wrapper (longer to compile, less overhead per step), and
+    "max-autotune" lets Inductor time its own weight products."""
     return generate_batch(model, [prompt_ids], max_new_tokens, params, eos_token_id,
                           on_token=on_token, kv_cache=kv_cache, compile=compile)[0]
 
@@ -80,14 +80,16 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
     weights once for the whole batch, and a finished sequence drops out of it. `on_token` streams only with
     a single prompt. compile: as in `generate_cached`, compiled anew for each batch size met."""
     params, stops = _check(model, prompts, max_new_tokens, params, eos_token_id)
+    if compile not in (False, *COMPILE_MODES):
+        raise ValueError(f"compile must be False or one of {COMPILE_MODES}, got {compile!r}")
     longest = max(len(p) for p in prompts) + max_new_tokens
     if kv_cache is None:
-        kv_cache = ContiguousKVCache(model.config, len(prompts), longest, model.device, model.dtype)
+        length = cache_length(longest, model.config.max_position_embeddings) if compile else longest
+        kv_cache = ContiguousKVCache(model.config, len(prompts), length, model.device, model.dtype)
     elif kv_cache.num_slots < len(prompts) or kv_cache.max_len < longest:
         raise ValueError(f"kv_cache too small: need {len(prompts)} slots of {longest} positions")
-    if compile not in (False, True, "cpp"):
-        raise ValueError(f"compile must be False, True or 'cpp', got {compile!r}")
-    step = functools.partial(compiled_decode_step, mode=compile) if compile else decode_step
+    # compiled: one graph per batch size met (size=len(tokens): no padding, so no scratch slot)
+    graphs = compile and CompiledDecode(model, kv_cache, model.attention_backend, len(prompts), mode=compile)
     gens = [make_generator(params, model.device) for _ in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
@@ -101,8 +103,11 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
         active = [i for i in active if outs[i][-1] not in stops and len(outs[i]) < max_new_tokens]
         if not active:
             return outs
-        logits = step(model, kv_cache, [outs[i][-1] for i in active],
-                      [len(prompts[i]) + len(outs[i]) for i in active], active)
+        tokens, lens = [outs[i][-1] for i in active], [len(prompts[i]) + len(outs[i]) for i in active]
+        if graphs:
+            logits = graphs(tokens, [n - 1 for n in lens], active, size=len(active))
+        else:
+            logits = decode_step(model, kv_cache, tokens, lens, active)
 
 
 @dataclass

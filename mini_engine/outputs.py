@@ -29,6 +29,7 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None      # None when the engine has no tokenizer
     finish_reason: str    # "stop" (stop or EOS token, included in token_ids) or "length"
+    logprobs: list[dict[int, float]] | None = None  # SamplingParams.logprobs: per token (`sampling.logprobs_of`)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class RequestOutput:
     metrics: RequestMetrics  # over all n samples (ttft: the first token of any, e2e: the last of all)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when the request was first admitted
     outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)  # the n completions, by index
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs; first None
 
     @classmethod
     def of(cls, samples: list, tokenizer=None) -> "RequestOutput":
@@ -60,9 +62,12 @@ class RequestOutput:
             num_draft_tokens=sum(s.num_draft_tokens for s in samples),
             num_accepted_tokens=sum(s.num_accepted_tokens for s in samples))
         outputs = [CompletionOutput(s.index, list(s.output_ids), tokenizer.decode(s.output_ids)
-                                    if tokenizer is not None else None, s.finish_reason) for s in samples]
+                                    if tokenizer is not None else None, s.finish_reason,
+                                    s.logprobs[:len(s.output_ids)] if s.params.logprobs is not None else None)
+                   for s in samples]  # logprobs: none past a stop inside a speculative step's accepted tokens
         return cls(r.request_id, r.prompt_ids, outputs[0].token_ids, outputs[0].text, outputs[0].finish_reason,
-                   metrics, r.num_cached_tokens or 0, outputs)
+                   metrics, r.num_cached_tokens or 0, outputs,
+                   [None, *r.prompt_logprobs] if r.params.prompt_logprobs is not None else None)
 
 
 @dataclass(frozen=True)

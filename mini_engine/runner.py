@@ -2,12 +2,15 @@
 into token ids and attention metadata and runs the model; the scheduler and block manager stay pure Python."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .attention import AttentionMetadata
 from .compiled_decode import CompiledDecode
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .paging import BlockManager
+from .sampling import logprobs_of
 from .scheduler import Chunk
 
 
@@ -27,10 +30,12 @@ class ModelRunner:
         (src, dst) blocks, copied before the step writes into them."""
         if block_copies:
             self.kv_cache.copy_blocks(block_copies)
-        if self.compiled is not None and all(c.num_tokens == 1 for c in chunks):
+        scored = [_prompt_rows(c) for c in chunks]
+        if self.compiled is not None and all(c.num_tokens == 1 for c in chunks) and not any(scored):
             return self._execute_compiled(chunks)
-        ids, query_lens, context_lens, rows = [], [], [], []
-        for c in chunks:
+        ids, query_lens, context_lens, rows, prompt_rows = [], [], [], [], []
+        for c, n in zip(chunks, scored):
+            prompt_rows += range(len(ids), len(ids) + n)
             ids += c.token_ids
             query_lens.append(c.num_tokens)
             context_lens.append(c.start + c.num_tokens)
@@ -41,13 +46,29 @@ class ModelRunner:
         else:
             meta = AttentionMetadata.build(query_lens, context_lens, device=device, block_size=self.blocks.block_size,
                                            block_tables=[self.blocks.block_table(c.request.request_id) for c in chunks])
-        meta.logits_indices = torch.tensor(rows, dtype=torch.long, device=device)
-        return self.model(torch.tensor(ids, device=device), meta, self.kv_cache, backend=self.backend)
+        meta.logits_indices = torch.tensor(rows + prompt_rows, dtype=torch.long, device=device)
+        logits = self.model(torch.tensor(ids, device=device), meta, self.kv_cache, backend=self.backend)
+        if prompt_rows:  # row p scores prompt token p + 1 (SamplingParams.prompt_logprobs)
+            parts = logits[len(rows):].split([n for n in scored if n])
+            for c, part in zip([c for c, n in zip(chunks, scored) if n], parts):
+                r, p = c.request, c.start
+                r.prompt_logprobs[p:p + len(part)] = logprobs_of(part, r.prompt_ids[p + 1:p + 1 + len(part)],
+                                                                 r.params.prompt_logprobs)
+        return logits[:len(rows)]
+
+    @staticmethod
+    def record_logprobs(chunks: list[Chunk], logits: torch.Tensor, samplers, sampled: list) -> None:
+        """Each sampled token's log-probability (SamplingParams.logprobs), from the logits row it was drawn from:
+        `samplers` and `sampled` as the scheduler's `update` takes them."""
+        starts = list(itertools.accumulate((c.num_logits for c in chunks if c.samples), initial=0))
+        for (row, r), got in zip(samplers, sampled):
+            if r.params.logprobs is not None:
+                tokens = [got] if isinstance(got, int) else list(got)
+                r.logprobs += logprobs_of(logits[starts[row]:starts[row] + len(tokens)], tokens, r.params.logprobs)
 
     def _execute_compiled(self, chunks: list[Chunk]) -> torch.Tensor:
         """A decode-only step (one token per chunk) through the compiled graph of its batch-size bucket."""
         positions = [c.start for c in chunks]
-        self.model.check_last_position(max(positions), self.kv_cache)
         if self.blocks is None:
             rows = [c.request.slot for c in chunks]
         else:
@@ -58,3 +79,11 @@ class ModelRunner:
         # A one-token chunk inside a prompt (a chunked prefill's budget can leave one token) samples nothing:
         # its row is dropped, as the eager step drops it.
         return logits[[i for i, c in enumerate(chunks) if c.num_logits == 1]]
+
+
+def _prompt_rows(c: Chunk) -> int:
+    """Rows of chunk c that score the prompt's next token: SamplingParams.prompt_logprobs, first pass only."""
+    r = c.request
+    if r.params.prompt_logprobs is None or len(r.prompt_logprobs) >= len(r.prompt_ids) - 1:
+        return 0
+    return max(0, min(c.start + c.num_tokens, len(r.prompt_ids) - 1) - c.start)

@@ -17,6 +17,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1                        # parallel sampling: n completions of the one prompt (chapter 08)
+    logprobs: int | None = None       # each output token's log-probability and the top k there (`logprobs_of`)
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
+
+    MAX_LOGPROBS = 20  # as OpenAI's API: top_logprobs <= 20
 
     def __post_init__(self):
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -29,6 +33,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an int that fits in 64 bits, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {self.MAX_LOGPROBS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -88,11 +98,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if len(params) != logits.shape[0]:
         raise ValueError(f"params must have one entry per logits row: {len(params)} != {logits.shape[0]}")
     generators = generators or [None] * len(params)
-    tokens = logits.argmax(dim=-1).tolist()  # the greedy answer, replaced below for sampled rows
+    tokens = logits.argmax(dim=-1)  # the greedy answer, replaced below for sampled rows
     for i, (sp, gen) in enumerate(zip(params, generators)):
         if sp.greedy:
             continue
         row = logits[i].float() / sp.temperature
         row = apply_top_p(apply_top_k(row, sp.top_k), sp.top_p)
-        tokens[i] = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen))
-    return tokens
+        tokens[i] = torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen)[0]
+    return tokens.tolist()  # the step's one wait for the device: not one per row
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], k: int) -> list[dict[int, float]]:
+    """For each row of logits [R, vocab], {token id: log-probability} of tokens[r] and of the k most likely
+    tokens. These are the model's raw log-probabilities (log_softmax in fp32, before temperature, top-k or top-p:
+    vLLM's default), read from the logits the step sampled from: no second forward pass."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    top_p, top_ids = (t.tolist() for t in logp.topk(k, dim=-1)) if k else ([[]] * len(tokens),) * 2
+    return [{**dict(zip(ids, ps)), token: p} for token, p, ids, ps in zip(tokens, chosen, top_ids, top_p)]

@@ -55,6 +55,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # the proposer's drafts for the next step
     num_draft_tokens: int = 0      # drafts verified by the target
     num_accepted_tokens: int = 0   # of those, accepted and emitted
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # params.logprobs: per output token
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # params.prompt_logprobs: tokens 1..
 
     @property
     def tokens(self) -> list[int]:
@@ -67,6 +69,13 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def lookup_tokens(self) -> list[int]:
+        """What a prefix-cache lookup may match: nothing while the prompt's log-probabilities are wanted (a hit
+        would skip the rows that score them)."""
+        wanted = self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+        return [] if wanted else self.tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -154,13 +163,13 @@ class ContinuousPolicy:
         return 0.0
 
 
-def make_policy(name: str, num_slots: int, bucket_width: int = 64, timeout_s: float = 0.05):
-    if name == "static":
-        return StaticPolicy()
+def make_policy(name, num_slots: int, bucket_width: int = 64, timeout_s: float = 0.05):
+    if name in ("static", "continuous"):
+        return StaticPolicy() if name == "static" else ContinuousPolicy()
     if name == "dynamic":
         return DynamicPolicy(num_slots, bucket_width, timeout_s)
-    if name == "continuous":
-        return ContinuousPolicy()
+    if not isinstance(name, str):
+        return name  # a policy object of your own (see EngineConfig)
     raise ValueError(f"scheduling must be 'static', 'dynamic' or 'continuous', got {name!r}")
 
 
@@ -241,7 +250,7 @@ class Scheduler:
             for r in self.waiting[:len(self.free_slots)]:
                 if left <= 0:
                     break
-                r.num_cached_hint = len(self.blocks.lookup(r.tokens)) * self.blocks.block_size
+                r.num_cached_hint = len(self.blocks.lookup(r.lookup_tokens)) * self.blocks.block_size
                 left -= r.num_uncomputed - r.num_cached_hint
         promised = 0  # blocks the requests admitted in this step will still need for the rest of their prompts
         for r in self.policy.admit(self.waiting, self.running, len(self.free_slots), budget, now):
@@ -250,7 +259,7 @@ class Scheduler:
             if self.blocks is not None:
                 # A hit on an evictable block leaves the free count; a fork copies (or starts) one at its first
                 # decode. Each running request keeps a block to grow into, or the newcomer would be preempted.
-                hits = self.blocks.lookup(r.tokens)
+                hits = self.blocks.lookup(r.lookup_tokens)
                 need = self.blocks.blocks_for(r.num_tokens) - len(hits) + len(r.forks)
                 if need + len(self.running) > self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - promised:
                     break  # first come, first served: nobody overtakes a request that does not fit yet
@@ -262,7 +271,7 @@ class Scheduler:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
             if self.blocks is not None:
-                r.num_computed = self.blocks.allocate_cached(r.request_id, r.tokens)
+                r.num_computed = self.blocks.allocate_cached(r.request_id, r.lookup_tokens)
                 if r.num_cached_tokens is None:
                     r.num_cached_tokens = r.num_computed
             self.running.append(r)

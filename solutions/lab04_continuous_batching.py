@@ -11,7 +11,8 @@ Fill in every function marked TODO in labs/lab04_continuous_batching.py, then gr
     pytest tests/labs/test_lab04.py --impl=labs
 
 Pure Python: the model hides behind `step_fn`. `make_model_step` (given) builds one from a real model
-and a contiguous KV cache, so the same scheduler also drives real generation.
+and a contiguous KV cache, so the same scheduler also drives real generation; `EnginePolicy` (given) plugs your
+admission rule into the serving engine, `mini_engine.LLM`, in place of its own continuous batching.
 """
 from __future__ import annotations
 
@@ -139,3 +140,33 @@ def make_model_step(model, kv_cache) -> Callable[[list[Request]], list[int]]:
         logits = model(torch.tensor(ids, device=model.device), meta, kv_cache)
         return logits.argmax(dim=-1).tolist()
     return step
+
+
+class EnginePolicy:
+    """Given: your `ContinuousBatcher.admit` as the serving engine's scheduling policy, `LLM(...,
+    scheduling=EnginePolicy())` (the engine takes any object with these two methods; see `EngineConfig`).
+
+    The engine keeps its own requests, slots and steps, and at every step asks its policy which waiting requests
+    to start. This adapter puts the question to your batcher: the engine's waiting requests become your
+    `Request`s (all of them have arrived), its free slots your `free_slots`, and the requests your `admit` takes
+    start in the order it took them, while the step's token budget lasts (your batcher knows nothing of tokens)."""
+    name = "lab04"
+
+    def admit(self, waiting, running, free_slots: int, budget: float, now: float) -> list:
+        batcher = ContinuousBatcher(step_fn=None, num_slots=free_slots)
+        for i, r in enumerate(waiting):
+            batcher.add_request(Request(i, list(r.prompt_ids), r.params.max_tokens))
+        started = []
+        for mine in batcher.admit():
+            if budget <= 0:
+                break
+            r = waiting[mine.request_id]
+            started.append(r)
+            budget -= r.num_uncomputed - r.num_cached_hint  # a prefix-cache hit costs the step nothing
+        if waiting and free_slots and budget > 0 and not running and not started:
+            raise RuntimeError(f"admit() started none of {len(waiting)} waiting requests with {free_slots} slots "
+                               "free and nothing running: the engine would wait forever")
+        return started
+
+    def seconds_until_admission(self, waiting, running, now: float) -> float:
+        return 0.0  # every request in the engine's queue has arrived: admission never waits for a clock

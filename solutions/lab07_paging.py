@@ -1,28 +1,35 @@
-"""Lab 07: paged KV memory, the bookkeeping behind PagedAttention.
+"""Lab 07: paged KV memory, the bookkeeping and the attention behind PagedAttention.
 
 A contiguous KV cache reserves max_model_len slots for every request up front. A paged cache instead
 cuts one pool into blocks of `block_size` token slots and gives a sequence a new block only when it
-needs one, as an operating system hands out memory pages. You write the three pieces that make it work:
+needs one, as an operating system hands out memory pages. You write the pieces that make it work:
   1. `BlockAllocator`: the pool's free list and a reference count per block (a block two sequences
      share, such as a common prompt prefix, returns to the pool only when both let go of it);
   2. `BlockTable`: one sequence's blocks in order; appending tokens takes a new block every block_size
      tokens, and position p lives in block block_ids[p // block_size] at offset p % block_size;
   3. `slot_mapping`: for one engine step, where each new token's key and value go in the pool:
-     slot = block_id * block_size + offset.
+     slot = block_id * block_size + offset;
+  4. `store_kv` and `paged_attention`: the tensor side. Write a step's keys and values through the slot
+     mapping, and let each sequence's query attend to its context read back through its block table;
+  5. `preempt` and `make_room`: when a sequence needs a block and none is free, the most recently admitted
+     sequence gives all of its blocks back and later recomputes them (recompute preemption).
 
 Fill in every function marked TODO in labs/lab07_paging.py, then grade your work with
 
     pytest tests/labs/test_lab07.py --impl=labs
 
-Pure Python: no tensors, like the engine's own block manager. `store_kv` and `gather_kv` (given) use your
-slots and tables on a real tensor cache, so the notebook can check that attention through them equals
-attention over a contiguous cache.
+The bookkeeping is pure Python, like the engine's own block manager. `EngineBlockManager` (given) runs the
+engine's pool on your allocator and block tables: the lab notebook ends by serving requests with the real
+engine, `LLM(..., block_manager=EngineBlockManager)`, and checks they come out as with the engine's own.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
+
+from mini_engine import paging
 
 
 class BlockAllocator:
@@ -123,13 +130,124 @@ def slot_mapping(tables: list[BlockTable], num_new_tokens: list[int]) -> list[in
 
 
 def store_kv(cache: torch.Tensor, slots: list[int], values: torch.Tensor) -> None:
-    """Given: write `values` [T, H, D] into `cache` [num_blocks, block_size, H, D] at `slots` (what the
-    engine's KV-store kernel does for every layer)."""
-    cache.view(-1, *cache.shape[2:])[torch.tensor(slots, dtype=torch.long)] = values
+    """Write one step's keys (or values) into the paged `cache` [num_blocks, block_size, H, D]: row t of
+    `values` [T, H, D] goes to slot slots[t], that is block slots[t] // block_size at offset
+    slots[t] % block_size (what the engine's KV-store kernel does in every layer at every step)."""
+    index = torch.tensor(slots, dtype=torch.long, device=cache.device)
+    block_size = cache.shape[1]
+    cache[index // block_size, index % block_size] = values.to(cache.dtype)
 
 
-def gather_kv(cache: torch.Tensor, table: BlockTable) -> torch.Tensor:
-    """Given: a sequence's keys or values out of the paged `cache`, its blocks in table order, laid end
-    to end: [num_tokens, H, D] (what paged attention reads)."""
-    blocks = cache[torch.tensor(table.block_ids, dtype=torch.long)]
-    return blocks.flatten(0, 1)[:table.num_tokens]
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    tables: list[BlockTable]) -> torch.Tensor:
+    """Decode attention through block tables: each sequence's one new query attends to its whole context,
+    read out of the paged pool through the sequence's block table.
+
+    q [S, Hq, D]: one query per sequence; k_cache, v_cache [num_blocks, block_size, Hkv, D]; tables[s]: the
+    BlockTable of sequence s, whose first num_tokens positions are its context (the newest token's key and
+    value included: `store_kv` wrote them before attention runs). Grouped-query attention: Hq is a multiple of
+    Hkv, and query head h reads KV head h // (Hq // Hkv). Returns [S, Hq, D] in q's dtype: for each sequence
+    and head, softmax(q · kᵀ / √D) · v over the context, computed in fp32."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    for s, table in enumerate(tables):
+        blocks = torch.tensor(table.block_ids, dtype=torch.long, device=k_cache.device)
+        k = k_cache[blocks].flatten(0, 1)[:table.num_tokens].float()  # [n, Hkv, D], in position order
+        v = v_cache[blocks].flatten(0, 1)[:table.num_tokens].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [n, Hq, D]
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[s].float(), k) / head_dim ** 0.5, dim=-1)
+        out[s] = torch.einsum("hn,nhd->hd", weights, v).to(q.dtype)
+    return out
+
+
+@dataclass
+class Sequence:
+    """Given: one request as a scheduler sees it. `token_ids`: its prompt and its output so far; `num_computed`:
+    how many of them have their keys and values in the cache (its next chunk runs the rest); `table`: its
+    blocks; `num_preemptions`: how often it was preempted."""
+    seq_id: int
+    token_ids: list[int]
+    table: BlockTable
+    num_computed: int = 0
+    num_preemptions: int = 0
+
+
+def preempt(seq: Sequence, running: list[Sequence], waiting: list[Sequence], allocator: BlockAllocator) -> None:
+    """Recompute preemption of a running sequence, so that its blocks can serve the others: its keys and values
+    are dropped, not saved anywhere. Give every block back, forget what it had computed (once readmitted it
+    recomputes its prompt and its output so far, all in one prefill), move it from `running` to the FRONT of
+    `waiting` (it arrived before anyone still waiting) and count the preemption."""
+    seq.table.release(allocator)
+    seq.num_computed = 0
+    running.remove(seq)
+    waiting.insert(0, seq)
+    seq.num_preemptions += 1
+
+
+def make_room(seq: Sequence, num_new_tokens: int, running: list[Sequence], waiting: list[Sequence],
+              allocator: BlockAllocator) -> bool:
+    """Before the running `seq` claims `num_new_tokens` more positions: while the pool cannot supply the blocks
+    that takes, preempt the most recently admitted running sequence that holds any block (`running` is in
+    admission order); that may be `seq` itself. Returns True when `seq` can now claim its positions, False
+    when it was preempted itself. A pool with room preempts nobody."""
+    while not allocator.can_allocate(seq.table.blocks_needed(num_new_tokens)):
+        victim = next(v for v in reversed(running) if v is seq or v.table.block_ids)
+        preempt(victim, running, waiting, allocator)
+        if victim is seq:
+            return False
+    return True
+
+
+class EngineBlockManager(paging.BlockManager):
+    """Given: the engine's block manager (mini_engine/paging.py) running on your BlockAllocator and BlockTables,
+    for `LLM(..., block_manager=EngineBlockManager, enable_prefix_caching=False)`. The engine reads your pool
+    (`free_blocks`, `ref_counts`) and each request's `block_ids`; a request's blocks come from your
+    `append_tokens`, and a finished or preempted request gives them back through your `release`. Prefix
+    caching (lab 08), parallel sampling and speculative rollback need more than lab 07 builds: they are refused."""
+    allocator_class = BlockAllocator
+    table_class = BlockTable
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        if enable_prefix_caching:
+            raise ValueError("enable_prefix_caching: lab 07's block manager has no prefix cache (that is lab 08); "
+                             "pass enable_prefix_caching=False")
+        super().__init__(num_blocks, block_size)
+        self.allocator = self.allocator_class(num_blocks)
+        self.free_blocks, self.ref_counts = self.allocator.free_blocks, self.allocator.ref_counts
+        self.tables: dict = {}  # request id -> its BlockTable
+
+    def allocate_cached(self, seq_id, token_ids) -> int:
+        """Admission: an empty table (nothing is cached in lab 07)."""
+        self.tables[seq_id] = self.table_class(self.block_size)
+        self.block_tables[seq_id] = []
+        return 0
+
+    def allocate(self, seq_id, num_tokens: int) -> list[int]:
+        """A new table holding `num_tokens` positions."""
+        self.allocate_cached(seq_id, ())
+        return self.append_slots(seq_id, num_tokens)
+
+    def append_slots(self, seq_id, num_tokens: int) -> list[int]:
+        """Grow the request's table to hold `num_tokens` positions in all."""
+        table = self.tables[seq_id]
+        table.append_tokens(num_tokens - table.num_tokens, self.allocator)
+        self.block_tables[seq_id] = list(table.block_ids)
+        return self.block_tables[seq_id]
+
+    def free(self, seq_id) -> None:
+        """The request finished or was preempted: all its blocks go back to your pool."""
+        self.tables.pop(seq_id).release(self.allocator)
+        del self.block_tables[seq_id]
+
+    def slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
+        """The slots of positions start .. end - 1, from your table."""
+        return [self.tables[seq_id].slot(p) for p in range(start, end)]
+
+    def fork(self, parent_id, child_id) -> list[int]:
+        """Parallel sampling's shared blocks: not part of lab 07."""
+        raise ValueError("n: lab 07's block manager does not share blocks between samples; use n=1")
+
+    def trim(self, seq_id, num_tokens: int) -> int:
+        """Speculative rollback: not part of lab 07."""
+        raise ValueError("speculative: lab 07's block manager does not roll drafts back; run without speculation")

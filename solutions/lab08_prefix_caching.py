@@ -19,19 +19,25 @@ Fill in every function marked TODO in labs/lab08_prefix_caching.py, then grade y
 
     pytest tests/labs/test_lab08.py --impl=labs
 
-Pure Python and self-contained, like lab 07: no tensors and nothing from the engine's own paging.
+Pure Python, like lab 07: no tensors, and nothing from the engine's own paging but `EngineBlockManager`
+(given), which runs the engine's pool on your PrefixCache and your hashes: the lab notebook ends by serving
+requests with the real engine, `LLM(..., block_manager=EngineBlockManager)`, and checks that they come out,
+and hit the cache, as with the engine's own.
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
+import hashlib  # hash_block: a cryptographic digest
+from array import array  # hash_block: token ids as bytes of one width
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from mini_engine import paging
+
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """The hash of one full block: SHA-256 over its parent block's hash (nothing for the first block) followed by
-    its token ids, each as a signed 64-bit integer. Returns the 32-byte digest.
+    """The hash of one full block: a SHA-256 digest (Python's hashlib) of its parent block's hash (nothing for the
+    first block) followed by its token ids as bytes, every id the same width so that no two lists of ids give the
+    same bytes (Python's `array` module turns a list of ints into such bytes). Returns the 32-byte digest.
 
     Why not Python's `hash()`: it has 64 bits and is not built to resist chosen inputs, and a collision would
     hand one prompt another prompt's keys and values. A cryptographic hash makes that practically impossible."""
@@ -146,3 +152,60 @@ class PrefixCache:
             self.release(hits)
             raise RuntimeError(f"{needed} fresh blocks needed, {self.num_available()} available")
         return hits + [self.allocate() for _ in range(needed)], len(hits) * self.block_size
+
+
+class EngineBlockManager(paging.BlockManager):
+    """Given: the engine's block manager (mini_engine/paging.py) with your PrefixCache as its pool and prefix
+    cache, for `LLM(..., block_manager=EngineBlockManager)`. The engine reads your pool (`free_blocks`,
+    `evictable`, `ref_counts`, `cached_blocks`, `block_hash`); a new request takes its cached blocks through your
+    `lookup`, every other block through your `allocate`; its full blocks are registered by your
+    `cache_full_blocks` as its prefill and decode write them; a finished or preempted request gives its blocks
+    back through your `release`. The hashes are yours too: admission plans with `hashes` (your block_hashes)."""
+    cache_class = PrefixCache
+    hashes = staticmethod(block_hashes)
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.cache = self.cache_class(num_blocks, block_size)
+        c = self.cache
+        self.free_blocks, self.evictable, self.ref_counts = c.free_blocks, c.evictable, c.ref_counts
+        self.cached_blocks, self.block_hash = c.cached_blocks, c.block_hash
+        self.num_full: dict = {}  # request id -> its full blocks registered so far
+
+    def _take_block(self) -> int:
+        """A block for new data: your `allocate` (which evicts when no block is free)."""
+        self.num_evictions += not self.free_blocks and bool(self.evictable)
+        return self.cache.allocate()
+
+    def lookup(self, token_ids) -> list[int]:
+        """The cached blocks `token_ids` starts with, not taken (admission plans with them): your hashes, looked
+        up in your cache up to the first miss, never the block of the last token."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self.hashes(token_ids, self.block_size)[:(len(token_ids) - 1) // self.block_size]:
+            if h not in self.cached_blocks:
+                break
+            hits.append(self.cached_blocks[h])
+        return hits
+
+    def allocate_cached(self, seq_id, token_ids) -> int:
+        """Admission: a table of the cached blocks the prompt starts with, taken by your `lookup`."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        hits = self.cache.lookup(token_ids) if self.enable_prefix_caching else []
+        self.block_tables[seq_id], self.num_full[seq_id] = list(hits), len(hits)
+        return len(hits) * self.block_size
+
+    def cache_blocks(self, seq_id, token_ids, num_computed: int) -> None:
+        """After a step: your `cache_full_blocks` registers the request's blocks that became full and written."""
+        full = num_computed // self.block_size
+        if self.enable_prefix_caching and seq_id in self.block_tables and full > self.num_full.get(seq_id, 0):
+            self.cache.cache_full_blocks(token_ids[:full * self.block_size], self.block_tables[seq_id])
+            self.num_full[seq_id] = full
+
+    def free(self, seq_id) -> None:
+        """The request finished or was preempted: your `release` gives its blocks back."""
+        self.num_full.pop(seq_id, None)
+        self.seq_hashes.pop(seq_id, None)
+        self.cache.release(self.block_tables.pop(seq_id))

@@ -26,6 +26,41 @@ def test_workload_shares_the_system_prompt_mixes_kinds_and_never_repeats_a_promp
     assert len(set(work.max_tokens)) > 2
 
 
+def test_length_scale_keeps_the_mix_of_lengths():
+    import mini_engine as me
+    _, tok = me.load_model("smollm2-135m")
+    full, half = LadderWorkload.build(tok, 8), LadderWorkload.build(tok, 8, length_scale=0.5)
+    assert half.max_tokens == [round(n / 2) for n in full.max_tokens] and len(set(half.max_tokens)) > 2
+    assert half.prompts == full.prompts
+    with pytest.raises(ValueError, match="length_scale"):
+        LadderWorkload.build(tok, 8, length_scale=0)
+
+
+def test_ladder_prints_a_static_rung_and_its_ratio_beside_the_seeds():
+    # Continuous against static batching on the same places and the same requests: the seed's comparison (lanes
+    # about 50% -> 90% busy, about 1.8x tokens/s), like for like. Mixed lengths, so a static batch has idle places.
+    lines = []
+    res = bench_ladder(requests=6, batch=2, sample=1, rungs=["static", "continuous"], length_scale=0.1, tune=False,
+                       progress=False, system_prompt="Be brief.", print_fn=lines.append)
+    text = "\n".join(lines)
+    static, continuous = res.row("static"), res.row("continuous")
+    assert [r.rung for r in res.rows] == ["static", "continuous"]
+    assert LABELS["static"] in text and LABELS["continuous"] in text, f"the table lacks a batching rung:\n{text}"
+    assert "static" in static.engine and "continuous" in continuous.engine, "each rung runs its own policy"
+    assert static.peak_running <= 2 and continuous.peak_running <= 2, "both get the same places"
+    assert continuous.outputs == static.outputs, "the policy decides when a request runs, not what it says"
+    for row in (static, continuous):
+        assert 0 < row.stats["lanes_busy"] <= 1
+    line = res.batching_beside_seed()
+    assert line in text, f"the report lacks the seed's comparison:\n{text}"
+    assert f"{continuous.tok_s / static.tok_s:.2f}x tokens/s" in line
+    assert f"{static.stats['lanes_busy']:.0%} -> {continuous.stats['lanes_busy']:.0%}" in line
+    assert "(seed: about 50% -> 90%, about 1.8x)" in line
+    # Chapter 09 runs the static rung (it leaves out only the compiled ones on a CPU) and prints this line.
+    chapter = (ROOT / "chapters" / "09_full_stack.py").read_text()
+    assert "ladder.batching_beside_seed()" in chapter and '"static"' not in chapter.split("rungs = [")[1].split("]")[0]
+
+
 @pytest.mark.slow
 def test_ladder_runs_every_rung_and_compares_outputs(tmp_path):
     # The paged engines run one request at a time (paged_max_num_seqs=1), so a compiled engine step compiles one
@@ -48,7 +83,8 @@ def test_ladder_runs_every_rung_and_compares_outputs(tmp_path):
         assert res.row(rung).outputs == continuous.outputs, f"{rung} differs from continuous batching"
     assert res.row("compiled_engine").compile_s > 0, "the compiled engine's one-time compile is reported apart"
     for phrase in ("CPU:", "=cached", "one request at a time", "compiling (one-time, in no row)",
-                   "prefix-cache hit rate", "drafts accepted", "top rung", "target >= 25x", "target >= 4x"):
+                   "prefix-cache hit rate", "drafts accepted", "continuous / static batching", "places busy",
+                   "top rung", "target >= 25x", "target >= 4x"):
         assert phrase in text, f"the report lacks {phrase!r}:\n{text}"
     assert plot.stat().st_size > 10_000
 

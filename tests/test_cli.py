@@ -1,8 +1,9 @@
 """`python -m mini_engine ...` in process: each generate mode streams its tokens and reports its speed, and
 contradictory or bad flags exit with status 2 and a message naming them."""
 import pytest
+import torch
 
-from mini_engine.__main__ import main
+from mini_engine.__main__ import build_parser, main, with_default_dtype
 
 
 @pytest.mark.parametrize("flags,kind", [(["--naive"], "naive (no cache)"), ([], "KV cache,"),
@@ -38,3 +39,24 @@ def test_bad_flags_exit_2_with_a_message(capsys, argv, named):
         main(argv)
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("capability,expected", [((7, 5), "float16"), ((8, 0), "bfloat16"), ((9, 0), "bfloat16")],
+                         ids=["sm75", "sm80", "sm90"])
+def test_the_dtype_defaults_to_the_devices(monkeypatch, capability, expected):
+    """No --dtype: float32 on a CPU; on a GPU what mini_engine.default_dtype says (fp16 on a T4). A --dtype given
+    is kept."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    for command in (["demo"], ["generate", "hi"], ["bench"], ["serve"]):
+        def dtype(*flags):
+            return with_default_dtype(build_parser().parse_args([*command, *flags])).dtype
+        assert dtype("--device", "cuda") == expected, command
+        assert dtype("--device", "cpu") == "float32", command
+        assert dtype("--device", "cuda", "--dtype", "float32") == "float32", command
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU this machine has")
+def test_a_gpu_this_machine_lacks_exits_2_naming_the_device(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--device", "cuda"])
+    assert exit_info.value.code == 2 and "--device cuda" in capsys.readouterr().err

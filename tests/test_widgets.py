@@ -1,6 +1,7 @@
 """Each widget builds without a kernel, redraws when a control moves, and shows the formulas' numbers."""
 import ipywidgets as W
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -109,3 +110,101 @@ def test_prefix_cache_widget_counts_full_blocks_and_prices_ttft_on_a_roofline():
     text = view.move("shared prefix", 6400)  # 400 blocks; a 160-token suffix is compute-bound on an A100
     assert "<b>41×</b>" in text and "<b>41.0×</b>" in text and "compute-bound" in text
     view.move("dtype", "fp32")
+
+
+# ---------------------------------------------------------------- chapter 09: the serving simulation
+
+STEP_S = {1: 0.030, 2: 0.034, 4: 0.045, 8: 0.070, 16: 0.120}  # a CPU-like decode step: seconds per batch size
+
+
+def test_step_seconds_interpolates_and_extends_the_measured_costs():
+    from mini_engine.course.serving_sim import step_seconds
+    assert step_seconds(STEP_S, 4) == 0.045
+    assert abs(step_seconds(STEP_S, 6) - 0.0575) < 1e-12  # halfway between 4 and 8
+    assert abs(step_seconds(STEP_S, 32) - 0.220) < 1e-12  # the last two points' line: 0.050 s per 8 requests
+    assert step_seconds({8: 0.07}, 1) == 0.07
+    for bad in ({}, {0: 0.1}, {1: 0.0}):
+        with pytest.raises(ValueError, match="step_s"):
+            step_seconds(bad, 1)
+
+
+def test_simulated_server_one_place_no_waiting_is_the_step_cost():
+    from mini_engine.course.serving_sim import simulate_load
+    # Requests one hour apart never meet: each gets a batch of its own and 10 steps of 30 ms, plus its prefill.
+    run = simulate_load(STEP_S, rate=1 / 3600, max_batch=4, tokens=10, prompt_s=0.2, requests=20)
+    assert abs(run.ttft_p50 - 0.23) < 1e-9 and abs(run.e2e_p50 - 0.5) < 1e-9
+    assert abs(run.tpot_p50 - 0.03) < 1e-9 and run.mean_batch == 1.0
+
+
+def test_simulated_server_all_at_once_runs_full_batches():
+    from mini_engine.course.serving_sim import capacity, simulate_load
+    # 8 requests at t = 0, 4 places, 32 tokens: two full batches of 32 steps at 45 ms each.
+    run = simulate_load(STEP_S, rate=float("inf"), max_batch=4, tokens=32, requests=8)
+    assert run.mean_batch == 4.0
+    assert abs(run.tok_s - 8 * 32 / (64 * 0.045)) < 1e-6
+    assert abs(run.e2e_p99 - 64 * 0.045) < 1e-9
+    assert abs(run.ttft_p99 - 33 * 0.045) < 1e-9, "the second four wait for the first batch, then take a step"
+    assert abs(capacity(STEP_S, 4, 32) - 4 / (32 * 0.045)) < 1e-12
+    assert abs(run.tok_s - 32 * capacity(STEP_S, 4, 32)) < 1e-6
+
+
+def test_simulated_server_queues_past_its_capacity():
+    from mini_engine.course.serving_sim import capacity, simulate_load
+    cap = capacity(STEP_S, 4, 32)
+    below, past = (simulate_load(STEP_S, f * cap, 4, 32, requests=300) for f in (0.5, 2.0))
+    assert below.tok_s < past.tok_s <= 32 * cap * 1.001, "throughput levels off at the capacity"
+    assert past.ttft_p50 > 20 * below.ttft_p50, "past the capacity, requests wait for a place"
+    assert simulate_load(STEP_S, 2 * cap, 16, 32, requests=300).tok_s > past.tok_s, "more places, more throughput"
+    for kwargs in ({"rate": 0}, {"max_batch": 0}, {"tokens": 0}, {"prompt_s": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            simulate_load(STEP_S, **{"rate": 1.0, "max_batch": 4, **kwargs})
+
+
+def test_load_widget():
+    view = View(widgets.load_widget(STEP_S, prompt_s=0.2, max_batch=4))
+    assert "below its capacity" in view.summary.value and "4 places" in view.summary.value
+    fastest = 10 ** view.controls["arrival rate (req/s)"].max  # a log slider's bounds are exponents
+    assert "past its capacity" in view.move("arrival rate (req/s)", fastest)
+    text = view.move("max batch", 64)
+    assert "extrapolated" in text  # the step costs were measured up to batch 16
+    view.move("tokens per request", 128)
+
+
+# ---------------------------------------------------------------- chapter 10: bits per weight on the roofline
+
+def test_quantized_ceilings_follow_the_roofline():
+    from mini_engine import formulas
+    from mini_engine.course.rooflines import GPU_ROOFS, Roof, quantized_decode_ceilings
+    a100 = GPU_ROOFS["A100"]
+    rows = {r.machine: r for r in quantized_decode_ceilings("llama-7b", 4, batch=1, context=1024)}
+    assert set(rows) == set(GPU_ROOFS)
+    r = rows["A100"]
+    assert r.tok_s == formulas.predicted_decode_tok_s("llama-7b", 1, 1024, 2, a100.peak_flops, a100.peak_bw, 4)
+    assert r.bytes_per_token == formulas.decode_bytes_per_token("llama-7b", 1, 1024, 2, 4)
+    assert 3.5 < r.speedup < 4 and r.bound == "memory"  # 16 -> 4 bits: 4x the weights, less the K/V
+    assert all(x.bits_at_ridge == 0 for x in rows.values()), "at batch 1 no bit count makes a GPU step compute-bound"
+    # A slow-compute machine: the step turns compute-bound below some bits, and fewer bits stop paying there.
+    slow = {"slow": Roof("slow", 100e9, 17e9)}
+    (at4,) = quantized_decode_ceilings("llama-7b", 4, 1, 1024, roofs=slow)
+    (at2,) = quantized_decode_ceilings("llama-7b", 2, 1, 1024, roofs=slow)
+    assert 2 < at4.bits_at_ridge < 4 and at4.bound == "memory" and at2.bound == "compute"
+    assert at2.tok_s < 1.2 * formulas.predicted_decode_tok_s("llama-7b", 1, 1024, 2, 100e9, 17e9,
+                                                             at4.bits_at_ridge)
+    (big,) = quantized_decode_ceilings("llama-7b", 4, 256, 1024, roofs={"A100": a100})
+    assert big.speedup < 1.1, "at batch 256 the fp16 K/V reads dwarf the weights"
+    for kwargs in ({"weight_bits": 0.5}, {"batch": 0}, {"context": 0}, {"kv_bytes": 0}, {"roofs": {}}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            quantized_decode_ceilings(**{"model": "llama-7b", "weight_bits": 4, **kwargs})
+
+
+def test_quant_roofline_widget():
+    from mini_engine.course.rooflines import GPU_ROOFS, Roof
+    view = View(widgets.quant_roofline_widget({**GPU_ROOFS, "this CPU": Roof("this CPU", 100e9, 17e9)}))
+    text = view.summary.value
+    for name in (*GPU_ROOFS, "this CPU"):
+        assert f">{name}<" in text
+    assert "3.59×" in text  # llama-7b, 4 bits against 16, batch 1, 1K context
+    assert "compute" in view.move("bits per weight", 2.0)  # the slow CPU turns compute-bound below 2.2 bits
+    view.move("batch", 64)
+    view.move("context", 4096)
+    view.move("model", "smollm2-135m")

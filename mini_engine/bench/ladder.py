@@ -6,7 +6,9 @@ Each rung adds one thing to the rung above it:
     naive            full recompute, one request at a time (`generate_naive`)
     cached           + the KV cache (`generate_cached`), one request at a time
     compiled         + each decode step one compiled graph (`generate_cached(compile=True)`), one at a time
-    continuous       the serving engine: continuous batching over a contiguous KV cache of `batch` slots
+    static           the serving engine, static batching: `batch` requests at a time over a contiguous KV cache of
+                     `batch` slots, the next batch only once the whole batch has finished
+    continuous       + continuous batching: a finished request's slot is refilled at the next step
     paged            + the paged KV cache, given the same memory as blocks (more requests fit at once)
     prefix           + prefix caching (the shared system prompt is computed once)
     speculative      + n-gram speculative decoding (prompt lookup: it pays on input-grounded requests)
@@ -14,8 +16,8 @@ Each rung adds one thing to the rung above it:
 
 The workload (`LadderWorkload`) lets each rung show what it buys: every request opens with one long system
 prompt (prefix caching), half of them ask for a given text back, repeated or proofread (n-gram speculation),
-the other half are open questions, and output lengths are mixed (continuous batching, paging). Greedy, with
-EOS honoured, so every rung's tokens can be compared with every other's.
+the other half are open questions, and output lengths are mixed (continuous batching against static batching,
+paging). Greedy, with EOS honoured, so every rung's tokens can be compared with every other's.
 
 Rungs that run one request at a time (naive, cached, compiled) run on a sample of the requests (the first
 `sample`), one after another: their tokens/s is what one user at a time gets, and their TTFT is timed from each
@@ -38,14 +40,16 @@ from .speculative import TEXTS as SPEC_TEXTS
 from ..course.metrics import TokenTimer, percentile
 from ..sampling import SamplingParams
 
-RUNGS = ("hf", "naive", "cached", "compiled", "continuous", "paged", "prefix", "speculative", "compiled_engine")
+RUNGS = ("hf", "naive", "cached", "compiled", "static", "continuous", "paged", "prefix", "speculative",
+         "compiled_engine")
 SINGLE_STREAM = ("naive", "cached", "compiled")
 LABELS = {
     "hf": "HF transformers batched generate",
     "naive": "naive (no cache)",
     "cached": "KV cache",
     "compiled": "+ compiled decode step",
-    "continuous": "continuous batching (contiguous)",
+    "static": "static batching (contiguous)",
+    "continuous": "+ continuous batching",
     "paged": "+ paged KV cache",
     "prefix": "+ prefix caching",
     "speculative": "+ speculative (n-gram)",
@@ -56,7 +60,8 @@ SEED_CLAIMS = {
     "naive": "5-10 tok/s for a 7B model on an A100",
     "cached": "about 700x less attention work over 1,024 tokens",
     "compiled": "(not in the seed: CUDA graphs / torch.compile remove per-kernel launch cost)",
-    "continuous": "utilisation about 50% -> 90% (about 1.8x tokens/s)",
+    "static": "(batching itself: one weight read serves the whole batch)",
+    "continuous": "utilisation about 50% -> 90% over static batching (about 1.8x tokens/s)",
     "paged": "waste 60-80% -> under one block: 2-4x (up to 8x) the concurrent requests",
     "prefix": "TTFT about 40x lower behind a long shared prefix",
     "speculative": "2-3x: alpha 0.8, k 4 gives 3.36 tokens per target pass",
@@ -75,6 +80,10 @@ SYSTEM_PROMPT = (
     "medical, legal or financial advice: suggest asking a professional instead. Be polite but not flattering, and "
     "apologise only for your own mistakes. If a request is unclear, ask one short question to clarify it. Keep a "
     "calm, neutral tone, and answer in the language the user writes in.")
+# Its first five sentences, the rules the requests lean on (about 100 tokens): chapter 09's CPU ladder, where every
+# rung but prefix caching computes each request's system prompt again, and two cores take longer over sixteen
+# long prompts than over their answers.
+SHORT_SYSTEM_PROMPT = SYSTEM_PROMPT[:SYSTEM_PROMPT.index(" Use plain words")]
 TEXTS = SPEC_TEXTS + [
     "A library card lets you borrow up to ten books at a time for three weeks. You can renew a loan twice online, "
     "unless another reader has reserved the book, and a late return costs ten cents a day.",
@@ -106,13 +115,16 @@ class LadderWorkload:
 
     @classmethod
     def build(cls, tok, requests: int, max_tokens_cap: int | None = None,
-              system_prompt: str = SYSTEM_PROMPT) -> "LadderWorkload":
-        """`requests` prompts; `max_tokens_cap` caps every request's max_tokens and a shorter `system_prompt`
-        shortens every prompt (a quick run, e.g. a smoke test)."""
+              system_prompt: str = SYSTEM_PROMPT, length_scale: float = 1.0) -> "LadderWorkload":
+        """`requests` prompts. `length_scale` multiplies every request's max_tokens and keeps their mix (a smaller
+        run on a CPU); `max_tokens_cap` caps them all and a shorter `system_prompt` shortens every prompt (a
+        quick run, e.g. a smoke test)."""
         if requests < 1:
             raise ValueError(f"requests must be >= 1, got {requests}")
         if max_tokens_cap is not None and max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be >= 1, got {max_tokens_cap}")
+        if not length_scale > 0:
+            raise ValueError(f"length_scale must be > 0, got {length_scale!r}")
         grounded = [(task, text) for task in GROUNDED_TASKS for text in TEXTS]
         chat = [(q, style) for style in CHAT_STYLES for q in QUESTIONS]
         messages, max_tokens, kinds = [], [], []
@@ -129,6 +141,7 @@ class LadderWorkload:
             if round_:  # past the distinct combinations: another reader asks, so no two prompts are the same
                 user = f"Reader {round_ + 1} asks: {user}"
             messages.append([{"role": "system", "content": system_prompt}, {"role": "user", "content": user}])
+            limit = max(1, round(limit * length_scale))
             max_tokens.append(min(limit, max_tokens_cap or limit))
             kinds.append(kind)
         prompts = [tok.encode(tok.apply_chat_template(m)) for m in messages]
@@ -305,8 +318,19 @@ class LadderResult:
             fig.savefig(path, dpi=120)
         return fig
 
+    def batching_beside_seed(self) -> str | None:
+        """Continuous against static batching on the same places and requests, beside the seed's claim (lanes
+        about 50% -> 90% busy, about 1.8x tokens/s); None unless both rungs ran."""
+        static, continuous = self.row("static"), self.row("continuous")
+        if not (static and continuous):
+            return None
+        return (f"continuous / static batching, {self.batch} places, the same {len(self.workload)} requests: "
+                f"{continuous.tok_s / static.tok_s:.2f}x tokens/s, places busy {static.stats['lanes_busy']:.0%} -> "
+                f"{continuous.stats['lanes_busy']:.0%} (seed: about 50% -> 90%, about 1.8x)")
+
     def report(self) -> str:
-        """Everything the bench prints: machine, workload, table, footnotes, compile times, agreement, targets."""
+        """Everything the bench prints: machine, workload, table, footnotes, compile times, agreement, the seed's
+        batching claim beside ours, targets."""
         top, naive, hf = self.top, self.row("naive"), self.row("hf")
         lines = [self.machine,
                  f"device={self.device} dtype={self.dtype} threads={torch.get_num_threads()}; workload: "
@@ -329,6 +353,8 @@ class LadderResult:
         for r in self.rows:
             if r.notes:
                 lines.append(f"{r.label}: {r.notes}")
+        if self.batching_beside_seed():
+            lines.append(self.batching_beside_seed())
         if naive:
             lines.append(f"top rung ({top.label}) / naive: {top.tok_s / naive.tok_s:.1f}x (target >= 25x)")
         if hf:
@@ -415,9 +441,9 @@ def run_single_stream(model, tok, work: LadderWorkload, sample: list[int], rung:
 
 
 def _track_peaks(engine) -> list[int]:
-    """Wrap the scheduler so that [most blocks held by requests, most requests running] over all steps are kept
-    in the returned list (blocks stay 0 with the contiguous cache)."""
-    scheduler, peak = engine.scheduler, [0, 0]
+    """Wrap the scheduler so that [most blocks held by requests, most requests running, requests running summed
+    over the steps, steps] are kept in the returned list (blocks stay 0 with the contiguous cache)."""
+    scheduler, peak = engine.scheduler, [0, 0, 0, 0]
     schedule = scheduler.schedule
 
     def tracked(now):
@@ -425,6 +451,9 @@ def _track_peaks(engine) -> list[int]:
         if scheduler.blocks is not None:
             peak[0] = max(peak[0], scheduler.blocks.num_blocks - scheduler.blocks.num_free_blocks)
         peak[1] = max(peak[1], len(scheduler.running))
+        if chunks:
+            peak[2] += len(scheduler.running)
+            peak[3] += 1
         return chunks
     scheduler.schedule = tracked
     return peak
@@ -460,8 +489,11 @@ def run_engine_rung(model, tok, work: LadderWorkload, rung: str, progress: bool,
              "cached_tokens": sum(o.num_cached_tokens for o in outs),
              "drafts": sum(o.metrics.num_draft_tokens for o in outs),
              "accepted": sum(o.metrics.num_accepted_tokens for o in outs),
-             "preemptions": sum(o.metrics.num_preemptions for o in outs)}
+             "preemptions": sum(o.metrics.num_preemptions for o in outs),
+             "lanes_busy": peak[2] / max(peak[3], 1) / c.max_num_seqs}  # the share of the batch's places in use
     notes = [f"peak {peak[1]} requests at once"]
+    if not paged:
+        notes.append(f"{stats['lanes_busy']:.0%} of its {c.max_num_seqs} places busy in an average step")
     if c.enable_prefix_caching:
         notes.append(f"prefix-cache hit rate {stats['cached_tokens'] / stats['prompt_tokens']:.0%} of prompt tokens")
     if stats["drafts"]:
@@ -487,8 +519,8 @@ def engine_kwargs_for(rung: str, work: LadderWorkload, device: str, batch: int, 
     kind = "cuda" if device.startswith("cuda") else "cpu"
     length = max_model_len or max(DEFAULT_LIMITS[kind][1], work.longest)
     base = {"max_model_len": length, "chunked_prefill_tokens": 512}
-    if rung == "continuous":
-        return {**base, "kv_cache": "contiguous", "max_num_seqs": batch}
+    if rung in ("static", "continuous"):
+        return {**base, "kv_cache": "contiguous", "max_num_seqs": batch, "scheduling": rung}
     paged = {**base, "kv_cache": "paged", "block_size": block_size, "num_kv_blocks": -(-batch * length // block_size),
              "max_num_seqs": paged_max_num_seqs, "enable_prefix_caching": False}
     steps = ["paged", "prefix", "speculative", "compiled_engine"]
@@ -503,10 +535,12 @@ def engine_kwargs_for(rung: str, work: LadderWorkload, device: str, batch: int, 
 def bench_ladder(device: str = "cpu", dtype: str = "float32", requests: int | None = None, batch: int | None = None,
                  sample: int | None = None, rungs=RUNGS, k: int = 4, block_size: int = 16,
                  max_model_len: int | None = None, paged_max_num_seqs: int | None = None,
-                 max_tokens_cap: int | None = None, system_prompt: str = SYSTEM_PROMPT, plot: str | None = None,
+                 max_tokens_cap: int | None = None, system_prompt: str = SYSTEM_PROMPT, length_scale: float = 1.0,
+                 plot: str | None = None,
                  model=None, tok=None, tune: bool = True, progress: bool = True, print_fn=print) -> LadderResult:
     """Run the ladder and print its report (and save the chart to `plot`). `model`/`tok`: weights already loaded
     (the notebook's); otherwise the embedded model is loaded. Sizes default by device (`default_size`);
+    `length_scale` shortens every request's max_tokens and keeps their mix (`LadderWorkload.build`);
     `max_tokens_cap` and a short `system_prompt` make a quick run (a smoke test)."""
     from ..course.formulas import kv_bytes_per_token
     from ..course.hardware import describe_machine
@@ -525,7 +559,7 @@ def bench_ladder(device: str = "cpu", dtype: str = "float32", requests: int | No
     if model is None:
         model, tok = load_model("smollm2-135m", device=device, dtype=dtype)
     device, dtype = str(model.device), str(model.dtype).removeprefix("torch.")
-    work = LadderWorkload.build(tok, requests, max_tokens_cap, system_prompt)
+    work = LadderWorkload.build(tok, requests, max_tokens_cap, system_prompt, length_scale)
     sample_idx = list(range(min(sample, requests)))
     t0 = time.perf_counter()
     if tune:  # every row bucket a step can bring, 1 to 256 (`autotune.row_bucket`), decided before any timing

@@ -123,7 +123,7 @@ def bench_paging(requests: int, batch: int, device: str, dtype: str, max_model_l
                  high: int = 256, block_size: int = 16, contexts=(128, 1024), progress: bool = True,
                  print_fn=print) -> tuple[list[Row], dict[int, tuple[float, float]]]:
     """Both measurements; returns the serving rows (contiguous, paged) and {context: (contiguous s, paged s)}."""
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
 
     from ..course.hardware import describe_machine
 

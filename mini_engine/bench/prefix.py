@@ -71,7 +71,7 @@ def run_shared_prefix(model, tok, work: SharedPrefixWorkload, caching: bool, max
                       one_at_a_time: bool = True, progress: bool = False, **engine_kwargs) -> PrefixRun:
     """Serve `work` on a fresh engine with prefix caching on or off, after one unmeasured request that puts
     the prefix in the cache. one_at_a_time: each request alone (its TTFT is its prefill); otherwise all at once."""
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
 
     from ..engine import LLM, request_steps
 

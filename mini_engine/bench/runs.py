@@ -413,7 +413,7 @@ def run_hf_static(hf, work: ServingWorkload, batch: int, kv_bytes_per_token: int
     """HF `generate` over batches of `batch` requests in arrival order, prompts left-padded to the longest of
     their batch, every batch decoding until its longest output is done. Only the tokens each request asked
     for are counted (the rest is the padding cost); a request's TPOT ends at its own last token."""
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     stamps: list[float] = []

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
@@ -13,11 +13,65 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_dtype(device: str) -> torch.dtype:
-    """fp32 on a CPU (exact, and what the reference numbers use); bf16 on a GPU that has it, else fp16 (T4)."""
-    if device == "cpu":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+def default_dtype(device: str | torch.device) -> str:
+    """The dtype the course runs the model in on `device`, by name (what `load_model` and `LLM` take).
+
+    float32 on a CPU (exact, and what the reference numbers use). On a GPU, bfloat16 from compute capability 8.0
+    (A100, L4, H100), whose tensor cores multiply it natively, and float16 below (T4, V100). The capability
+    decides, not `torch.cuda.is_bf16_supported()`, which says True on a T4 because it counts emulated bf16: there
+    every product would run as slow converted fp32, and Triton's bf16 kernels would not compile for it.
+    """
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return "float32"
+    if kind != "cuda":
+        raise ValueError(f"device must be 'cpu' or a CUDA device, got {device!r}")
+    major, _ = torch.cuda.get_device_capability(device)
+    return "bfloat16" if major >= 8 else "float16"
+
+
+def sdpa_backend(device: str | torch.device, dtype: torch.dtype):
+    """The fused kernel of PyTorch's `scaled_dot_product_attention` to compare with on `device`: FlashAttention
+    where the GPU has it (compute capability 8.0 or more, fp16 or bf16 inputs), else the memory-efficient kernel
+    (any GPU from sm_50), else the plain math one. None on a CPU, where SDPA picks its own fused kernel.
+    Use it as `with torch.nn.attention.sdpa_kernel(backend): ...`; `backend.name` says which one ran."""
+    from torch.nn.attention import SDPBackend
+
+    if torch.device(device).type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (8, 0) and dtype in (torch.float16, torch.bfloat16):
+        return SDPBackend.FLASH_ATTENTION
+    return SDPBackend.EFFICIENT_ATTENTION if capability >= (5, 0) else SDPBackend.MATH
+
+
+def free_memory(device: str | torch.device) -> int | None:
+    """Bytes a new workload can take on a GPU: what the driver reports free plus what PyTorch's allocator keeps
+    reserved but unused (it hands that out first). None on a CPU, where the notebooks' sizes are small anyway."""
+    if torch.device(device).type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def fitting(sizes: Iterable[T], nbytes: Callable[[T], float], device: str | torch.device, what: str = "size",
+            headroom: float = 0.9) -> list[T]:
+    """The sizes whose workload fits the device: `nbytes(size)` at most `headroom` of its free memory (every size
+    on a CPU). Each size left out is printed with the reason, so a smaller GPU runs a shorter sweep instead of
+    running out of memory. To shrink one workload, list candidates largest first and take the first kept."""
+    sizes = list(sizes)
+    free = free_memory(device)
+    if free is None:
+        return sizes
+    kept = []
+    for size in sizes:
+        need = nbytes(size)
+        if need <= headroom * free:
+            kept.append(size)
+        else:
+            print(f"{what} = {size}: skipped, it needs {need / 2**30:.1f} GiB and this GPU has "
+                  f"{free / 2**30:.1f} GiB free")
+    return kept
 
 
 def pick(cpu: T, gpu: T, device: str | None = None) -> T:

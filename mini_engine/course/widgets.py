@@ -14,8 +14,11 @@ from typing import Callable
 import ipywidgets as W
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from . import formulas as F
+from . import rooflines as R
+from . import serving_sim as L
 from . import simulate as S
 from ..config import PRESETS
 
@@ -446,3 +449,120 @@ def prefix_cache_widget(model: str = "llama-2-13b", prefix: int = 2000, suffix: 
                 "block_size": W.Dropdown(options=[1, 8, 16, 32, 64, 128, 256], value=block_size, description="block"),
                 "dtype": _dtype_dropdown()}
     return _live(controls, lambda **v: _render_prefix_cache(**v, peak_flops=peak_flops, peak_bw=peak_bw))
+
+
+# ---------------------------------------------------------------- chapter 09: throughput against latency
+
+_LOAD_BATCHES = (1, 4, 16, 64)  # the grey curves the chosen batch limit is compared with
+
+
+def _load_rates(step_s: dict[int, float], tokens: int, prompt_s: float) -> np.ndarray:
+    """Arrival rates from well below one place's capacity to past the largest batch's."""
+    low = L.capacity(step_s, 1, tokens, prompt_s) / 4
+    high = 1.5 * max(L.capacity(step_s, b, tokens, prompt_s) for b in (*_LOAD_BATCHES, max(step_s)))
+    return np.geomspace(low, high, 20)
+
+
+def _render_load(max_batch: int, rate: float, tokens: int, step_s: dict[int, float], prompt_s: float):
+    rates = _load_rates(step_s, tokens, prompt_s)
+    run = L.simulate_load(step_s, rate, max_batch, tokens, prompt_s)
+    cap = L.capacity(step_s, max_batch, tokens, prompt_s)
+
+    fig, (left, right) = _figure(2, 10, 3.6)
+    for b in sorted({*_LOAD_BATCHES, max_batch}):
+        curve = [L.simulate_load(step_s, r, b, tokens, prompt_s, requests=120) for r in rates]
+        style = dict(color="C0", lw=2, label=f"max batch {b}") if b == max_batch else \
+            dict(color="grey", alpha=0.45, lw=1)
+        left.plot(rates, [c.tok_s for c in curve], **style)
+        right.plot([c.tok_s for c in curve], [c.e2e_p50 for c in curve], **style)
+        if b != max_batch:
+            left.annotate(f"{b}", (rates[-1], curve[-1].tok_s), fontsize=7)
+            right.annotate(f"{b}", (curve[-1].tok_s, curve[-1].e2e_p50), fontsize=7)
+    left.plot([rate], [run.tok_s], "o", color="C1", ms=9)
+    right.plot([run.tok_s], [run.e2e_p50], "o", color="C1", ms=9, label=f"{rate:.3g} req/s")
+    left.set(xscale="log", xlabel="arrival rate (requests/s)", ylabel="output tokens/s",
+             title="throughput (grey: other batch limits)")
+    left.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    left.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
+    left.xaxis.set_minor_formatter(NullFormatter())
+    right.set(yscale="log", xlabel="output tokens/s", ylabel="end-to-end latency p50 (s)",
+              title="latency against throughput")
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+
+    state = "below its capacity: requests rarely wait" if rate < 0.8 * cap else \
+        "near its capacity: a burst makes requests wait" if rate < cap else \
+        "past its capacity: the queue grows for as long as the load lasts"
+    extrapolated = f" (measured up to batch {max(step_s)}, beyond it extrapolated)" if max_batch > max(step_s) else ""
+    text = (f"{max_batch} places, {tokens} tokens per request: a step of {max_batch} takes "
+            f"{L.step_seconds(step_s, max_batch) * 1e3:.1f} ms{extrapolated}, so the server sustains at most "
+            f"<b>{cap:.2f} requests/s</b> ({cap * tokens:.0f} tok/s). At {rate:.3g} requests/s it is {state}: "
+            f"<b>{run.tok_s:.0f} tok/s</b>, time to first token p50 {run.ttft_p50 * 1e3:.0f} ms (p99 "
+            f"{run.ttft_p99 * 1e3:.0f} ms), end-to-end p50 <b>{run.e2e_p50:.2f} s</b>, {run.tpot_p50 * 1e3:.0f} ms "
+            f"per token, {run.mean_batch:.1f} requests in an average step.")
+    return text, fig
+
+
+def load_widget(step_s: dict[int, float], prompt_s: float = 0.0, max_batch: int = 4, rate: float | None = None,
+                tokens: int = 32) -> W.VBox:
+    """Chapter 09: throughput and latency of a continuous-batching server as its batch limit and the arrival
+    rate move (`serving_sim.simulate_load`), from measured decode step times `step_s` (batch -> seconds) and one
+    prompt's prefill `prompt_s`. The rate starts at half the capacity of `max_batch` places."""
+    rates = _load_rates(step_s, tokens, prompt_s)
+    rate = rate or L.capacity(step_s, max_batch, tokens, prompt_s) / 2
+    controls = {"max_batch": W.IntSlider(value=max_batch, min=1, max=64, description="max batch", **_SLIDER),
+                "rate": W.FloatLogSlider(value=rate, base=10, min=np.log10(rates[0]), max=np.log10(rates[-1]),
+                                         step=0.05, description="arrival rate (req/s)", readout_format=".3g",
+                                         **_SLIDER),
+                "tokens": W.IntSlider(value=tokens, min=8, max=512, step=8, description="tokens per request",
+                                      **_SLIDER)}
+    return _live(controls, lambda **v: _render_load(**v, step_s=step_s, prompt_s=prompt_s))
+
+
+# ---------------------------------------------------------------- chapter 10: bits per weight on the roofline
+
+def _render_quant_roofline(model: str, bits: float, batch: int, context: int, roofs: dict, kv_bytes: float):
+    rows = R.quantized_decode_ceilings(model, bits, batch, context, kv_bytes, roofs)
+    grid = np.linspace(2, 32, 121)
+    per_token = F.decode_bytes_per_token(model, batch, context, kv_bytes, grid)
+    weights = F.weight_bytes(model, grid / 8) / batch
+
+    fig, (left, right) = _figure(2, 10, 3.6)
+    left.fill_between(grid, 0, weights / F.GiB, color="C0", alpha=0.6, label="weights (shared by the batch)")
+    left.fill_between(grid, weights / F.GiB, per_token / F.GiB, color="C3", alpha=0.5, label="K/V and activations")
+    left.axvline(bits, color="k", lw=0.8)
+    left.set(xlabel="bits per weight", ylabel="GiB moved per token", title=f"{model}, batch {batch}, context {context}")
+    left.legend(fontsize=8, loc="upper left")
+    for i, (name, roof) in enumerate(roofs.items()):
+        curve = F.predicted_decode_tok_s(model, batch, context, kv_bytes, roof.peak_flops, roof.peak_bw, grid)
+        right.plot(grid, curve, color=f"C{i}", label=name)
+        right.plot([bits], [rows[i].tok_s], "o", color=f"C{i}")
+    right.axvline(bits, color="k", lw=0.8)
+    right.set(xscale="log", yscale="log", xlabel="bits per weight", ylabel="decode ceiling, tok/s",
+              title="the roofline's ceiling")
+    right.set_xticks([2, 4, 8, 16, 32], ["2", "4", "8", "16", "32"])
+    right.xaxis.set_minor_formatter(NullFormatter())
+    right.legend(fontsize=7)
+
+    share = F.weight_bytes(model, bits / 8) / batch / rows[0].bytes_per_token
+    table = _table(["machine", "TFLOP/s", "TB/s", "ceiling tok/s", "× 16-bit", "bound", "compute-bound below"],
+                   [[name, f"{roof.peak_flops / 1e12:g}", f"{roof.peak_bw / 1e12:.3g}", f"{r.tok_s:,.0f}",
+                     f"{r.speedup:.2f}×", r.bound, f"{r.bits_at_ridge:.1f} bits" if r.bits_at_ridge else "never"]
+                    for (name, roof), r in zip(roofs.items(), rows)])
+    text = (f"At {bits:g} bits per weight a decode step of {batch} sequence(s) moves "
+            f"<b>{F.human_bytes(rows[0].bytes_per_token)} per token</b>, {100 * share:.0f}% of it weights. "
+            f"Fewer bits raise the ceiling only while a step is memory-bound." + table)
+    return text, fig
+
+
+def quant_roofline_widget(roofs: dict | None = None, model: str = "llama-7b", bits: float = 4.0, batch: int = 1,
+                          context: int = 1024, kv_bytes: float = 2) -> W.VBox:
+    """Chapter 10: bits per weight against bytes per token and the decode ceiling on each machine's roofline
+    (`rooflines.quantized_decode_ceilings`; default machines `rooflines.GPU_ROOFS`, add your own measured
+    `rooflines.Roof`). The K/V cache and activations stay at `kv_bytes` bytes a value."""
+    roofs = R.GPU_ROOFS if roofs is None else roofs
+    controls = {"model": _model_dropdown(model),
+                "bits": W.FloatSlider(value=bits, min=2, max=32, step=0.25, description="bits per weight", **_SLIDER),
+                "batch": W.IntSlider(value=batch, min=1, max=256, description="batch", **_SLIDER),
+                "context": W.IntSlider(value=context, min=16, max=32768, step=16, description="context", **_SLIDER)}
+    return _live(controls, lambda **v: _render_quant_roofline(**v, roofs=roofs, kv_bytes=kv_bytes))

@@ -2,12 +2,14 @@
 
 Triton compiles for a *named* GPU without one present: the Python source goes to Triton IR, then to
 PTX for that architecture, then through NVIDIA's `ptxas` (bundled with Triton) to a cubin. No CUDA
-driver is involved, so a CPU-only CI machine can prove that every kernel builds for a T4, an A100 and
-an H100 with the launch configuration its wrapper would pick there, and read off what the GPU would
-need to run it: shared memory per block, registers per thread, and register spills.
+driver is involved, so a CPU-only CI machine can prove that every kernel builds for each GPU the course
+names (gpus.TARGETS: a T4, an L4, an A100 and an H100) with the launch configuration its wrapper would
+pick there, and read off what the GPU would need to run it: shared memory per block, registers per
+thread, and register spills.
 
 A kernel module joins by exposing `aot_specs(gpu, dtype) -> list[KernelSpec]` (what its wrapper
-launches on that GPU for that dtype) and being listed once in `KERNEL_MODULES`.
+launches on that GPU for that dtype, in the variants the course uses) and being listed once in
+`KERNEL_MODULES`.
 
 Compilation needs `@triton.jit` to have produced real JIT functions, which it does not under
 TRITON_INTERPRET=1 (the tests and the CPU notebooks set it). `compile_all` therefore always compiles
@@ -37,7 +39,7 @@ from .gpus import TARGETS, GPUSpec
 # fails on a kernel module missing from this list.
 KERNEL_MODULES = ("mini_engine.kernels.flash_attention", "mini_engine.kernels.paged_attention",
                   "mini_engine.kernels.kv_store", "mini_engine.kernels.rejection_sampler",
-                  "mini_engine.kernels.quant_matmul")
+                  "mini_engine.kernels.quant_matmul", "mini_engine.kernels.int8_matmul")
 
 # Triton's names for the element types, as they appear in a signature ("*bf16" is a bf16 pointer).
 TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -96,12 +98,22 @@ class Build:
 
 
 def jobs(gpus=TARGETS, spec_fns=None) -> list[tuple[KernelSpec, GPUSpec, str]]:
-    """Every (spec, gpu, dtype) that the wrappers would launch on these GPUs, in each dtype each GPU runs.
+    """Every (spec, gpu, dtype) that the course launches on these GPUs. A kernel runs in the dtype a model runs
+    in there (`GPUSpec.model_dtype`: fp16 on a T4, bf16 from sm_80), or in fp32 when that is the only dtype
+    it takes (the rejection sampler's probabilities): its aot_specs has nothing for the model's dtype.
     spec_fns: aot_specs-like functions; by default those of every module in KERNEL_MODULES."""
     if spec_fns is None:
         spec_fns = [importlib.import_module(module).aot_specs for module in KERNEL_MODULES]
-    return [(spec, gpu, TRITON_DTYPES[dtype])
-            for specs_of in spec_fns for gpu in gpus for dtype in gpu.dtypes() for spec in specs_of(gpu, dtype)]
+    found = []
+    for specs_of in spec_fns:
+        for gpu in gpus:
+            dtype = gpu.model_dtype
+            specs = specs_of(gpu, dtype)
+            if not specs:
+                dtype = torch.float32
+                specs = specs_of(gpu, dtype)
+            found += [(spec, gpu, TRITON_DTYPES[dtype]) for spec in specs]
+    return found
 
 
 def compile_kernel(spec: KernelSpec, gpu: GPUSpec, dtype: str) -> Build:
@@ -141,14 +153,19 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
 def compile_all(jobs: list[tuple[KernelSpec, GPUSpec, str]], workers: int | None = None) -> list[Build]:
     """Compile every job, in parallel worker processes without TRITON_INTERPRET; Builds in job order.
 
-    A kernel that fails to compile comes back as a Build with `error` set, so one bad configuration
-    does not hide the others.
+    Jobs that compile to the same code (the same kernel, types, constexprs and options for the same
+    architecture: paged decode for SmolLM2-135M's group of 3 query heads and for 1.7B's group of 1, which
+    both pad to 16 rows, say) are compiled once, and each gets that Build under its own label. A kernel that fails to compile comes back as a
+    Build with `error` set, so one bad configuration does not hide the others.
     """
-    workers = max(1, min(workers or os.cpu_count() or 1, 8, len(jobs)))
-    payloads = [{"kernel": f"{spec.kernel.fn.__module__}:{spec.name}", "gpu": dataclasses.asdict(gpu),
-                 "dtype": dtype, "spec": {"signature": spec.signature, "constexprs": spec.constexprs,
-                                          "options": spec.options, "label": spec.label}}
-                for spec, gpu, dtype in jobs]
+    payloads, first_of = [], {}  # the distinct compilations; where each one's Build will be among them
+    for spec, gpu, dtype in jobs:
+        if _code_key(spec, gpu) not in first_of:
+            first_of[_code_key(spec, gpu)] = len(payloads)
+            payloads.append({"kernel": _kernel_path(spec), "gpu": dataclasses.asdict(gpu), "dtype": dtype,
+                             "spec": {"signature": spec.signature, "constexprs": spec.constexprs,
+                                      "options": spec.options, "label": spec.label}})
+    workers = max(1, min(workers or os.cpu_count() or 1, 8, len(payloads)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # The workers import the kernel modules as this process did (a lab solution, say, from the repo root).
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -160,13 +177,25 @@ def compile_all(jobs: list[tuple[KernelSpec, GPUSpec, str]], workers: int | None
             raise RuntimeError(f"aot worker failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         return json.loads(done.stdout)
 
-    # Shard i takes jobs i, i + workers, ...: each worker gets a mix of cheap and expensive kernels.
+    # Shard i takes compilations i, i + workers, ...: each worker gets a mix of cheap and expensive kernels.
     with ThreadPoolExecutor(workers) as pool:
         shards = list(pool.map(run, [payloads[i::workers] for i in range(workers)]))
-    builds = [None] * len(jobs)
+    compiled = [None] * len(payloads)
     for i, shard in enumerate(shards):
-        builds[i::workers] = [Build(**b) for b in shard]
-    return builds
+        compiled[i::workers] = [Build(**b) for b in shard]
+    return [dataclasses.replace(compiled[first_of[_code_key(spec, gpu)]], gpu=gpu.name, dtype=dtype,
+                                label=spec.label, tile=spec.tile)
+            for spec, gpu, dtype in jobs]
+
+
+def _kernel_path(spec: KernelSpec) -> str:
+    """"module:name", how a worker process finds the kernel."""
+    return f"{spec.kernel.fn.__module__}:{spec.name}"
+
+
+def _code_key(spec: KernelSpec, gpu: GPUSpec) -> str:
+    """Everything the compiled code depends on: two jobs with the same key compile to the same cubin."""
+    return json.dumps([_kernel_path(spec), gpu.arch, spec.signature, spec.constexprs, spec.options], sort_keys=True)
 
 
 def _worker() -> None:

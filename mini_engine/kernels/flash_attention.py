@@ -24,7 +24,6 @@ Conventions shared by every entry point:
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +31,10 @@ import triton
 import triton.language as tl
 
 from .aot import TRITON_DTYPES, KernelSpec
-from .gpus import GPUSpec
+from .checks import (check_device, check_float_tensor, check_gqa_heads, check_head_dim, check_launchable,
+                     check_out, check_same_dtype, check_same_shape, check_tensor)
+from .gpus import GPUSpec, gpu_of
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Scores are scaled by sm_scale * log2(e) so the kernel can use exp2, which maps to one hardware
 # instruction, while computing exactly exp(sm_scale * q.k).
 _LOG2E = 1.4426950408889634
@@ -255,8 +255,8 @@ def launch_config(head_dim: int, dtype: torch.dtype, gpu: GPUSpec | None) -> Lau
         it. Tensor-core products (fp16/bf16 from sm_80) keep their operands compactly: 80 values. FMA
         products (fp32 "ieee" inputs, which tensor cores cannot compute exactly, and everything on a
         T4, where Triton has no tensor-core path) hold far more operand registers: 24 values, so small
-        tiles. Both budgets were measured with aot.py, and tests/kernels/test_aot.py checks every
-        choice for spills with the real compiler.
+        tiles. Both budgets were measured with aot.py, and tests/kernels/test_aot.py checks the choice
+        for every variant the course launches (in the models' dtype) for spills with the real compiler.
       - Shared memory: Triton pipelines the K/V loads `num_stages` deep, each stage a K and a V tile;
         we take the deepest pipeline whose estimate fits this GPU's shared memory per block.
     The choice depends only on the GPU's description, so it can be made, and compiled (aot.py), for a
@@ -285,48 +285,16 @@ def launch_config(head_dim: int, dtype: torch.dtype, gpu: GPUSpec | None) -> Lau
     return config  # nothing fits: the smallest, and Triton's launch will say why
 
 
-@functools.cache
-def _gpu(device: torch.device) -> GPUSpec:
-    """The GPU a launch on `device` targets, read from the driver once per device."""
-    return GPUSpec.from_device(device)
-
-
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int, layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
-            raise ValueError(f"{name} must be a {ndim}-D tensor {layout}, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k has head_dim {k.shape[-1]} but q has {head_dim}")
-    # tl.arange needs a power of two and tl.dot an inner dimension of at least 16.
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"q head_dim must be a power of two in [16, 256], got {head_dim}")
-    hq, hkv = q.shape[1], k.shape[1]  # heads sit in dim 1 of both [B, H, N, D] and [tokens, H, D]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"the number of q heads ({hq}) must be a multiple of k/v heads ({hkv})")
-    if q.device.type == "cpu" and not INTERPRETED:
-        raise ValueError("q is a CPU tensor but Triton is compiling for a GPU: set TRITON_INTERPRET=1 "
-                         "before importing mini_engine.kernels to run the kernel in the interpreter")
-
-
-def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}), got "
-                         f"({tuple(out.shape)}, {out.dtype}, {out.device})")
-    if out.stride(-1) != 1:
-        raise ValueError("out must be contiguous in its last (head_dim) dimension")
-    return out
+        check_float_tensor(name, t, ndim, layout)
+        check_device(name, t, "q", q)
+        check_same_dtype(name, t, "q", q)
+    check_same_shape("k", k, "v", v)
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k has head_dim {k.shape[-1]} but q has {q.shape[-1]}")
+    check_head_dim("q", q.shape[-1])
+    check_gqa_heads(q.shape[1], k.shape[1], "k/v")  # heads sit in dim 1 of both [B, H, N, D] and [tokens, H, D]
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -337,7 +305,7 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 def _compile_time_args(head_dim: int, dtype: torch.dtype, causal: bool, varlen: bool,
                        gpu: GPUSpec | None) -> dict:
     """The kernel's constexprs and launch options for one call. The launch and `aot_specs` both take
-    them from here, so what CI compiles for a T4, an A100 or an H100 is what the wrapper launches there."""
+    them from here, so what CI compiles for each GPU the course names is what the wrapper launches there."""
     cfg = launch_config(head_dim, dtype, gpu)
     return dict(VARLEN=varlen, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 # fp32 inputs get true fp32 products; the default (TF32) would cost ~1e-3 of accuracy.
@@ -348,7 +316,7 @@ def _compile_time_args(head_dim: int, dtype: torch.dtype, causal: bool, varlen: 
 
 def _launch(q, k, v, out, cu_q, cu_k, strides, grid, seq_len_q, seq_len_k, causal, sm_scale, varlen):
     head_dim = q.shape[-1]
-    args = _compile_time_args(head_dim, q.dtype, causal, varlen, None if INTERPRETED else _gpu(q.device))
+    args = _compile_time_args(head_dim, q.dtype, causal, varlen, None if INTERPRETED else gpu_of(q.device))
     scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     _attn_fwd[grid(args["BLOCK_M"])](
         q, k, v, out, cu_q, cu_k, *strides,
@@ -367,8 +335,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     _check_qkv(q, k, v, 4, "[B, H, N, D]")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
+    out = check_out(out, q)
+    check_launchable("q", q, _attn_fwd)
     q, k, v = (_unit_stride(t) for t in (q, k, v))
-    out = _check_out(out, q)
     batch, heads, n_q, _ = q.shape
     n_k = k.shape[2]
     if out.numel() == 0:
@@ -395,10 +364,10 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     _check_qkv(q, k, v, 3, "[tokens, H, D]")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32 or cu.numel() < 2:
-            raise ValueError(f"{name} must be a 1-D int32 tensor [num_seqs + 1]")
-        if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+        check_tensor(name, cu, torch.int32, (None,), "[num_seqs + 1]")
+        if cu.numel() < 2:
+            raise ValueError(f"{name} must hold num_seqs + 1 >= 2 offsets, got {cu.numel()}")
+        check_device(name, cu, "q", q)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} and "
                          f"{cu_seqlens_k.numel() - 1} sequences")
@@ -413,8 +382,9 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             if cu[0] != 0 or cu[-1] != tokens or (lengths < 0).any() or lengths.max() > longest:
                 raise ValueError(f"{name} must rise from 0 to {tokens} with no length above its max_seqlen, "
                                  f"got {cu.tolist()}")
+    out = check_out(out, q)
+    check_launchable("q", q, _attn_fwd)
     q, k, v = (_unit_stride(t) for t in (q, k, v))
-    out = _check_out(out, q)
     num_seqs = cu_seqlens_q.numel() - 1
     if out.numel() == 0 or max_seqlen_q == 0:
         return out
@@ -482,28 +452,30 @@ def benchmark_tflops(provider: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
 # 5. What the wrappers launch on a GPU, for ahead-of-time compilation (aot.py, tests/kernels/test_aot.py)
 # --------------------------------------------------------------------------------------------------
 def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
-    """The launches of `_attn_fwd` on `gpu` for `dtype`: causal attention, dense (flash_attention) and
-    packed (flash_attention_varlen, the engine's prefill), at the head sizes of the course's models
-    (64: SmolLM2; 128: Llama-7B). The non-causal variant only drops the diagonal test, so it needs no
-    more registers or shared memory than these.
+    """The launches of `_attn_fwd` on `gpu` for `dtype` that the course makes. Packed causal attention
+    (flash_attention_varlen, the engine's prefill) at the course models' head sizes: 64 (SmolLM2) and 128
+    (Llama-style checkpoints). Dense attention (flash_attention: chapter 05 and benchmarks/bench_attention.py),
+    causal and not, at those sizes and at the 32 of chapter 05's checks. Lengths, batch and the GQA group are
+    runtime values, so these cover every model with these head sizes.
     """
     ptr = f"*{TRITON_DTYPES[dtype]}:16"  # torch allocations are 16-byte aligned
+    variants = [(False, True, 64), (False, True, 128), (True, True, 64), (True, True, 128),
+                (False, False, 64), (False, False, 128), (False, True, 32), (False, False, 32)]
     specs = []
-    for head_dim in (64, 128):
-        for varlen in (False, True):
-            args = _compile_time_args(head_dim, dtype, True, varlen, gpu)
-            options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
-            # Strides are multiples of head_dim, so of 16 (a packed batch's are 0); lengths and the GQA
-            # group are not specialised (do_not_specialize). A dense call passes cu_seqlens as None.
-            signature = {name: "i32:16" for name in _attn_fwd.arg_names if name.startswith("stride_")}
-            signature |= dict(Q=ptr, K=ptr, V=ptr, Out=ptr, seq_len_q="i32", seq_len_k="i32",
-                              group_size="i32", qk_scale="fp32")
-            if varlen:
-                signature |= dict(cu_seqlens_q="*i32:16", cu_seqlens_k="*i32:16")
-            else:
-                args |= dict(cu_seqlens_q=None, cu_seqlens_k=None)
-            specs.append(KernelSpec(_attn_fwd, signature, args, options,
-                                    f"{'varlen' if varlen else 'dense'} causal, head_dim {head_dim}"))
+    for varlen, causal, head_dim in variants:
+        args = _compile_time_args(head_dim, dtype, causal, varlen, gpu)
+        options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
+        # Strides are multiples of head_dim, so of 16 (a packed batch's are 0); lengths and the GQA
+        # group are not specialised (do_not_specialize). A dense call passes cu_seqlens as None.
+        signature = {name: "i32:16" for name in _attn_fwd.arg_names if name.startswith("stride_")}
+        signature |= dict(Q=ptr, K=ptr, V=ptr, Out=ptr, seq_len_q="i32", seq_len_k="i32",
+                          group_size="i32", qk_scale="fp32")
+        if varlen:
+            signature |= dict(cu_seqlens_q="*i32:16", cu_seqlens_k="*i32:16")
+        else:
+            args |= dict(cu_seqlens_q=None, cu_seqlens_k=None)
+        label = f"{'varlen' if varlen else 'dense'} {'causal' if causal else 'non-causal'}, head_dim {head_dim}"
+        specs.append(KernelSpec(_attn_fwd, signature, args, options, label))
     return specs
 
 

@@ -20,8 +20,10 @@ import triton
 import triton.language as tl
 
 from .aot import TRITON_DTYPES, KernelSpec
-from .flash_attention import _DTYPES, INTERPRETED, _gpu, _unit_stride
-from .gpus import GPUSpec
+from .checks import (check_device, check_float_tensor, check_head_dim, check_launchable, check_same_dtype,
+                     check_same_shape, check_tensor, check_unit_stride)
+from .flash_attention import INTERPRETED, _unit_stride
+from .gpus import GPUSpec, gpu_of
 
 
 # The head count is masked against BLOCK_H, so it is not specialised: one compile per head size and
@@ -90,39 +92,21 @@ def _check_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
     for name, t, ndim, layout in (("k", k, 3, "[tokens, Hkv, D]"), ("v", v, 3, "[tokens, Hkv, D]"),
                                   ("k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]"),
                                   ("v_cache", v_cache, 4, "[num_blocks, block_size, Hkv, D]")):
-        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
-            raise ValueError(f"{name} must be a {ndim}-D tensor {layout}, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-        if t.device != k.device:
-            raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
-        if t.dtype != k.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but k has {k.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
+        check_float_tensor(name, t, ndim, layout)
+        check_device(name, t, "k", k)
+        check_same_dtype(name, t, "k", k)
+    check_same_shape("k", k, "v", v)
+    check_same_shape("k_cache", k_cache, "v_cache", v_cache)
     if k.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"k holds [Hkv, D] = {list(k.shape[1:])} per token but k_cache holds "
                          f"{list(k_cache.shape[2:])} per slot")
-    head_dim = k.shape[-1]
-    if head_dim < 1 or head_dim & (head_dim - 1):
-        raise ValueError(f"k head_dim must be a power of two, got {head_dim}")
+    check_head_dim("k", k.shape[-1], smallest=1, largest=None)  # a copy: no tl.dot, so no lower bound of 16
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        # The kernel walks a slot's heads and head_dim with strides it is given, but needs head_dim unit-stride.
-        if cache.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension: it is written in place")
-    if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1
-            or slot_mapping.dtype != torch.int32 or slot_mapping.shape[0] != k.shape[0]):
-        raise ValueError(f"slot_mapping must be a 1-D int32 tensor [tokens = {k.shape[0]}]")
-    if slot_mapping.device != k.device:
-        raise ValueError(f"slot_mapping is on {slot_mapping.device} but k is on {k.device}")
+        # The kernel walks a slot's heads with the strides it is given, but head_dim with stride 1.
+        check_unit_stride(name, cache, ": it is written in place")
+    check_tensor("slot_mapping", slot_mapping, torch.int32, (k.shape[0],), f"[tokens = {k.shape[0]}]")
+    check_device("slot_mapping", slot_mapping, "k", k)
     if k.device.type == "cpu":
-        if not INTERPRETED:
-            raise ValueError("k is a CPU tensor but Triton is compiling for a GPU: set TRITON_INTERPRET=1 "
-                             "before importing mini_engine.kernels to run the kernel in the interpreter")
         # Cheap on the host; on a GPU it would cost a device sync on every step.
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         if ((slot_mapping < -1) | (slot_mapping >= num_slots)).any():
@@ -136,13 +120,14 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     token t goes to slot slot_mapping[t] = block_id * block_size + offset, or nowhere when it is -1.
     k and v may be views (of a fused QKV projection, say) with any token and head strides."""
     _check_inputs(k, v, k_cache, v_cache, slot_mapping)
+    check_launchable("k", k, _store_kv)
     k, v = _unit_stride(k), _unit_stride(v)
     slot_mapping = slot_mapping.contiguous()  # read at slot_mapping + t
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     args = _compile_time_args(head_dim, k_cache.shape[1], num_kv_heads, k.dtype,
-                              None if INTERPRETED else _gpu(k.device))
+                              None if INTERPRETED else gpu_of(k.device))
     _store_kv[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -151,18 +136,20 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
-    """The launches of `_store_kv` on `gpu` for `dtype`, at the engine's block size (16) and the course
-    models' KV heads: 3 x 64 (SmolLM2) and 8 x 128 (Llama-style GQA)."""
+    """The launches of `_store_kv` on `gpu` for `dtype` that the course makes: SmolLM2's 3 KV heads of 64 at
+    every block size the engine runs with in the chapters (16 by default, 8 in chapter 07's pool picture, and
+    chapter 07's sweep of 1 to 256), and Llama-style 8 heads of 128 at block size 16."""
     # torch allocations, and views of a fused QKV projection cut at whole heads, are 16-byte aligned
     ptr = f"*{TRITON_DTYPES[dtype]}:16"
     signature = {name: "i32:16" for name in _store_kv.arg_names if name.startswith("stride_")}
     signature |= dict(K=ptr, V=ptr, K_cache=ptr, V_cache=ptr, slot_mapping="*i32:16", num_kv_heads="i32")
+    variants = [(3, 64, block_size) for block_size in (1, 4, 8, 16, 64, 256)] + [(8, 128, 16)]
     specs = []
-    for num_kv_heads, head_dim in ((3, 64), (8, 128)):
-        args = _compile_time_args(head_dim, 16, num_kv_heads, dtype, gpu)
+    for num_kv_heads, head_dim, block_size in variants:
+        args = _compile_time_args(head_dim, block_size, num_kv_heads, dtype, gpu)
         options = {"num_warps": args.pop("num_warps")}
         specs.append(KernelSpec(_store_kv, signature, args, options,
-                                f"{num_kv_heads} KV heads x head_dim {head_dim}, block_size 16"))
+                                f"{num_kv_heads} KV heads x head_dim {head_dim}, block_size {block_size}"))
     return specs
 
 

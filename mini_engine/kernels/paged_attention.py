@@ -30,8 +30,10 @@ import triton
 import triton.language as tl
 
 from .aot import TRITON_DTYPES, KernelSpec
-from .flash_attention import _DTYPES, _LOG2E, INTERPRETED, _check_out, _dot, _gpu, _unit_stride
-from .gpus import GPUSpec
+from .checks import (check_device, check_float_tensor, check_gqa_heads, check_head_dim, check_launchable,
+                     check_out, check_same_dtype, check_same_shape, check_tensor)
+from .flash_attention import _LOG2E, INTERPRETED, _dot, _unit_stride
+from .gpus import GPUSpec, gpu_of
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,49 +195,29 @@ def _compile_time_args(head_dim: int, block_size: int, group: int, dtype: torch.
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _check_int32(name: str, t, ndim: int, layout: str, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != ndim or t.dtype != torch.int32:
-        raise ValueError(f"{name} must be a {ndim}-D int32 tensor {layout}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}")
-
-
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
-    for name, t, ndim, layout in (("q", q, 3, "[num_seqs, Hq, D]"),
-                                  ("k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]"),
-                                  ("v_cache", v_cache, 4, "[num_blocks, block_size, Hkv, D]")):
-        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
-            raise ValueError(f"{name} must be a {ndim}-D tensor {layout}, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
+    check_float_tensor("q", q, 3, "[num_seqs, Hq, D]")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float_tensor(name, t, 4, "[num_blocks, block_size, Hkv, D]")
+        check_device(name, t, "q", q)
+        check_same_dtype(name, t, "q", q)
+    check_same_shape("k_cache", k_cache, "v_cache", v_cache)
     num_seqs, heads_q, head_dim = q.shape
     num_blocks, block_size, heads_kv, _ = k_cache.shape
     if k_cache.shape[-1] != head_dim:
         raise ValueError(f"k_cache has head_dim {k_cache.shape[-1]} but q has {head_dim}")
-    # tl.arange needs a power of two and tl.dot an inner dimension of at least 16.
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"q head_dim must be a power of two in [16, 256], got {head_dim}")
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(f"the number of q heads ({heads_q}) must be a multiple of k_cache/v_cache heads ({heads_kv})")
+    check_head_dim("q", head_dim)
+    check_gqa_heads(heads_q, heads_kv, "k_cache/v_cache")
     if block_size < 1:
         raise ValueError("k_cache must have a block_size (dim 1) of at least 1")
-    _check_int32("block_tables", block_tables, 2, "[num_seqs, max_blocks]", q.device)
-    _check_int32("context_lens", context_lens, 1, "[num_seqs]", q.device)
+    check_tensor("block_tables", block_tables, torch.int32, (None, None), "[num_seqs, max_blocks]")
+    check_tensor("context_lens", context_lens, torch.int32, (None,), "[num_seqs]")
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        check_device(name, t, "q", q)
     if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
         raise ValueError(f"block_tables and context_lens must have one row per sequence of q ({num_seqs}), got "
                          f"{block_tables.shape[0]} and {context_lens.shape[0]}")
     if q.device.type == "cpu":
-        if not INTERPRETED:
-            raise ValueError("q is a CPU tensor but Triton is compiling for a GPU: set TRITON_INTERPRET=1 "
-                             "before importing mini_engine.kernels to run the kernel in the interpreter")
         # Cheap on the host; on a GPU these checks would cost a device sync on every decode step.
         capacity = block_tables.shape[1] * block_size
         if (context_lens < 0).any() or (context_lens > capacity).any():
@@ -260,15 +242,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     never read. scale defaults to 1/sqrt(D). `out`, if given, receives the result.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    out = check_out(out, q)
+    check_launchable("q", q, _paged_decode_fwd)
     q, k_cache, v_cache, block_tables = (_unit_stride(t) for t in (q, k_cache, v_cache, block_tables))
     context_lens = context_lens.contiguous()  # read at context_lens + seq
-    out = _check_out(out, q)
     num_seqs, heads_q, head_dim = q.shape
     block_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
     if out.numel() == 0:
         return out
     group = heads_q // heads_kv
-    args = _compile_time_args(head_dim, block_size, group, q.dtype, None if INTERPRETED else _gpu(q.device))
+    args = _compile_time_args(head_dim, block_size, group, q.dtype, None if INTERPRETED else gpu_of(q.device))
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
     _paged_decode_fwd[(num_seqs, heads_kv)](
         q, k_cache, v_cache, out, block_tables, context_lens,
@@ -324,19 +307,23 @@ def kv_bytes_read(context_lens: torch.Tensor, k_cache: torch.Tensor) -> int:
 # 5. What the wrapper launches on a GPU, for ahead-of-time compilation (aot.py, tests/kernels/test_aot.py)
 # --------------------------------------------------------------------------------------------------
 def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
-    """The launches of `_paged_decode_fwd` on `gpu` for `dtype`, at the engine's block size (16) and the
-    course models' heads: head_dim 64 with groups of 3 (SmolLM2) and 128 with groups of 4 (Llama-style
-    GQA). Both groups pad to BLOCK_G = 16; only a group of more than 16 would change the kernel."""
+    """The launches of `_paged_decode_fwd` on `gpu` for `dtype` that the course makes: SmolLM2's heads (9 query
+    heads on 3 KV heads of 64) at every block size the engine runs with in the chapters (16 by default, 8 in
+    chapter 07's pool picture, and chapter 07's sweep of 1 to 256), and benchmarks/bench_paged_attention.py's
+    Llama-style 32 on 8 heads of 128 at block size 16. The larger SmolLM2 models (15 on 5, 32 on 32) compile to
+    the same code as the 135M: a GQA group of up to 16 pads to BLOCK_G = 16."""
     ptr = f"*{TRITON_DTYPES[dtype]}:16"  # torch allocations are 16-byte aligned
     signature = {name: "i32:16" for name in _paged_decode_fwd.arg_names if name.startswith("stride_")}
     signature |= dict(Q=ptr, K_cache=ptr, V_cache=ptr, Out=ptr, block_tables="*i32:16", context_lens="*i32:16",
                       stride_bts="i32", group_size="i32", qk_scale="fp32")
+    variants = [("SmolLM2-135M", 9, 3, 64, block_size) for block_size in (1, 4, 8, 16, 64, 256)]
+    variants += [("SmolLM2-360M", 15, 5, 64, 16), ("SmolLM2-1.7B", 32, 32, 64, 16), ("Llama-3-8B", 32, 8, 128, 16)]
     specs = []
-    for head_dim, group in ((64, 3), (128, 4)):
-        args = _compile_time_args(head_dim, 16, group, dtype, gpu)
+    for model, heads_q, heads_kv, head_dim, block_size in variants:
+        args = _compile_time_args(head_dim, block_size, heads_q // heads_kv, dtype, gpu)
         options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
         specs.append(KernelSpec(_paged_decode_fwd, signature, args, options,
-                                f"decode, head_dim {head_dim}, GQA group {group}, block_size 16"))
+                                f"decode, {model} ({heads_q}/{heads_kv} heads of {head_dim}), block_size {block_size}"))
     return specs
 
 

@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from .aot import TRITON_DTYPES, KernelSpec
-from .flash_attention import _DTYPES, INTERPRETED, _dot, _gpu
-from .gpus import GPUSpec
+from .checks import check_device, check_float_tensor, check_launchable, check_tensor
+from .flash_attention import INTERPRETED, _dot
+from .gpus import GPUSpec, gpu_of
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,27 +125,20 @@ def _compile_time_args(m: int, group_size: int, dtype: torch.dtype, gpu: GPUSpec
 
 
 def _check_inputs(x, qweight, scales_and_zeros, group_size) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError("x must be a 2-D tensor [M, K]")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    if not isinstance(qweight, torch.Tensor) or qweight.dim() != 2 or qweight.dtype != torch.uint8:
-        raise ValueError("qweight must be a 2-D uint8 tensor [N, K / 2] (two 4-bit codes per byte)")
+    check_float_tensor("x", x, 2, "[M, K]")
+    check_tensor("qweight", qweight, torch.uint8, (None, None), "[N, K / 2] (two 4-bit codes per byte)")
     n, k = qweight.shape[0], qweight.shape[1] * 2
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns but qweight holds {k} per row")
     if not isinstance(group_size, int) or group_size < 2 or group_size % 2 or k % group_size:
         raise ValueError(f"group_size must be an even int dividing K = {k}, got {group_size!r}")
     expected = (k // group_size, n, 2)
+    # Any float dtype: the kernel widens scales and zeros to fp32 as it reads them.
     if not isinstance(scales_and_zeros, torch.Tensor) or tuple(scales_and_zeros.shape) != expected \
             or not scales_and_zeros.is_floating_point():
         raise ValueError(f"scales_and_zeros must be a float tensor of shape [K / group_size, N, 2] = {list(expected)}")
     for name, t in (("qweight", qweight), ("scales_and_zeros", scales_and_zeros)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    if x.device.type == "cpu" and not INTERPRETED:
-        raise ValueError("x is a CPU tensor but Triton is compiling for a GPU: set TRITON_INTERPRET=1 before "
-                         "importing mini_engine.kernels to run the kernel in the interpreter")
+        check_device(name, t, "x", x)
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
@@ -152,13 +146,14 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch
     """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized from qweight [N, K / 2] uint8 (`quant.pack_int4`)
     and scales_and_zeros [K / group_size, N, 2] (w = (q - 8) * scale + zero)."""
     _check_inputs(x, qweight, scales_and_zeros, group_size)
+    check_launchable("x", x, _w4a16_matmul)
     # Unit stride along K for x (the kernel walks it with stride 1); W and the scales are read row-major.
     x, qweight, scales_and_zeros = x.contiguous(), qweight.contiguous(), scales_and_zeros.contiguous()
     m, n = x.shape[0], qweight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    args = _compile_time_args(m, group_size, x.dtype, None if INTERPRETED else _gpu(x.device))
+    args = _compile_time_args(m, group_size, x.dtype, None if INTERPRETED else gpu_of(x.device))
     grid = (triton.cdiv(m, args["BLOCK_M"]), triton.cdiv(n, args["BLOCK_N"]))
     _w4a16_matmul[grid](x, qweight, scales_and_zeros, out, m, n, x.shape[1],
                         x.stride(0), qweight.stride(0), scales_and_zeros.stride(0), out.stride(0),
@@ -170,17 +165,19 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch
 # 4. What the wrapper launches on a GPU, for ahead-of-time compilation (aot.py, tests/kernels/test_aot.py)
 # --------------------------------------------------------------------------------------------------
 def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
-    """The launches of `_w4a16_matmul` on `gpu` for `dtype`: decode-sized (1 row) and prefill-sized (256 rows)
-    calls at group size 32 (Q4_1's), scales and zeros in bf16, contiguous operands (strides are multiples of
+    """The launches of `_w4a16_matmul` on `gpu` for `dtype` that the course makes: decode-sized calls (16 rows
+    or fewer) and prefill-sized ones (more), at the int4 group sizes of chapter 10 (32, Q4_1's and the default,
+    and 64), scales and zeros in bf16 as the layers store them, contiguous operands (strides are multiples of
     16: K is a multiple of the group size, N of 16)."""
     ptr = f"*{TRITON_DTYPES[dtype]}:16"
     signature = dict(X=ptr, W="*u8:16", SZ="*bf16:16", Out=ptr, M="i32", N="i32", K="i32", stride_xm="i32:16",
                      stride_wn="i32:16", stride_sg="i32:16", stride_om="i32:16")
     specs = []
-    for m, label in ((1, "decode, 1 row"), (256, "prefill, 256 rows")):
-        args = _compile_time_args(m, 32, dtype, gpu)
-        options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
-        specs.append(KernelSpec(_w4a16_matmul, signature, args, options, f"{label}, group 32"))
+    for group_size in (32, 64):
+        for m, label in ((1, "decode, 1 row"), (256, "prefill, 256 rows")):
+            args = _compile_time_args(m, group_size, dtype, gpu)
+            options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
+            specs.append(KernelSpec(_w4a16_matmul, signature, args, options, f"{label}, group {group_size}"))
     return specs
 
 

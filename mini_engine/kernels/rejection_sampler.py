@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec
-from .gpus import GPUSpec
+from .checks import check_device, check_launchable, check_tensor
+from .gpus import GPUSpec, gpu_of
 
 _INT_ARGS = ["num_slots", "vocab_size", "stride_ts", "stride_tk", "stride_ds", "stride_qs", "stride_qk",
              "stride_us", "stride_es", "stride_os"]
@@ -114,24 +115,20 @@ def _compile_time_args(num_slots: int, vocab_size: int, has_draft_probs: bool, g
 
 
 def _check_inputs(target_probs, draft_token_ids, num_drafts, draft_probs, uniforms, inv_exponentials) -> None:
+    check_tensor("draft_token_ids", draft_token_ids, (torch.int32, torch.int64), (None, None), "[S, k]")
     s, k = draft_token_ids.shape
+    check_tensor("target_probs", target_probs, torch.float32, (s, k + 1, None),
+                 f"[S, k + 1, V] = [{s}, {k + 1}, V]")
+    check_device("target_probs", target_probs, "draft_token_ids", draft_token_ids)
     vocab = target_probs.shape[-1]
-    expected = {"target_probs": (target_probs, (s, k + 1, vocab), torch.float32),
-                "num_drafts": (num_drafts, (s,), torch.int32),
-                "uniforms": (uniforms, (s, k), torch.float32),
-                "inv_exponentials": (inv_exponentials, (s, vocab), torch.float32)}
+    expected = {"num_drafts": (num_drafts, torch.int32, (s,), "[S]"),
+                "uniforms": (uniforms, torch.float32, (s, k), "[S, k]"),
+                "inv_exponentials": (inv_exponentials, torch.float32, (s, vocab), "[S, V]")}
     if draft_probs is not None:
-        expected["draft_probs"] = (draft_probs, (s, k, vocab), torch.float32)
-    for name, (t, shape, dtype) in expected.items():
-        if t.shape != shape or t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype} of shape {list(shape)}, got {t.dtype} {list(t.shape)}")
-        if t.device != draft_token_ids.device:
-            raise ValueError(f"{name} is on {t.device} but draft_token_ids is on {draft_token_ids.device}")
-    if draft_token_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"draft_token_ids must be int32 or int64, got {draft_token_ids.dtype}")
-    if draft_token_ids.device.type == "cpu" and not INTERPRETED:
-        raise ValueError("draft_token_ids is a CPU tensor but Triton is compiling for a GPU: set "
-                         "TRITON_INTERPRET=1 before importing mini_engine.kernels to run the kernel in the interpreter")
+        expected["draft_probs"] = (draft_probs, torch.float32, (s, k, vocab), "[S, k, V]")
+    for name, (t, dtype, shape, layout) in expected.items():
+        check_tensor(name, t, dtype, shape, f"{layout} = {list(shape)}")
+        check_device(name, t, "draft_token_ids", draft_token_ids)
 
 
 def rejection_sampler(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor,
@@ -141,6 +138,7 @@ def rejection_sampler(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     accepted drafts, the drawn token, -1 padding. target_probs [S, k+1, V], draft_probs [S, k, V] or None,
     uniforms [S, k] and inv_exponentials [S, V] are fp32; num_drafts [S] int32 (drafts in each row)."""
     _check_inputs(target_probs, draft_token_ids, num_drafts, draft_probs, uniforms, inv_exponentials)
+    check_launchable("draft_token_ids", draft_token_ids, _rejection_sample)
     target_probs, draft_token_ids, num_drafts, uniforms, inv_exponentials = (
         t.contiguous() for t in (target_probs, draft_token_ids, num_drafts, uniforms, inv_exponentials))
     s, k = draft_token_ids.shape
@@ -151,7 +149,7 @@ def rejection_sampler(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     # Without draft probabilities the pointer is never read; the target's stands in so the signature is fixed.
     q = draft_probs.contiguous() if draft_probs is not None else target_probs
     q_strides = q.stride()[:2] if draft_probs is not None else (0, 0)
-    gpu = None if INTERPRETED else GPUSpec.from_device(target_probs.device)
+    gpu = None if INTERPRETED else gpu_of(target_probs.device)
     _rejection_sample[(s,)](
         target_probs, draft_token_ids, num_drafts, q, uniforms, inv_exponentials, out,
         k, vocab, *target_probs.stride()[:2], draft_token_ids.stride(0), *q_strides,
@@ -161,8 +159,11 @@ def rejection_sampler(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
 
 
 def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
-    """The launches on `gpu`: k = 4 and k = 8 drafts over SmolLM2's 49,152-token vocabulary, with draft
-    probabilities (a sampled draft model) and without (n-gram or greedy drafts). Probabilities are always fp32
+    """The launches on `gpu` over SmolLM2's 49,152-token vocabulary, with draft probabilities (a sampled draft
+    model) and without (n-gram or greedy drafts), for every number of drafts a row can hold up to chapter 06's
+    largest k, 8: the engine verifies each request on its own, with as many drafts as it proposed (adaptive
+    speculation drafts fewer than k), so every k from 0 to 8 is launched; k compiles to BLOCK_K = the power of
+    two above it, so these are five kernels of each kind. Probabilities are always fp32
     (speculative.rejection_sample casts them), so only the fp32 pass has launches to compile."""
     if dtype != torch.float32:
         return []
@@ -170,8 +171,8 @@ def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
     signature |= dict(TargetProbs="*fp32:16", DraftIds="*i64:16", NumDrafts="*i32:16", DraftProbs="*fp32:16",
                       Uniforms="*fp32:16", InvExp="*fp32:16", Out="*i64:16")
     specs = []
-    for k in (4, 8):
-        for has_draft_probs in (True, False):
+    for has_draft_probs in (True, False):
+        for k in range(9):
             args = _compile_time_args(k, 49152, has_draft_probs, gpu)
             options = {"num_warps": args.pop("num_warps")}
             label = f"k={k}, {'draft probabilities' if has_draft_probs else 'deterministic drafts'}, V 49152"

@@ -26,8 +26,7 @@ Products, chosen by measurement. Each quantized layer has several equal forms of
 to rounding), timed on this machine per weight shape, row bucket and dtype by the autotuner (`autotune.TUNER`,
 ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack" pins one), as
 `products.Linear` does for float weights:
-- `dequant`: dequantize the weight in the activations' dtype, then F.linear (the plain form, and the only
-  one on a GPU for int8);
+- `dequant`: dequantize the weight in the activations' dtype, then F.linear (the plain form);
 - `int4pack`: torch's packed int4 kernel, `_weight_int4pack_mm_for_cpu`, on bf16 activations (an fp32 model's
   activations are cast to bf16 and the result back to fp32; the kernel's fp32-activation variant is a scalar
   reference loop, 40x slower here, so it is not a candidate). What the casts cost, measured: 4.3 ms against
@@ -53,7 +52,13 @@ ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack"
   weight becomes bf16 once per call and then serves 16 rows of x per tile instruction, and the scales are applied
   in fp32 (int4: per group, as `c_int4` does; int8: per row, once). That is what the forms above lack past a few
   rows: they dequantize again for every row or every 4 rows.
-On a GPU an int4 layer runs the Triton W4A16 kernel (`kernels.quant_matmul`) on the portable layout.
+On a GPU the products go through Triton kernels that dequantize inside the product, never a whole weight per
+call: int4 layers through the W4A16 kernel (`kernels.quant_matmul`) on the portable layout, int8 layers through
+the W8A16 one (`kernels.int8_matmul`: the codes enter the product exactly, the row's scale is applied once to its
+sum). What a kernel reads (`QuantLinear.kernel_operands`) is made once, when the layer lands on the GPU, and kept
+until it moves again. For int4 and int8 it is the stored codes and scales themselves; for `int4_compact` it is
+the 8-bit d and m expanded once to fp32 scales and zeros (w = (q - 8) * d + (m + 8 d), exact), 8 bytes a group
+beside the 2 stored: 6.5 bits a weight held on the GPU where `weight_bytes` counts the 4.5 stored.
 
 Measured on a 2-core Intel Xeon with AMX-BF16 (2026-12-02, torch 2.13, 2 threads), the 120 int4 products of the
 layers chained, best of 5 (ms):
@@ -636,6 +641,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.tuner = in_features, out_features, tuner
         self._forms: dict[tuple[int, torch.dtype], callable] = {}
+        self._kernel: tuple[torch.Tensor, torch.Tensor] | None = None  # see kernel_operands
 
     @property
     def scales(self) -> torch.Tensor:
@@ -666,7 +672,7 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.device.type != "cpu":
-            y = self._device_forward(x2)
+            y = self.device_product(x2, x2.device.type)
         elif torch.compiler.is_compiling():  # the choice is a fact about the machine: a constant in the graph
             y = FORMS[_traced_form(self, x2.shape[0], x2.dtype)](x2, self.qweight, self.scales, self.meta)
         elif counting_mode_active():  # a FLOP counter sees the product the model means
@@ -675,8 +681,42 @@ class QuantLinear(nn.Module):
             y = self.form_for(x2.shape[0], x2.dtype)(x2)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def _device_forward(self, x):
+    def device_product(self, x: torch.Tensor, device_type: str) -> torch.Tensor:
+        """The product x [M, K] -> [M, N] off the CPU, on a device of type `device_type`: on a GPU ("cuda") this
+        layer's Triton kernel (`kernel_forward`), elsewhere the weight dequantized and F.linear. The device type
+        is an argument so that a test can take the GPU's path on CPU tensors, in Triton's interpreter."""
+        # A FLOP counter sees the product the model means: a Triton launch is invisible to it.
+        if device_type == "cuda" and (torch.compiler.is_compiling() or not counting_mode_active()):
+            return self.kernel_forward(x)
         return _dequant(x, self.qweight, self.scales, self.meta)
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ W^T through this layer's Triton kernel, on x's device (natively on a GPU; CPU tensors run
+        in Triton's interpreter)."""
+        raise NotImplementedError
+
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) as this layer's Triton kernel reads them. Made once and kept until the layer moves or
+        loads new tensors, so no product rebuilds them: when the layer lands on a GPU, else on first use. A graph
+        being compiled that finds none makes them in the graph and stores nothing."""
+        if self._kernel is not None:
+            return self._kernel
+        operands = self._make_kernel_operands()
+        if not torch.compiler.is_compiling():
+            if operands[0].device.type == "cuda":  # CUDA graphs replay fixed addresses: these never move
+                for t in operands:
+                    torch._dynamo.mark_static_address(t)
+            self._kernel = operands
+        return operands
+
+    def _make_kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _reset_kernel(self) -> None:
+        """Drop the kernel's operands; made again at once on a GPU (at load, not in the first product)."""
+        self._kernel = None
+        if self.qweight.device.type == "cuda":
+            self.kernel_operands()
 
     def form_for(self, rows: int, dtype: torch.dtype = torch.float32):
         """The product function x -> y tuned for `rows` rows of `dtype` (timed on first use)."""
@@ -692,7 +732,13 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self._forms.clear()
-        return super()._apply(fn, *args, **kwargs)
+        super()._apply(fn, *args, **kwargs)
+        self._reset_kernel()
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._reset_kernel()  # new codes or scales (compact ones are expanded from them)
 
 
 class Int8Linear(QuantLinear):
@@ -721,6 +767,13 @@ class Int8Linear(QuantLinear):
 
     def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.qweight[ids].to(dtype) * self.scales[ids].to(dtype)[:, None]
+
+    def _make_kernel_operands(self):
+        return self.qweight, self.scales  # the row-major codes and bf16 scales as stored
+
+    def kernel_forward(self, x):
+        from ..kernels.int8_matmul import w8a16_matmul  # imported here: only this path needs triton
+        return w8a16_matmul(x, *self.kernel_operands())
 
 
 class Int4Linear(QuantLinear):
@@ -790,12 +843,23 @@ class Int4Linear(QuantLinear):
         return super().extra_repr() + f", group_size={self.group_size}, {scales}, {where}"
 
     def kernel_scales(self) -> torch.Tensor:
-        """The [G, N, 2] scales and zeros the Triton kernel reads: the stored bf16 ones, or, for compact scales,
-        fp32 ones made from d and m for the call (the 8-bit codes times their factors, then zero = m + 8 d)."""
+        """The [G, N, 2] scales and zeros the Triton kernel reads (`kernel_operands`): the stored bf16 ones, or,
+        for compact scales, fp32 ones made once from d and m (the 8-bit codes times their factors, then
+        zero = m + 8 d)."""
+        return self.kernel_operands()[1]
+
+    def _make_kernel_operands(self):
+        # The kernel reads the portable layout: on a GPU that is the stored one; a CPU layer (the interpreter, in
+        # tests) repacks a copy.
+        qweight = self.qweight if self.layout is None else pack_int4(self.codes())
         if not self.compact:
-            return self.scales
+            return qweight, self.scales
         d, m = self.d_and_m()
-        return to_scales_and_zeros(d, m + 8 * d)
+        return qweight, to_scales_and_zeros(d, m + 8 * d)
+
+    def kernel_forward(self, x):
+        from ..kernels.quant_matmul import w4a16_matmul  # imported here: only this path needs triton
+        return w4a16_matmul(x, *self.kernel_operands(), self.group_size)
 
     def d_and_m(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each group's Q4_1 scale d and minimum m [N, K / group_size] in fp32 (w = d * q + m), whatever the
@@ -837,12 +901,6 @@ class Int4Linear(QuantLinear):
         super()._apply(fn, *args, **kwargs)
         self._to_cpu_layout()
         return self
-
-    def _device_forward(self, x):
-        if x.device.type == "cuda":
-            from ..kernels.quant_matmul import w4a16_matmul
-            return w4a16_matmul(x, self.qweight, self.kernel_scales(), self.group_size)
-        return super()._device_forward(x)
 
 
 class SplitHead(nn.Module):

@@ -1,6 +1,9 @@
-"""Streaming text out of token ids: an incremental detokenizer that never sends half a character, and OpenAI's
-stop strings (cut from the text, never sent in part). Used by the server (server.py) for every answer."""
+"""Text out of token ids, for the server (server.py): an incremental detokenizer that never sends half a character
+and cuts OpenAI's stop strings (never sent in part), and each token's own text and bytes, as log-probabilities
+show them (`TokenText`)."""
 from __future__ import annotations
+
+import re
 
 
 class IncrementalDetokenizer:
@@ -57,3 +60,57 @@ class IncrementalDetokenizer:
         end = max(self.num_sent, len(self.text) - hold)
         delta, self.num_sent = self.text[self.num_sent:end], end
         return delta
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells each byte as one printable character (`bytes_to_unicode`): printable bytes
+    as themselves, the others shifted past 255. Returns character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + shift)] = b
+            shift += 1
+    return chars
+
+
+class TokenText:
+    """Each token on its own, as log-probabilities show it: `text(id)` is its text, or, when it holds only part of
+    a character, "bytes:" and its bytes escaped (OpenAI's convention: "bytes:\\xf0\\x9f"); `bytes(id)` its UTF-8
+    bytes (chat's `bytes` field). Special tokens show as themselves ("<|im_end|>"). Both are cached."""
+
+    _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a sentencepiece byte-fallback token
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._alphabet = _byte_level_alphabet()
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes(self, token_id: int) -> bytes:
+        if token_id not in self._bytes:
+            self._bytes[token_id] = self._raw(token_id)
+        return self._bytes[token_id]
+
+    def text(self, token_id: int) -> str:
+        if token_id not in self._text:
+            raw = self.bytes(token_id)
+            try:
+                self._text[token_id] = raw.decode()
+            except UnicodeDecodeError:
+                self._text[token_id] = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return self._text[token_id]
+
+    def _raw(self, token_id: int) -> bytes:
+        piece = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in piece:
+            return piece.encode()
+        # Part of a character: its bytes from the vocabulary entry (byte-level or byte-fallback spelling).
+        entry = self.tokenizer.backend.id_to_token(token_id) if hasattr(self.tokenizer, "backend") else None
+        if entry and all(c in self._alphabet for c in entry):
+            return bytes(self._alphabet[c] for c in entry)
+        if entry and (m := self._BYTE_TOKEN.fullmatch(entry)):
+            return bytes([int(m.group(1), 16)])
+        return piece.encode()  # no way to tell: the replacement character's own bytes

@@ -4,12 +4,16 @@ Requests arrive as a Poisson process (exponential gaps, seeded) at `rate` per se
 so a rate above what it sustains makes requests queue; each one streams through the official `openai` client, so
 TTFT is the time to the first text a user would see. `run_loadtest` measures one rate and returns a dict,
 `sweep` several (the throughput-latency curve), `start_server` runs `python -m mini_engine serve` in a
-subprocess for tests and notebooks.
+subprocess for tests and notebooks. `run_hostile_loadtest` (`loadtest --hostile N`) times honest streams alone
+and then while hostile clients send oversized, malformed and abandoned requests, and checks what the server
+holds after it.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import json
 import os
 import random
 import signal
@@ -66,7 +70,7 @@ async def loadtest(url: str, rate: float, num_requests: int, prompts: list[str] 
                    ignore_eos: bool = True, seed: int = 0, progress: bool = True) -> dict:
     """The async form of `run_loadtest` (for code already inside an event loop)."""
     from openai import APIError, AsyncOpenAI
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
 
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests/s (inf: all at once), got {rate!r}")
@@ -158,6 +162,178 @@ def plot_sweep(results: list[dict], path: str | None = None):
     if path:
         fig.savefig(path, dpi=120)
     return fig
+
+
+# ---------------------------------------------------------------- a hostile load
+
+# Requests the server must refuse, each with the statuses that count as refusing it. An oversized body is 413, or
+# 400 when the server's body limit is above it (then its prompt is too long to tokenize); a prompt too long to
+# tokenize is 400, or 413 when the server's body limit is below it.
+_MALFORMED = [b'{"prompt": "hi", "max_tokens": 4', b'{"prompt": "hi", "max_tokens": 4, "frobnicate": true}',
+              b'{"prompt": "hi", "seed": 1208925819614629174706176}', b'{"prompt": "hi", "logprobs": 99}',
+              b'{"prompt": [1.5, 2.5]}', b'{"prompt": "hi", "max_tokens": -3}', b'{"prompt": "hi", "suffix": "!"}',
+              b'{"prompt": "hi", "temperature": "hot"}', b'["not", "an", "object"]']
+_EXPECTED = {"oversized": (413, 400), "long_prompt": (400, 413), "malformed": (400,)}
+_ATTACKS = ["oversized", "malformed", "abandoned_stream", "long_prompt", "abandoned_whole", "half_body",
+            "malformed", "slow_reader"]
+
+
+async def _attack(http, url: str, kind: str, i: int, bodies: dict) -> tuple[str, int | None]:
+    """One hostile request; returns (kind, the status it got, or None for a client that left without one)."""
+    import httpx
+
+    completions = url + "/v1/completions"
+    headers = {"content-type": "application/json"}
+    if kind in ("oversized", "long_prompt", "malformed"):
+        body = bodies[kind] if kind != "malformed" else _MALFORMED[i % len(_MALFORMED)]
+        r = await http.post(completions, content=body, headers=headers, timeout=60)
+        return kind, r.status_code
+    # max_tokens None: the rest of the context, so that the request is still running when its client leaves.
+    stream_body = {"prompt": "Once upon a time", "max_tokens": None, "ignore_eos": True, "stream": True}
+    if kind in ("abandoned_stream", "slow_reader"):  # leaves after two events, or reads one event a second
+        async with http.stream("POST", completions, json=stream_body, timeout=60) as r:
+            events = 0
+            async for line in r.aiter_lines():
+                events += bool(line)
+                if kind == "slow_reader":
+                    await asyncio.sleep(1.0)
+                if events == 2:
+                    break
+        return kind, None
+    if kind == "abandoned_whole":  # gives up waiting for a whole answer
+        with contextlib.suppress(httpx.TimeoutException):
+            await http.post(completions, json={**stream_body, "stream": False}, timeout=0.5)
+        return kind, None
+    # half_body: promises a body, sends part of it and goes away
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 100000\r\n\r\n{\"prompt\": \"aaaa")
+    await writer.drain()
+    await asyncio.sleep(0.3)
+    writer.close()
+    return kind, None
+
+
+async def _metrics(http, url: str) -> dict[str, float]:
+    text = (await http.get(url + "/metrics", timeout=10)).text
+    return {name.removeprefix("mini_engine_"): float(value) for name, value in
+            (line.split(" ") for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+async def hostile_loadtest(url: str, honest: int = 4, hostile: int = 3, max_tokens: int = 64,
+                           api_key: str | None = None, model: str | None = None,
+                           oversized_bytes: int = 20 * 2**20, idle_timeout: float = 60) -> dict:
+    """The async form of `run_hostile_loadtest`."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    if honest < 1 or hostile < 1:
+        raise ValueError(f"honest and hostile must be >= 1 clients, got {honest} and {hostile}")
+    url = url.rstrip("/")
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    client = AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "none", max_retries=0, timeout=600)
+    bodies = {"oversized": json.dumps({"prompt": "a" * oversized_bytes}).encode(),  # built once: not timed
+              "long_prompt": json.dumps({"prompt": "lorem ipsum " * 80_000}).encode()}
+
+    async def honest_run() -> dict:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, True)
+                                         for i in range(honest)))
+        return _summary(results, float("inf"), time.perf_counter() - t0)
+
+    async with client, httpx.AsyncClient(headers=headers) as http:
+        try:
+            model = model or (await client.models.list()).data[0].id
+        except Exception as e:  # nothing listening, or a wrong key: say so once
+            raise ValueError(f"url: the server at {url} did not list its models: {e}") from None
+        await honest_run()  # warm-up: the first requests of a fresh server are slower
+        before = await _metrics(http, url)
+        quiet = await honest_run()
+        stop, outcomes, health = asyncio.Event(), [], []
+
+        async def attacker(worker: int) -> None:
+            i = worker  # worker w sends attacks w, w + hostile, ...: together they send every kind
+            while not stop.is_set() or i < len(_ATTACKS):
+                kind = _ATTACKS[i % len(_ATTACKS)]
+                try:
+                    outcomes.append(await _attack(http, url, kind, i, bodies))
+                except Exception as e:  # the attacker's own failure is recorded, not raised
+                    outcomes.append((kind, f"{type(e).__name__}: {e}"))
+                i += hostile
+
+        async def prober() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                r = await http.get(url + "/health", timeout=60)
+                health.append((time.perf_counter() - t0, r.status_code))
+                await asyncio.sleep(0.2)
+
+        tasks = [asyncio.ensure_future(attacker(w)) for w in range(hostile)] + [asyncio.ensure_future(prober())]
+        await asyncio.sleep(1.0)  # the attack is under way before the honest clients start
+        attacked = await honest_run()
+        stop.set()
+        await asyncio.gather(*tasks)
+        deadline = time.monotonic() + idle_timeout
+        while True:  # every request ends: finished, or aborted because its client left
+            after = await _metrics(http, url)
+            held = after.get("kv_blocks_used", after["kv_slots_used"])
+            if (after["requests_running"] == after["requests_waiting"] == held == 0
+                    or time.monotonic() > deadline):
+                break
+            await asyncio.sleep(0.1)
+    refused = {kind: [status for k, status in outcomes if k == kind] for kind in _EXPECTED}
+    return {"quiet": quiet, "attacked": attacked,
+            "hostile_requests": len(outcomes), "outcomes": outcomes, "refused": refused,
+            "all_refused": all(status in _EXPECTED[kind] for kind, codes in refused.items() for status in codes),
+            "abandoned": sum(k not in _EXPECTED for k, _ in outcomes),
+            "health_max_s": max(t for t, _ in health), "health_ok": all(code == 200 for _, code in health),
+            "kv_blocks_held": held, "requests_left": after["requests_running"] + after["requests_waiting"],
+            "aborted": after["requests_aborted_total"] - before["requests_aborted_total"]}
+
+
+def run_hostile_loadtest(url: str, honest: int = 4, hostile: int = 3, max_tokens: int = 64, **kwargs) -> dict:
+    """Honest streaming clients, quiet and then under attack: `honest` chat streams of `max_tokens` tokens (EOS
+    ignored) run once alone and once while `hostile` clients send, in turn, oversized bodies, prompts too long to
+    tokenize, malformed and out-of-range requests, streams and whole requests they abandon, bodies they never
+    finish and streams they read one event a second. Returns the two runs' summaries ("quiet", "attacked", as
+    `run_loadtest`'s), every hostile request's (kind, status) in "outcomes" (None: the client left), "all_refused"
+    (each refused request got its 4xx), "health_max_s" (the slowest /health during the attack), and, once the
+    server is idle again, "kv_blocks_held" (0: every block came back) and "aborted". Keyword arguments: api_key,
+    model, oversized_bytes (20 MiB), idle_timeout (60 s)."""
+    work = hostile_loadtest(url, honest, hostile, max_tokens, **kwargs)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # inside a running loop (Jupyter): run beside it
+        return pool.submit(asyncio.run, work).result()
+
+
+def format_hostile(result: dict, max_ratio: float = 1.5) -> str:
+    """The quiet run beside the run under attack, and what the attack got."""
+    quiet, attacked = result["quiet"], result["attacked"]
+    rows = [f"{'honest streams':<22} {'quiet':>9} {'attacked':>9} {'ratio':>7}"]
+    for key, label in (("tpot_p50_s", "TPOT p50 (ms)"), ("tpot_p99_s", "TPOT p99 (ms)"),
+                       ("ttft_p50_s", "TTFT p50 (ms)"), ("e2e_p99_s", "E2E p99 (ms)")):
+        rows.append(f"{label:<22} {1000 * quiet[key]:>9.1f} {1000 * attacked[key]:>9.1f} "
+                    f"{attacked[key] / quiet[key]:>6.2f}x")
+    rows.append(f"{'completed':<22} {quiet['completed']:>9} {attacked['completed']:>9}")
+    kinds = {}
+    for kind, status in result["outcomes"]:
+        kinds.setdefault(kind, {}).setdefault("left" if status is None else str(status), 0)
+        kinds[kind]["left" if status is None else str(status)] += 1
+    rows.append(f"hostile requests: {result['hostile_requests']} (" + "; ".join(
+        f"{kind} " + ", ".join(f"{status}: {count}" for status, count in sorted(codes.items()))
+        for kind, codes in sorted(kinds.items())) + ")")
+    ratio = attacked["tpot_p50_s"] / quiet["tpot_p50_s"]
+    rows += [f"every refused request got its 4xx: {'yes' if result['all_refused'] else 'NO'}; slowest /health: "
+             f"{result['health_max_s']:.2f} s; requests aborted: {result['aborted']:g}",
+             f"after the attack: {result['kv_blocks_held']:g} KV blocks held, {result['requests_left']:g} requests "
+             "left",
+             f"honest TPOT under attack within {max_ratio:g}x of quiet: {'yes' if ratio <= max_ratio else 'NO'} "
+             f"({ratio:.2f}x)"]
+    return "\n".join(rows)
 
 
 # ---------------------------------------------------------------- the server in a subprocess

@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server over `LLMEngine` (chapter 09): `python -m mini_engine serve`.
 
-    POST /v1/completions, /v1/chat/completions   (stream or not; n, stop, seed, top_k, vLLM's ignore_eos, ...)
+    POST /v1/completions, /v1/chat/completions   (stream or not; n, stop, seed, top_k, logprobs, echo, a batch of
+                                                  prompts, vLLM's ignore_eos: see protocol.py for every field)
+    POST /tokenize, /detokenize; GET /tokenizer_info   (vLLM's, which lm-evaluation-harness's remote tokenizer uses)
     GET  /v1/models, /health, /metrics           (metrics in the Prometheus text format)
 
 One thread, the engine loop (`EngineLoop`), owns the engine and calls `step()` while anything is unfinished.
@@ -8,22 +10,31 @@ One thread, the engine loop (`EngineLoop`), owns the engine and calls `step()` w
 OpenMP runtime keeps one team of worker threads per thread that runs parallel work, and once two teams exist on
 a machine with as many cores as one team needs, libgomp stops spinning between parallel regions and every region
 waits on a futex wake-up (a step of 32 decodes took 64 ms instead of 48 on the 2-core CPU of chapter 09).
-HTTP handlers run on uvicorn's asyncio loop: they validate a request, hand it to the engine thread through a
-thread-safe queue and read its tokens back from an asyncio queue that the engine thread fills after every step
+HTTP handlers run on uvicorn's asyncio loop: they read and check a request, hand it to the engine thread through
+a thread-safe queue and read its tokens back from an asyncio queue that the engine thread fills after every step
 (`loop.call_soon_threadsafe`). A request that arrives mid-generation is added between two steps and joins the
 running batch at the next one: continuous batching, online.
 
-What reaches the engine has been checked (`LLMEngine.validate`, and prompt + max_tokens within the context), so a
-bad request gets an OpenAI-shaped 400 and never touches the others; a full queue (`max_waiting`) answers 503;
-a client that goes away has its request aborted (`LLMEngine.abort_request`), so its KV blocks come back at
-once. Text is detokenised incrementally (`IncrementalDetokenizer`) so that a character split across byte
-tokens is sent whole, and stop strings are cut from it as OpenAI does (detokenizer.py).
+No request can stall the others. The event loop only moves bytes: a body over `max_body_bytes` is refused (413)
+before it is read; parsing, chat templates and tokenizing run on a small pool of "prepare" threads, and
+detokenizing and formatting answers on an "output" pool, so a costly request waits behind costly requests only.
+A prompt string longer than any prompt of `max_model_len` tokens can be is refused without being tokenized
+(`protocol.max_prompt_chars`). What reaches the engine has been checked (`LLMEngine.validate`, and prompt +
+max_tokens within the context), so a bad request gets an OpenAI-shaped 400 and never touches the others; a full
+queue (`max_waiting`) answers 503; a client that goes away, mid-stream or while waiting for a whole answer, has
+its request aborted (`LLMEngine.abort_request`), so its KV blocks come back at once. A slow reader slows only its
+own stream: the engine never waits for a client. Text is detokenised incrementally (`IncrementalDetokenizer`) so
+that a character split across byte tokens is sent whole, and stop strings are cut from it as OpenAI does.
 
-The load generator and a helper that starts this server in a subprocess are in `loadtest.py`.
+Log-probabilities (`logprobs`, and `echo` for the prompt's) are the model's raw ones, log_softmax of its logits in
+fp32 before temperature, top-k or top-p (vLLM's default), computed in the step that samples: responses.py.
+
+The load generator, its hostile variant and a helper that starts this server in a subprocess are in `loadtest.py`.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -35,18 +46,18 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import TokenText
+from .protocol import (APIError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, max_prompt_chars,
+                       parse)
+from .responses import Prompt, Responder
 from ..sampling import SamplingParams
 
 log = logging.getLogger("mini_engine.serving.server")
-MAX_STOPS, MAX_STOP_CHARS = 16, 256  # OpenAI takes up to 4 stop strings; vLLM sets no bound
 
 
 @dataclass(frozen=True)
@@ -54,41 +65,35 @@ class ServerConfig:
     model_name: str                 # what /v1/models lists and requests must name
     api_key: str | None = None      # when set, every /v1 route wants `Authorization: Bearer <api_key>`
     max_waiting: int = 256          # requests queued (not yet admitted) beyond which new ones get 503
+    max_body_bytes: int = 4 * 2**20  # a request body over this is refused with 413, unread
 
     def __post_init__(self):
         if not isinstance(self.max_waiting, int) or self.max_waiting < 0:
             raise ValueError(f"max_waiting must be an int >= 0, got {self.max_waiting!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (None turns authentication off)")
-
-
-class APIError(Exception):
-    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        if not isinstance(self.max_body_bytes, int) or isinstance(self.max_body_bytes, bool) \
+                or self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be an int >= 1024, got {self.max_body_bytes!r}")
 
 
 # ---------------------------------------------------------------- the engine loop
 
 @dataclass(eq=False)
 class Stream:
-    """One HTTP request's way into the engine thread and back. The engine thread sets `request_id` and
-    `samples`, and pushes events: ("tokens", [(index, new_ids, finish_reason | None), ...]) after a step, or
-    ("error", message)."""
+    """One prompt's way into the engine thread and back. The engine thread sets `request_id` and `samples`, and
+    pushes events to `events` (shared by the prompts of one HTTP request): ("tokens", prompt_index, [(sample,
+    new_ids, finish_reason | None, their logprobs | None), ...], the prompt's logprobs | None) after a step, the
+    prompt's logprobs once, when all are computed; or ("error", message)."""
     prompt_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue
+    prompt_index: int = 0
     request_id: int | None = None
     samples: list = field(default_factory=list)
     num_seen: list[int] = field(default_factory=list)  # per sample: output tokens already pushed
+    prompt_logprobs_sent: bool = False
 
     def push(self, event) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop has closed: the server is shutting down
@@ -120,10 +125,10 @@ class EngineLoop:
         self.engine = engine
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add" | "abort", Stream), or None to stop
         self.streams: dict[int, Stream] = {}  # engine request id -> its stream
-        self.stats = EngineStats()
         # Requests handed in and taken by the engine thread: each count has one writer, so reading both is safe.
         self._num_handed_in = self._num_taken = 0
         self._counts = dict(prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
+        self._snapshot()  # /metrics has every row before the first request (the pool's size among them)
         self.running = False  # True while run() steps, on whichever thread
         self.thread = threading.Thread(target=self.run, name="mini_engine-loop", daemon=True)
 
@@ -190,8 +195,9 @@ class EngineLoop:
     def _add(self, stream: Stream) -> None:
         try:
             stream.request_id = self.engine.add_request(stream.prompt_ids, stream.params)
-        except ValueError as e:  # validated on arrival, so not expected; answered all the same
-            stream.push(("error", str(e)))
+        except Exception as e:  # validated on arrival, so not expected; answered, and the loop runs on
+            log.exception("add_request failed")
+            stream.push(("error", f"the engine refused the request: {e}"))
             return
         finally:  # queued in the engine before it stops counting as handed in: num_waiting never undercounts
             self._snapshot()
@@ -208,21 +214,35 @@ class EngineLoop:
     def _publish(self) -> None:
         pushes = []
         for request_id, stream in list(self.streams.items()):
-            deltas = []
+            deltas, want = [], stream.params.logprobs is not None
             for i, sample in enumerate(stream.samples):
-                new = sample.output_ids[stream.num_seen[i]:]
+                seen = stream.num_seen[i]
+                new = sample.output_ids[seen:]
                 if new:
-                    deltas.append((i, list(new), sample.finish_reason))
+                    logprobs = sample.logprobs[seen:seen + len(new)] if want else None
+                    deltas.append((i, list(new), sample.finish_reason, logprobs))
                     stream.num_seen[i] += len(new)
                     self._counts["generation_tokens"] += len(new)
-            if deltas:
-                pushes.append((stream, ("tokens", deltas)))
+            prompt_logprobs = self._prompt_logprobs(stream)
+            if deltas or prompt_logprobs is not None:
+                pushes.append((stream, ("tokens", stream.prompt_index, deltas, prompt_logprobs)))
             if all(s.finish_reason is not None for s in stream.samples):
                 del self.streams[request_id]
                 self._counts["finished"] += 1
         self._snapshot()  # first: a client that has its tokens finds /metrics up to date
         for stream, event in pushes:
             stream.push(event)
+
+    @staticmethod
+    def _prompt_logprobs(stream: Stream) -> list | None:
+        """The prompt's logprobs (first None), once, as soon as the engine has scored every prompt token."""
+        if stream.params.prompt_logprobs is None or stream.prompt_logprobs_sent:
+            return None
+        scored, need = stream.samples[0].prompt_logprobs, len(stream.prompt_ids) - 1
+        if len(scored) < need:
+            return None
+        stream.prompt_logprobs_sent = True
+        return [None, *scored[:need]]
 
     def _snapshot(self) -> None:
         s, engine = self.engine.scheduler, self.engine
@@ -233,54 +253,10 @@ class EngineLoop:
                                  **self._counts, **blocks)
 
 
-# ---------------------------------------------------------------- the OpenAI request bodies
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # fields of OpenAI's API we do not implement are ignored
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0   # OpenAI's default: sampling
-    top_p: float = 1.0
-    top_k: int = 0             # vLLM's extension; -1 (vLLM's "off") is taken as 0
-    seed: int | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None
-    ignore_eos: bool = False   # vLLM's extension: generate max_tokens whatever the model says
-
-    @property
-    def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise APIError(400, "stop strings must not be empty", "stop")
-        # Each is searched for after every token: a bound keeps one request from slowing every other one.
-        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise APIError(400, f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
-        return stops
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-
-
-class _TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class _Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[_TextPart]
-
-
-class ChatBody(_Body):
-    messages: list[_Message]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-
-
 # ---------------------------------------------------------------- the app
+
+SMALL_BODY = 64 * 2**10  # bodies up to this size are prepared on their own pool, never behind a large one
+
 
 def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = True) -> FastAPI:
     """The FastAPI app serving `engine` (an LLMEngine, or an LLM whose engine it takes over). The engine loop
@@ -292,14 +268,28 @@ def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = 
     config = config or ServerConfig(model_name=engine.config.model)
     tokenizer = engine.tokenizer
     max_len = engine.scheduler.max_model_len  # prompt + output, capped by the paged pool too
+    prompt_chars = max_prompt_chars(tokenizer, max_len)
+    token_text = TokenText(tokenizer)
     loop = EngineLoop(engine)
+    # Threads for the work that grows with a request (see the module's docstring). Small bodies and large ones
+    # are prepared on pools of their own, so a queue of large prompts cannot delay a small one.
+    pools = {"small": concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="mini_engine-prepare"),
+             "large": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mini_engine-prepare-large"),
+             "output": concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="mini_engine-output")}
+
+    async def off_loop(pool: str, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pools[pool], fn, *args)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if engine_thread:
             loop.start()
-        yield
-        loop.stop()
+        try:
+            yield
+        finally:
+            loop.stop()
+            for pool in pools.values():
+                pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="mini_engine", lifespan=lifespan)
     app.state.engine_loop = loop
@@ -307,12 +297,6 @@ def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
         return e.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request, e: RequestValidationError):
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return APIError(400, f"{param or 'body'}: {first['msg']}", param).response()
 
     async def check_key(request: Request) -> None:
         if config.api_key is None:
@@ -323,6 +307,79 @@ def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = 
                            code="invalid_api_key")
 
     v1 = [Depends(check_key)]
+
+    async def read(request: Request, model):
+        """The body, at most `max_body_bytes` of it (413 beyond, unread when Content-Length says so), parsed as
+        `model` off the event loop; the pool that prepares it is returned with it."""
+        limit = config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body has {int(declared)} bytes, more than this server takes "
+                                f"(max_body_bytes={limit})", code="request_too_large")
+        raw = bytearray()
+        try:
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise APIError(413, f"the request body is longer than this server takes (max_body_bytes="
+                                        f"{limit})", code="request_too_large")
+        except ClientDisconnect:
+            raise APIError(400, "the client went away before sending the whole body") from None
+        pool = "small" if len(raw) <= SMALL_BODY else "large"
+        body = await off_loop(pool, parse, model, bytes(raw))
+        if getattr(body, "model", None) is not None and body.model != config.model_name:
+            raise APIError(404, f"The model {body.model!r} does not exist; this server serves "
+                                f"{config.model_name!r}", "model", "model_not_found")
+        return body, pool
+
+    # ------------------------------------------------------------ checks and tokenizing (on the prepare pools)
+
+    def encode(text: str, param: str) -> list[int]:
+        if prompt_chars is not None and len(text) > prompt_chars:
+            raise ValueError(f"{param} has {len(text)} characters, more than a prompt of fewer than max_model_len="
+                             f"{max_len} tokens can have ({prompt_chars}); it was not tokenized")
+        backend = getattr(tokenizer, "backend", None)
+        if hasattr(backend, "encode_batch"):  # the same ids as tokenizer.encode, which holds the GIL throughout
+            return backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return tokenizer.encode(text)
+
+    def prepare(prompts: list, sampling: dict, max_tokens: int | None, param: str,
+                echo: bool = False) -> list[tuple[Prompt, SamplingParams]]:
+        """Each prompt tokenized and checked, with its SamplingParams; all are checked before any is submitted."""
+        out = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = encode(prompt, param) if isinstance(prompt, str) else prompt
+                if len(ids) >= max_len:  # said before the engine's checks, which look at every token
+                    raise ValueError(f"prompt has {len(ids)} tokens; this model's maximum context length is "
+                                     f"{max_len} tokens, which leaves room for at most {max_len - 1}")
+                ids, _ = engine.validate(ids)
+                room = max_len - len(ids)
+                if max_tokens is not None and max_tokens > room:
+                    raise ValueError(f"max_tokens={max_tokens}: this model's maximum context length is {max_len} "
+                                     f"tokens and the prompt has {len(ids)}, which leaves {room}")
+                params = SamplingParams(**sampling, max_tokens=room if max_tokens is None else max_tokens)
+                ids, params = engine.validate(ids, params)
+            except ValueError as e:  # the engine's messages start with the argument's name
+                name = re.match(r"\w+", str(e)).group()
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise APIError(400, where + str(e), param if name in ("prompt", param) else name) from None
+            text = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if echo else None
+            out.append((Prompt(ids, text), params))
+        return out
+
+    def render(body: ChatBody) -> str:
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        size = sum(len(m["content"]) for m in messages)
+        if prompt_chars is not None and size > prompt_chars:
+            raise APIError(400, f"messages have {size} characters, more than a prompt of fewer than max_model_len="
+                                f"{max_len} tokens can have ({prompt_chars})", "messages")
+        try:
+            return tokenizer.apply_chat_template(messages)
+        except Exception as e:  # a conversation the model's template refuses (jinja raises its own errors)
+            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+
+    # ------------------------------------------------------------ routes
 
     @app.get("/health")
     async def health():
@@ -340,121 +397,112 @@ def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = 
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "mini_engine", "max_model_len": max_len}]}
 
-    def start(body: _Body, prompt, max_tokens: int | None, prompt_param: str) -> tuple[Stream, list[str]]:
-        """Check a request, then hand it to the engine thread."""
-        if body.model is not None and body.model != config.model_name:
-            raise APIError(404, f"The model {body.model!r} does not exist; this server serves "
-                                f"{config.model_name!r}", "model", "model_not_found")
-        stops = body.stops
-        try:
-            prompt_ids, _ = engine.validate(prompt)  # tokenized and checked against max_model_len and the pool
-            room = max_len - len(prompt_ids)
-            if max_tokens is not None and max_tokens > room:
-                raise ValueError(f"max_tokens={max_tokens}: this model's maximum context length is {max_len} "
-                                 f"tokens and the prompt has {len(prompt_ids)}, which leaves {room}")
-            params = SamplingParams(
-                temperature=body.temperature, top_p=body.top_p, top_k=0 if body.top_k == -1 else body.top_k,
-                max_tokens=room if max_tokens is None else max_tokens, seed=body.seed, n=body.n,
-                ignore_eos=body.ignore_eos)
-            prompt_ids, params = engine.validate(prompt_ids, params)
-        except ValueError as e:  # the engine's messages start with the argument's name
-            name = re.match(r"\w+", str(e)).group()
-            raise APIError(400, str(e), prompt_param if name == "prompt" else name) from None
-        if loop.num_waiting >= config.max_waiting:
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(request: Request):
+        body, pool = await read(request, CompletionBody)
+        k, echo = body.logprobs, body.echo
+        drop = echo and body.max_tokens == 0  # score the prompt only: one token is generated and dropped
+        sampling = {**_sampling(body), "logprobs": None if drop else k, "prompt_logprobs": k if echo else None}
+        prepared = await off_loop(pool, prepare, body.prompts, sampling, 1 if drop else body.max_tokens, "prompt",
+                                  echo)
+        return await respond(request, body, prepared, chat=False, top=k, echo=echo, drop_output=drop)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(request: Request):
+        body, pool = await read(request, ChatBody)
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prompt = await off_loop(pool, render, body)
+        prepared = await off_loop(pool, prepare, [prompt], {**_sampling(body), "logprobs": k}, max_tokens,
+                                  "messages")
+        return await respond(request, body, prepared, chat=True, top=k)
+
+    async def respond(request: Request, body, prepared: list, chat: bool, top: int | None, echo: bool = False,
+                      drop_output: bool = False):
+        """Hand the prompts to the engine thread; answer whole, or stream."""
+        if loop.num_waiting + len(prepared) > config.max_waiting:
             raise APIError(503, f"the server is busy: {loop.num_waiting} requests are waiting "
                                 f"(max_waiting={config.max_waiting}); retry later", code="overloaded",
                            type="server_error")
-        stream = Stream(prompt_ids, params, asyncio.get_running_loop())
-        loop.submit(stream)
-        return stream, stops
-
-    async def respond(request: Request, body: _Body, stream: Stream, stops: list[str], chat: bool):
-        pieces = _choices(loop, stream, tokenizer, stops)
-        kind = "chat.completion" if chat else "text_completion"
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
-                "created": int(time.time()), "model": config.model_name}
+        events: asyncio.Queue = asyncio.Queue()
+        streams = [Stream(prompt.ids, params, asyncio.get_running_loop(), events, i)
+                   for i, (prompt, params) in enumerate(prepared)]
+        for stream in streams:
+            loop.submit(stream)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": config.model_name}
+        usage = body.stream and body.stream_options is not None and body.stream_options.include_usage
+        responder = Responder(head, [p for p, _ in prepared], body.n, tokenizer, token_text, body.stops, chat,
+                              top, echo, drop_output, usage)
+        events_of = _events(loop, streams, events, responder)
+        output = pools["output"]
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_sse(pieces, head, stream, chat, usage), media_type="text/event-stream")
-        return await _until_disconnected(request, _collect(pieces, head, stream, chat))
+            return StreamingResponse(_sse(events_of, responder, output), media_type="text/event-stream")
+        return await _until_disconnected(request, _whole(events_of, responder, output))
 
-    @app.post("/v1/completions", dependencies=v1)
-    async def completions(request: Request, body: CompletionBody):
-        stream, stops = start(body, body.prompt, body.max_tokens, "prompt")
-        return await respond(request, body, stream, stops, chat=False)
+    # ------------------------------------------------------------ vLLM's tokenizer routes
 
-    @app.post("/v1/chat/completions", dependencies=v1)
-    async def chat_completions(request: Request, body: ChatBody):
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                     else "".join(p.text for p in m.content)} for m in body.messages]
-        if not messages:
-            raise APIError(400, "messages must not be empty", "messages")
+    @app.post("/tokenize", dependencies=v1)
+    async def tokenize(request: Request):
+        body, pool = await read(request, TokenizeBody)
         try:
-            prompt = tokenizer.apply_chat_template(messages)
-        except Exception as e:  # a conversation the model's template refuses (jinja raises its own errors)
-            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        stream, stops = start(body, prompt, max_tokens, "messages")
-        return await respond(request, body, stream, stops, chat=True)
+            ids = await off_loop(pool, encode, body.prompt, "prompt")
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        return {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize", dependencies=v1)
+    async def detokenize(request: Request):
+        body, pool = await read(request, DetokenizeBody)
+        vocab = engine.model.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": await off_loop(pool, tokenizer.decode, body.tokens)}
+
+    @app.get("/tokenizer_info", dependencies=v1)
+    async def tokenizer_info():
+        def token(token_id):
+            return None if token_id is None else token_text.text(token_id)
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": token(tokenizer.eos_token_id),
+                "bos_token": token(getattr(tokenizer, "bos_token_id", None)), "pad_token": None,
+                "chat_template": getattr(tokenizer, "chat_template", None), "model_max_length": max_len}
 
     return app
 
 
-async def _choices(loop: EngineLoop, stream: Stream, tokenizer, stops: list[str]):
-    """The request's text as it is generated: yields lists of (index, text, finish_reason | None, num_tokens).
-    A choice ends at the engine's finish or at a stop string. If this generator is left before every choice has
-    finished in the engine (a client went away, or stop strings ended the choices), the request is aborted:
-    its KV blocks go back at once."""
-    n = stream.params.n
-    text = [IncrementalDetokenizer(tokenizer, stops) for _ in range(n)]
-    ended, engine_done = [False] * n, [False] * n
+def _sampling(body) -> dict:
+    return dict(temperature=body.temperature, top_p=body.top_p, top_k=0 if body.top_k == -1 else body.top_k,
+                seed=body.seed, n=body.n, ignore_eos=body.ignore_eos)
+
+
+async def _events(loop: EngineLoop, streams: list[Stream], events: asyncio.Queue, responder: Responder):
+    """One answer's engine events, until every choice has ended. If this generator is left before every sample
+    has finished in the engine (a client went away, or stop strings ended the choices), those requests are
+    aborted: their KV blocks go back at once."""
     try:
-        while not all(ended):
-            event = await stream.events.get()
+        while not responder.done:
+            event = await events.get()
             if event[0] == "error":
                 raise APIError(500, event[1], type="server_error")
-            out = []
-            for i, ids, reason in event[1]:
-                engine_done[i] = engine_done[i] or reason is not None
-                if ended[i]:
-                    continue  # already cut at a stop string: the engine's later tokens are not sent
-                delta = text[i].add(ids)
-                if reason is not None and not text[i].stopped:
-                    delta += text[i].finish()
-                if text[i].stopped:
-                    reason = "stop"
-                ended[i] = reason is not None
-                out.append((i, delta, reason, len(ids)))
-            yield out
+            yield event
     finally:
-        if not all(engine_done):
-            loop.abort(stream)
+        for p in responder.unfinished_prompts():
+            loop.abort(streams[p])
 
 
-def _usage(stream: Stream, num_tokens: int) -> dict:
-    prompt = len(stream.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": num_tokens, "total_tokens": prompt + num_tokens}
-
-
-async def _collect(pieces, head: dict, stream: Stream, chat: bool) -> dict:
-    n = stream.params.n
-    texts, reasons, num_tokens = [""] * n, [None] * n, 0
-    async for out in pieces:
-        for i, delta, reason, count in out:
-            texts[i] += delta
-            reasons[i] = reason or reasons[i]
-            num_tokens += count
-    if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
-                    "finish_reason": reasons[i]} for i in range(n)]
-    else:
-        choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]} for i in range(n)]
-    return {**head, "choices": choices, "usage": _usage(stream, num_tokens)}
+async def _whole(events_of, responder: Responder, pool) -> Response:
+    run = asyncio.get_running_loop().run_in_executor
+    async with contextlib.aclosing(events_of):
+        async for event in events_of:
+            await run(pool, responder.feed, event)
+    return Response(await run(pool, responder.whole), media_type="application/json")
 
 
 async def _until_disconnected(request: Request, work):
     """Run `work` (a non-streamed answer) unless the client goes away first: then it is cancelled, which aborts
-    the request (see `_choices`). After the body has been read, the next ASGI message is the disconnect."""
+    the request (see `_events`). After the body has been read, the next ASGI message is the disconnect."""
     task = asyncio.ensure_future(work)
 
     async def gone():
@@ -470,38 +518,20 @@ async def _until_disconnected(request: Request, work):
     return task.result() if task.done() and not task.cancelled() else JSONResponse({}, status_code=499)
 
 
-async def _sse(pieces, head: dict, stream: Stream, chat: bool, include_usage: bool):
-    """Server-sent events in OpenAI's chunk shape: chat chunks open each choice with the assistant role and end
-    it with an empty delta carrying finish_reason; the usage chunk (choices []) comes before `data: [DONE]`."""
-    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    extra = {"usage": None} if include_usage else {}
-
-    def event(choices, **more) -> str:
-        return f"data: {json.dumps({**head, 'choices': choices, **extra, **more}, ensure_ascii=False)}\n\n"
-
-    def choice(i, text, reason, role=False):
-        if not chat:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-        delta = {"role": "assistant", "content": text} if role else {} if text is None else {"content": text}
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-
-    num_tokens = 0
+async def _sse(events_of, responder: Responder, pool):
+    """Server-sent events in OpenAI's chunk shape (responses.py); an error after the status line has gone out
+    travels as an event."""
+    run = asyncio.get_running_loop().run_in_executor
     try:
-        if chat:
-            yield event([choice(i, "", None, role=True) for i in range(stream.params.n)])
-        async for out in pieces:
-            num_tokens += sum(count for *_, count in out)
-            texts = [choice(i, delta, None) for i, delta, _, _ in out if delta]
-            ends = [choice(i, None if chat else "", reason) for i, _, reason, _ in out if reason]
-            if texts:
-                yield event(texts)
-            if ends:
-                yield event(ends)
-    except APIError as e:  # the status line has gone out: the error travels as an event
-        yield f"data: {json.dumps({'error': json.loads(e.response().body)['error']})}\n\n"
-    if include_usage:
-        yield event([], usage=_usage(stream, num_tokens))
-    yield "data: [DONE]\n\n"
+        if start := responder.sse_start():
+            yield start
+        async with contextlib.aclosing(events_of):
+            async for event in events_of:
+                if text := await run(pool, responder.sse, event):
+                    yield text
+    except APIError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+    yield await run(pool, responder.sse_end)
 
 
 def prometheus_text(stats: EngineStats, num_waiting: int) -> str:

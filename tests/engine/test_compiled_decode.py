@@ -1,11 +1,11 @@
 """The compiled decode step is the eager one, fused: same logits (to rounding), same cache contents, same
-greedy tokens on the real model, in fp32 and bf16, for any cache length. (Compiling takes seconds for a
+greedy tokens on the real model, in fp32 and bf16, for cache lengths that share a graph. (Compiling takes seconds for a
 tiny model and about a minute for SmolLM2: these tests are the slowest in the suite.)"""
 import pytest
 import torch
 
 import mini_engine as me
-from mini_engine.compiled_decode import compiled_decode_step, decode_graph
+from mini_engine.compiled_decode import CompiledDecode, cache_length, decode_graph, graphs_compiled
 from mini_engine.generate import decode_step, generate_cached, prefill
 from mini_engine.kv_cache import ContiguousKVCache
 from mini_engine.sampling import SamplingParams
@@ -32,10 +32,11 @@ def test_compiled_step_matches_eager_step_on_a_tiny_model(kv_heads, device):
     model = tiny_model(4, kv_heads).to(device)
     prompts, slots = [[5, 6, 7, 8, 9], [10, 11]], [2, 0]  # unequal contexts, slots out of order, slot 1 unused
     eager_cache, compiled_cache = _two_caches(model, prompts, slots, max_len=12)
+    graphs = CompiledDecode(model, compiled_cache, "torch", max_num_seqs=2)
     for step in range(3):  # three steps: each reads what the previous one wrote
         tokens, lens = [20 + step, 30 + step], [len(p) + 1 + step for p in prompts]
         want = decode_step(model, eager_cache, tokens, lens, slots)
-        got = compiled_decode_step(model, compiled_cache, tokens, lens, slots)
+        got = graphs(tokens, [n - 1 for n in lens], slots)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"step {step}: compiled logits differ from eager: {m}")
     torch.testing.assert_close(compiled_cache.data, eager_cache.data, rtol=1e-5, atol=1e-5,
@@ -58,12 +59,36 @@ def test_uncompiled_function_is_the_same_step():
 def test_compiled_step_rejects_bad_input_clearly():
     model = tiny_model(4, 2)
     cache = ContiguousKVCache(model.config, 1, 4, "cpu", model.dtype)
+    with pytest.raises(ValueError, match="compile must be"):
+        CompiledDecode(model, cache, "torch", 1, mode="fast")
+    graphs = CompiledDecode(model, cache, "torch", 1)
     with pytest.raises(ValueError, match="max_len"):
-        compiled_decode_step(model, cache, [1], [5], [0])
+        graphs([1], [4], [0])
     with pytest.raises(ValueError, match="one entry per sequence"):
-        compiled_decode_step(model, cache, [1, 2], [3], [0])
-    with pytest.raises(ValueError, match="context_lens must be >= 1"):
-        compiled_decode_step(model, cache, [1], [0], [0])
+        graphs([1, 2], [3], [0])
+    with pytest.raises(ValueError, match="compile must be"):
+        generate_cached(model, [1, 2], 2, compile="fast")
+
+
+def test_plain_loop_cache_lengths_are_bucketed():
+    """A compiled plain loop sizes its cache by `cache_length`, so that runs of nearby lengths share a graph."""
+    assert [cache_length(n, 2048) for n in (1, 100, 256, 257, 600, 5000)] == [256, 256, 256, 512, 1024, 2048]
+
+
+def test_graphs_belong_to_their_model_and_a_copy_starts_without_them():
+    """The graphs live on the model; a deep copy (a quantized copy, say) compiles its own. Two runs of nearby
+    lengths compile once."""
+    import copy
+    model = tiny_model(4, 2)
+    before = graphs_compiled()
+    generate_cached(model, [1, 2, 3], 4, compile=True)
+    generate_cached(model, [1, 2, 3, 4, 5], 7, compile=True)
+    assert graphs_compiled() - before == 1, "the second run's cache length recompiled the step"
+    assert len(model.decode_graphs) == 1
+    twin = copy.deepcopy(model)
+    assert len(twin.decode_graphs) == 0
+    generate_cached(twin, [1, 2, 3], 4, compile=True)
+    assert twin.decode_graphs[True, "cpu", torch.float32] is not model.decode_graphs[True, "cpu", torch.float32]
 
 
 def test_real_model_compiled_greedy_tokens_equal_eager_fp32(real, chat_prompts, assert_greedy_match):

@@ -1,10 +1,15 @@
-"""Every Triton kernel compiles for a T4 (sm_75), an A100 (sm_80) and an H100 (sm_90), with no GPU here.
+"""Every Triton kernel compiles for each GPU the course names: a T4 (sm_75), an L4 (sm_89), an A100 (sm_80)
+and an H100 (sm_90), with no GPU here.
 
-For each registered kernel (aot.KERNEL_MODULES, plus lab 05's solution) and each dtype its wrapper
-accepts on each GPU, the launch configuration the wrapper picks for that GPU is compiled ahead of time
-to PTX and a cubin (mini_engine/kernels/aot.py) and checked against that GPU: the shared memory it
-needs per block, and no registers spilled to local memory. About a minute on a 2-core CPU; Triton's
-cache (~/.triton/cache) makes a rerun take seconds.
+For each registered kernel (aot.KERNEL_MODULES, plus lab 05's solution), every variant the course launches
+on each GPU (`aot.jobs`: the model's dtype there, fp16 on a T4 and bf16 from sm_80; SmolLM2's shapes; the
+chapters' sweeps of block sizes, head sizes, causal and not, group sizes, draft counts), in the launch
+configuration the wrapper picks for that GPU, is compiled ahead of time to PTX and a cubin
+(mini_engine/kernels/aot.py) and checked against that GPU: the shared memory it needs per block, and no
+registers spilled to local memory. Each variant is a test named by kernel, GPU, dtype and variant; variants
+that compile to the same code are compiled once. About 160 s of CPU time, under two minutes on an idle 2-core
+CPU; Triton's cache (~/.triton/cache, or TRITON_CACHE_DIR), which the worker processes share, makes a rerun
+take seconds.
 """
 import importlib
 import pathlib

@@ -205,10 +205,10 @@ def test_bad_varlen_inputs_name_the_argument(cu_q, max_q, message):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes need a GPU (the interpreter would take hours)")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-def test_real_sizes_on_gpu(head_dim, causal):
-    q, k, v = qkv(2, 16, 4, 4096, 4096, head_dim, "cuda", dtype=torch.bfloat16)
+def test_real_sizes_on_gpu(head_dim, causal, gpu_dtype):
+    q, k, v = qkv(2, 16, 4, 4096, 4096, head_dim, "cuda", dtype=gpu_dtype)
     out = run_poisoned(q, k, v, causal=causal)
     torch.testing.assert_close(out.float(), attention_reference(q, k, v, causal).float(), **HALF_TOL)
     lengths = [4096, 1, 1000, 3000]
-    out, ref = run_varlen(lengths, lengths, 16, 4, head_dim, causal, "cuda", dtype=torch.bfloat16)
+    out, ref = run_varlen(lengths, lengths, 16, 4, head_dim, causal, "cuda", dtype=gpu_dtype)
     torch.testing.assert_close(out.float(), ref.float(), **HALF_TOL)

@@ -111,11 +111,11 @@ def test_bad_inputs_name_the_argument(overrides, message):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a prefill-sized write is for the GPU")
-def test_prefill_sized_write_on_gpu():
-    k, v = rand(8192, 8, 128, device="cuda", dtype=torch.bfloat16, seed=7), rand(8192, 8, 128, device="cuda",
-                                                                               dtype=torch.bfloat16, seed=8)
+def test_prefill_sized_write_on_gpu(gpu_dtype):
+    k, v = rand(8192, 8, 128, device="cuda", dtype=gpu_dtype, seed=7), rand(8192, 8, 128, device="cuda",
+                                                                           dtype=gpu_dtype, seed=8)
     slots = random_slots(8192, 1024 * 16, "cuda", skip=range(0, 8192, 97))
-    k_cache, v_cache = poisoned_caches(1024, 16, 8, 128, "cuda", torch.bfloat16)
+    k_cache, v_cache = poisoned_caches(1024, 16, 8, 128, "cuda", gpu_dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kv_cache(k, v, k_cache, v_cache, slots)
     store_kv_cache_reference(k, v, k_ref, v_ref, slots)

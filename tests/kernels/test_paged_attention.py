@@ -143,15 +143,21 @@ def test_bad_inputs_name_the_argument(overrides, message):
         bad_call(**overrides)
 
 
-def test_table_entries_past_the_context_are_not_checked():
-    # Padding past a context may hold anything (the engine pads with 0, tests with ids outside the pool).
-    bad_call(block_tables=torch.tensor([[0, 99, -1], [4, -7, 123]], dtype=torch.int32))
+def test_table_entries_past_the_context_are_neither_checked_nor_read(device):
+    # Padding past a context may hold anything (the engine pads with 0, tests with ids outside the pool): on a
+    # CPU the wrapper's check of the table must pass it, and on a GPU the kernel must not read it. Every value
+    # in the pool is 1, so every output is 1 when only the pool is read.
+    args = dict(q=torch.randn(2, 4, 16), k_cache=torch.randn(5, 16, 2, 16), v_cache=torch.ones(5, 16, 2, 16),
+                block_tables=torch.tensor([[0, 99, -1], [4, -7, 123]], dtype=torch.int32),
+                context_lens=torch.tensor([16, 9], dtype=torch.int32))
+    out = paged_decode_attention(**{name: t.to(device) for name, t in args.items()})
+    torch.testing.assert_close(out, torch.ones_like(out))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes need a GPU (the interpreter would take hours)")
 @pytest.mark.parametrize("heads_q, heads_kv, head_dim", [(9, 3, 64), (32, 8, 128)])
-def test_real_sizes_on_gpu(heads_q, heads_kv, head_dim):
+def test_real_sizes_on_gpu(heads_q, heads_kv, head_dim, gpu_dtype):
     # 64 decoding sequences with contexts from 1 to 4096 tokens, the longest one included.
     gen = torch.Generator().manual_seed(0)
     lengths = [4096, 1, 16, 17] + torch.randint(1, 4097, (60,), generator=gen).tolist()
-    check(lengths, heads_q, heads_kv, head_dim, 16, "cuda", dtype=torch.bfloat16)
+    check(lengths, heads_q, heads_kv, head_dim, 16, "cuda", dtype=gpu_dtype)

@@ -23,7 +23,7 @@ def quantized(n, k, group_size, seed=0, device="cpu"):
 @pytest.mark.parametrize("m, n, k, group_size", [(1, 48, 64, 32), (5, 80, 96, 32), (17, 64, 128, 64),
                                                  (3, 32, 256, 256)])
 def test_kernel_matches_reference(m, n, k, group_size, dtype, device):
-    q, s, z, qweight, sz = quantized(n, k, group_size, seed=m)
+    q, s, z, qweight, sz = quantized(n, k, group_size, seed=m, device=device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
     got = w4a16_matmul(x, qweight, sz, group_size)
     expected = w4a16_matmul_reference(x, qweight, sz, group_size)
@@ -48,17 +48,19 @@ def test_gguf_q4_1_blocks_through_the_kernel(device):
 
 
 def test_a_compact_layer_through_the_kernel(device):
-    """An `int4_compact` layer (8-bit d and m, `quant.compact_scales`) on a GPU: its codes in the portable layout
-    and `kernel_scales()` (fp32 d and m + 8 d) give the layer's dequantized weight's product."""
+    """An `int4_compact` layer (8-bit d and m, `quant.compact_scales`) on a GPU: its `kernel_operands()` (the codes
+    in the portable layout, fp32 d and m + 8 d as scales and zeros) give the layer's dequantized weight's product."""
     layer = quant.Int4Linear.from_float(torch.randn(48, 96, generator=torch.Generator().manual_seed(4)), 32,
                                         compact=True)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(5))
-    got = w4a16_matmul(x.to(device), quant.pack_int4(layer.codes()).to(device), layer.kernel_scales().to(device), 32)
+    qweight, scales_and_zeros = layer.kernel_operands()
+    assert torch.equal(qweight, quant.pack_int4(layer.codes())) and scales_and_zeros.dtype == torch.float32
+    got = w4a16_matmul(x.to(device), qweight.to(device), scales_and_zeros.to(device), 32)
     torch.testing.assert_close(got.cpu(), x @ layer.dequantize().t(), rtol=1e-5, atol=1e-5)
 
 
 def test_x_as_a_view(device):
-    q, s, z, qweight, sz = quantized(32, 64, 32)
+    q, s, z, qweight, sz = quantized(32, 64, 32, device=device)
     x = torch.randn(4, 128, device=device)[:, ::2]  # every other column: not unit stride
     torch.testing.assert_close(w4a16_matmul(x, qweight, sz, 32), w4a16_matmul_reference(x, qweight, sz, 32),
                                rtol=1e-5, atol=1e-4)
@@ -86,10 +88,11 @@ def test_bad_inputs_name_the_argument(overrides, message):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="model-sized products are for the GPU")
 @pytest.mark.parametrize("m", [1, 16, 300])
-def test_model_sized_products_on_gpu(m):
+def test_model_sized_products_on_gpu(m, gpu_dtype):
+    # Activations in the model's dtype on this GPU; scales and zeros in bf16, as the layers store them.
     q, s, z, qweight, sz = quantized(3072, 576, 32, device="cuda")
-    x = torch.randn(m, 576, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 576, device="cuda", dtype=gpu_dtype)
     got = w4a16_matmul(x, qweight, sz.to(torch.bfloat16), 32)
     expected = w4a16_matmul_reference(x, qweight, sz.to(torch.bfloat16), 32)
     scale = expected.float().abs().max().item()
-    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=REL_TOL[torch.bfloat16] * scale)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=REL_TOL[gpu_dtype] * scale)

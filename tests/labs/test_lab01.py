@@ -3,20 +3,25 @@
     pytest tests/labs/test_lab01.py --impl=labs        # your work
     pytest tests/labs/test_lab01.py --impl=solutions   # the reference answers
 """
+import importlib
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import mini_engine as me
-from mini_engine import formulas, generate
+from mini_engine import compiled_decode, engine, formulas, generate, runner
 from mini_engine.config import ModelConfig
 from mini_engine.model import LlamaModel
 
 LAB = "lab01_naive"
-# The engine's finished versions of what this lab builds: calling them fails the test (see conftest.py).
+attention_kernels = importlib.import_module("mini_engine.kernels.flash_attention")  # the package re-exports a function by that name
+# What already does this lab's jobs: calling it fails the test (see conftest.py). The FLOPs are to be counted
+# from the model's shapes, not measured by PyTorch's counter (the ground truth the tests compare with).
 SHORTCUTS = {
-    "naive_generate": [generate.generate_naive, generate.generate_cached, generate.generate_batch, me.LLM],
-    **dict.fromkeys(["linear_flops", "attention_flops", "forward_flops", "naive_generation_flops"], [formulas]),
+    "naive_generate": [generate, engine, runner, compiled_decode],
+    **dict.fromkeys(["linear_flops", "attention_flops", "forward_flops", "naive_generation_flops"],
+                    [formulas, attention_kernels.attention_flops, FlopCounterMode]),
 }
 
 
@@ -104,3 +109,46 @@ def test_attention_flops_grow_quadratically(impl):
     assert a == per_token_pair * 1000**2, (
         f"attention_flops(SmolLM2, 1000) = {a:,}, expected {per_token_pair * 1000**2:,}: 2 products × 2 FLOPs × "
         f"{cfg.num_layers} layers × {cfg.num_heads} query heads × head_dim {cfg.head_dim} × n²")
+
+
+# ---------------------------------------------------------------- the guards (see conftest.py)
+
+
+def counted_by_pytorch(model, n_tokens, **kwargs):
+    with FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, n_tokens, dtype=torch.long), **kwargs)
+    return counter.get_total_flops()
+
+
+# Each part of the lab handed to something that already does it, and a grading test that must fail it.
+HAND_OFFS = [
+    ("naive_generate", lambda model, prompt_ids, max_new_tokens, eos_token_id=None:
+        me.generate_naive(model, prompt_ids, max_new_tokens, eos_token_id=eos_token_id),
+     test_naive_generate_matches_reference_loop, {}),
+    ("naive_generate", lambda model, prompt_ids, max_new_tokens, eos_token_id=None:
+        me.LLM.from_model(model, None, max_num_seqs=1).generate(
+            [prompt_ids], me.SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)[0].token_ids,
+     test_naive_generate_matches_reference_loop, {}),
+    ("linear_flops", lambda model, n_tokens: counted_by_pytorch(model, n_tokens, backend="torch"),
+     test_linear_flops_match_pytorch_count, {"n": 7}),
+    ("attention_flops", lambda config, n_tokens: int(formulas.attention_flops(config, n_tokens, n_tokens)),
+     test_attention_flops_grow_quadratically, {}),
+    ("attention_flops", lambda config, n_tokens: config.num_layers * int(attention_kernels.attention_flops(
+        1, config.num_heads, n_tokens, n_tokens, config.head_dim, causal=False)),
+     test_attention_flops_grow_quadratically, {}),
+    ("forward_flops", counted_by_pytorch, test_forward_flops_match_pytorch_count, {"n": 7}),
+    ("naive_generation_flops", lambda model, prompt_len, new_tokens: sum(
+        counted_by_pytorch(model, prompt_len + s) for s in range(new_tokens)),
+     test_naive_generation_flops_is_the_sum_of_steps, {}),
+]
+
+
+def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
+    missing = set(asked_for(LAB)) - {part for part, *_ in HAND_OFFS}
+    assert not missing, f"parts of the lab with no hand-off check above: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("part,replacement,test,args", HAND_OFFS,
+                         ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
+def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
+    hand_off(part, replacement, test, **args)

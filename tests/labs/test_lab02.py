@@ -7,11 +7,14 @@ The ground truth is measured on a real forward pass: PyTorch's FlopCounterMode c
 the bytes are the sizes of the tensors the pass touches (weights, the K/V it reads or writes in the
 cache, every layer's hidden state in and out).
 """
+import importlib
+import math
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mini_engine import formulas
+from mini_engine import formulas, quant
 from mini_engine.attention import AttentionMetadata
 from mini_engine.config import ModelConfig
 from mini_engine.generate import decode_step
@@ -19,9 +22,12 @@ from mini_engine.kv_cache import ContiguousKVCache
 from mini_engine.model import LlamaModel
 
 LAB = "lab02_flops_bytes"
-# The course's own formulas already compute all of this: calling them fails the test (see conftest.py).
+attention_kernels = importlib.import_module("mini_engine.kernels.flash_attention")  # the package re-exports a function by that name
+# The course's own formulas already compute all of this, and PyTorch's FLOP counter measures it (the tests'
+# ground truth): calling them fails the test (see conftest.py).
 SHORTCUTS = dict.fromkeys(["forward_flops", "forward_bytes", "arithmetic_intensity", "decode_intensity",
-                           "attainable_flops", "min_batch_for_compute_bound"], [formulas])
+                           "attainable_flops", "min_batch_for_compute_bound"],
+                          [formulas, attention_kernels.attention_flops, quant.weight_bytes, FlopCounterMode])
 A100 = dict(peak_flops=312e12, peak_bw=2.039e12)  # dense bf16 FLOP/s and HBM bytes/s of an A100-80GB
 
 
@@ -202,3 +208,58 @@ def test_min_batch_is_none_when_kv_reads_keep_decode_memory_bound(impl, tiny):
     got = impl.min_batch_for_compute_bound(tiny, 4000, 20e9, 1e9, max_batch=512)
     assert got is None, ("with a 4000-token context the per-sequence K/V reads grow as fast as the FLOPs: "
                          f"no batch reaches 20 FLOPs/byte, so return None (you returned {got})")
+
+
+# ---------------------------------------------------------------- the guards (see conftest.py)
+
+
+def counted_by_pytorch(model, n_tokens, context_len=None):
+    with FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, n_tokens, dtype=torch.long))
+    return counter.get_total_flops()
+
+
+def bytes_with_the_engines_weight_count(model, n_tokens, context_len=None, dtype_bytes=4):
+    cfg, context_len = model.config, n_tokens if context_len is None else context_len
+    weights = quant.weight_bytes(model) // next(model.parameters()).element_size() * dtype_bytes
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context_len * dtype_bytes
+    return weights + kv + 2 * cfg.num_layers * cfg.hidden_size * n_tokens * dtype_bytes
+
+
+def ridge_batch_of_the_formulas(model, context_len, peak_flops, peak_bw, dtype_bytes=4, max_batch=4096):
+    batch = formulas.decode_ridge_batch(model.config, context_len, dtype_bytes, peak_flops, peak_bw)
+    return math.ceil(batch) if batch <= max_batch else None
+
+
+solution = importlib.import_module(f"solutions.{LAB}")  # what a hand-off may build on besides the engine
+# Each part of the lab handed to something that already does it, and a grading test that must fail it.
+HAND_OFFS = [
+    ("forward_flops", counted_by_pytorch, test_forward_flops_of_a_full_pass, {"n": 9}),
+    ("forward_flops", lambda model, n_tokens, context_len=None: int(formulas.prefill_flops(
+        model.config, n_tokens, (context_len or n_tokens) - n_tokens)), test_forward_flops_against_a_cache,
+     {"n": 12, "past": 20}),
+    ("forward_bytes", bytes_with_the_engines_weight_count, test_forward_bytes_match_the_tensors_a_pass_touches,
+     {"n": 5, "past": 11}),
+    ("forward_bytes", lambda model, n_tokens, context_len=None, dtype_bytes=4: int(formulas.prefill_bytes(
+        model.config, n_tokens, dtype_bytes, past=(context_len or n_tokens) - n_tokens)),
+     test_forward_bytes_scale_with_the_dtype, {}),
+    ("arithmetic_intensity", lambda model, n_tokens, context_len=None, dtype_bytes=4: formulas.arithmetic_intensity(
+        solution.forward_flops(model, n_tokens, context_len),
+        solution.forward_bytes(model, n_tokens, context_len, dtype_bytes)),
+     test_arithmetic_intensity_is_measured_flops_per_measured_byte, {"n": 1, "past": 200}),
+    ("decode_intensity", lambda model, batch, context_len, dtype_bytes=4: float(formulas.decode_intensity(
+        model.config, batch, context_len, dtype_bytes)), test_decode_intensity_of_a_batched_step, {"batch": 2}),
+    ("attainable_flops", formulas.attainable_flops, test_attainable_flops_is_the_roofline, {"intensity": 10}),
+    ("min_batch_for_compute_bound", ridge_batch_of_the_formulas, test_min_batch_for_compute_bound, {}),
+]
+
+
+def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
+    missing = set(asked_for(LAB)) - {part for part, *_ in HAND_OFFS}
+    assert not missing, f"parts of the lab with no hand-off check above: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("part,replacement,test,args", HAND_OFFS,
+                         ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
+def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
+    hand_off(part, replacement, test, **args)

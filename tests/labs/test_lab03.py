@@ -6,26 +6,32 @@
 The ground truth is the engine itself: the bytes a ContiguousKVCache really allocates, the engine's
 attention over its cache, its generation loops, and the FLOPs PyTorch counts while they run.
 """
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import mini_engine as me
-from mini_engine import attention, formulas, generate
+from mini_engine import attention, compiled_decode, engine, formulas, generate, kv_cache, runner, simulate
 from mini_engine.attention import AttentionMetadata, attention_with_cache
 from mini_engine.config import PRESETS, ModelConfig
 from mini_engine.kv_cache import ContiguousKVCache
 from mini_engine.model import LlamaModel
 
 LAB = "lab03_kv_cache"
+# The package re-exports functions under these modules' names.
+attention_kernels = [importlib.import_module(f"mini_engine.kernels.{name}") for name in ("flash_attention",
+                                                                                          "paged_attention")]
 # The engine's finished versions of what this lab builds: calling them fails the test (see conftest.py).
 # cached_generate is meant to use prefill and decode_step (the lab imports them), not a whole loop.
 SHORTCUTS = {
-    "kv_cache_bytes": [formulas],
-    "max_concurrent_requests": [formulas],
-    "decode_attention": [attention],
-    "cached_generate": [generate.generate_naive, generate.generate_cached, generate.generate_batch, me.LLM],
+    "kv_cache_bytes": [formulas, kv_cache, engine],
+    "max_concurrent_requests": [formulas, kv_cache, engine, simulate],
+    "decode_attention": [attention, kv_cache, *attention_kernels, F.scaled_dot_product_attention],
+    "cached_generate": [generate.generate_naive, generate.generate_cached, generate.generate_batch,
+                        generate.generate_speculative, engine, runner, compiled_decode],
 }
 GiB = 2**30
 
@@ -201,3 +207,49 @@ def test_cached_generate_on_the_real_model(impl, real_model):
         f"on SmolLM2 your loop produced {tok.decode(got)!r}, the engine's cached loop something else")
     assert "Paris" in tok.decode(got), f"SmolLM2 should answer Paris; your loop produced {tok.decode(got)!r}"
 
+
+
+# ---------------------------------------------------------------- the guards (see conftest.py)
+
+
+def decode_attention_by_sdpa(q, k_new, v_new, k_cache, v_cache, position):
+    k_cache[:, position], v_cache[:, position] = k_new, v_new
+    keys, values = k_cache[None, :, :position + 1], v_cache[None, :, :position + 1]
+    return F.scaled_dot_product_attention(q[None, :, None], keys, values, enable_gqa=True)[0, :, 0]
+
+
+def decode_attention_by_the_engine(q, k_new, v_new, k_cache, v_cache, position):
+    k_cache[:, position], v_cache[:, position] = k_new, v_new
+    meta = AttentionMetadata.build([1], [position + 1], slots=[0])
+    return attention_with_cache(q[None], k_cache[None], v_cache[None], meta, "torch")[0]
+
+
+# Each part of the lab handed to something that already does it, and a grading test that must fail it.
+HAND_OFFS = [
+    ("kv_cache_bytes", lambda config, seq_len, batch=1, dtype_bytes=2: ContiguousKVCache(
+        config, batch, seq_len, device="meta", dtype={2: torch.bfloat16, 4: torch.float32}[dtype_bytes]).nbytes,
+     test_kv_cache_bytes_equal_an_allocated_cache, {"name": "llama-7b", "dtype": torch.bfloat16}),
+    ("kv_cache_bytes", lambda config, seq_len, batch=1, dtype_bytes=2: int(formulas.kv_cache_bytes_for(
+        config, seq_len, batch, dtype_bytes)), test_kv_cache_bytes_reproduce_the_seed, {}),
+    ("max_concurrent_requests", lambda config, gpu_bytes, seq_len, dtype_bytes=2: int(formulas.max_concurrent_requests(
+        gpu_bytes, formulas.weight_bytes(config, dtype_bytes), formulas.kv_cache_bytes_for(config, seq_len, 1, dtype_bytes))),
+     test_max_concurrent_requests_on_an_80gb_gpu, {}),
+    ("decode_attention", decode_attention_by_sdpa, test_decode_attention_matches_the_engine,
+     {"heads": 9, "kv_heads": 3, "position": 5}),
+    ("decode_attention", decode_attention_by_the_engine, test_decode_attention_matches_the_engine,
+     {"heads": 9, "kv_heads": 3, "position": 5}),
+    ("cached_generate", lambda model, prompt_ids, max_new_tokens, eos_token_id=None: me.generate_cached(
+        model, prompt_ids, max_new_tokens, eos_token_id=eos_token_id),
+     test_cached_generate_matches_full_recompute, {"prompt": [1, 2, 3, 4, 5]}),
+]
+
+
+def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
+    missing = set(asked_for(LAB)) - {part for part, *_ in HAND_OFFS}
+    assert not missing, f"parts of the lab with no hand-off check above: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("part,replacement,test,args", HAND_OFFS,
+                         ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
+def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
+    hand_off(part, replacement, test, **args)

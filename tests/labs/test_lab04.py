@@ -6,7 +6,10 @@
 Most tests drive your scheduler with a fake model whose n-th token for a request is 100 * request_id + n,
 so every output is known in advance; the last ones drive it with a real (tiny) model and KV cache.
 """
+import importlib
+import math
 import random
+import types
 
 import pytest
 import torch
@@ -197,3 +200,150 @@ def test_stop_token_ends_a_request_early(impl, tiny):
     b.add_request(r)
     b.run()
     assert r.output == free[:free.index(free[3]) + 1], "stop right after the stop token (and keep it)"
+
+
+# ---------------------------------------------------------------- your admission rule in the serving engine
+
+
+def serve(model, tok, scheduling, prompts, params, slots=3):
+    """The workload through `LLM` with this policy: each request's tokens, and what each engine step ran
+    (request id and token count per chunk)."""
+    llm = me.LLM.from_model(model, tok, kv_cache="contiguous", scheduling=scheduling, max_num_seqs=slots,
+                            max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)),
+                            chunked_prefill_tokens=512, record_trace=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.token_ids for o in outs], [[(rid, n) for rid, _, n, _ in step.chunks] for step in llm.engine.trace]
+
+
+def mixed_workload(n=6, seed=0):
+    """Chapter 04's kind of workload, smaller: prompts and output lengths spread over a range, ignore_eos."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(rng.randint(8, 32))] for _ in range(n)]
+    return prompts, [me.SamplingParams(max_tokens=rng.randint(2, 8), ignore_eos=True) for _ in range(n)]
+
+
+def test_your_admit_serves_the_engine(impl, real_model):
+    """Plugged into `LLM` through `EnginePolicy`, your admission rule must schedule exactly as the engine's own
+    continuous batching does, and so give every request the same tokens."""
+    model, tok = real_model
+    prompts, params = mixed_workload()
+    got, steps = serve(model, tok, impl.EnginePolicy(), prompts, params)
+    ours, our_steps = serve(model, tok, "continuous", prompts, params)
+    assert got == ours, ("with your admit as the engine's policy some requests got other tokens than under the "
+                         f"engine's continuous batching: {[i for i, (a, b) in enumerate(zip(got, ours)) if a != b]}")
+    first = next((i for i, (a, b) in enumerate(zip(steps, our_steps)) if a != b), None)
+    assert steps == our_steps, (
+        f"engine step {first}: your policy ran {steps[first] if first < len(steps) else 'nothing'} (request id, "
+        f"tokens), continuous batching runs {our_steps[first] if first < len(our_steps) else 'nothing'}: does admit "
+        "fill every free slot with the waiting requests, first come, first served?")
+
+
+# ---------------------------------------------------------------- the guards (see conftest.py)
+
+solution = importlib.import_module(f"solutions.{LAB}")  # what a hand-off may build on besides the engine
+
+
+def is_finished_by_the_engine(request):
+    stops = frozenset() if request.stop_token_id is None else frozenset({request.stop_token_id})
+    twin = scheduler.Request(request.request_id, request.prompt, me.SamplingParams(max_tokens=request.max_tokens),
+                             stops, 0.0, output_ids=list(request.output))
+    last = request.output[-1] if request.output else None
+    engine_side = types.SimpleNamespace(max_model_len=math.inf)
+    return scheduler.Scheduler._finish_reason(engine_side, twin, last) is not None
+
+
+def admit_by_the_engine(batcher):
+    """The engine's continuous policy picks which arrived requests start; the batcher gives them slots."""
+    arrived = [types.SimpleNamespace(request=r, num_uncomputed=len(r.prompt), num_cached_hint=0)
+               for r in batcher.waiting if r.arrival_step <= batcher.step_count]
+    chosen = scheduler.ContinuousPolicy().admit(arrived, batcher.running, len(batcher.free_slots), math.inf, 0.0)
+    for r in (view.request for view in chosen):
+        batcher.waiting.remove(r)
+        r.slot, r.admitted_step = batcher.free_slots.pop(0), batcher.step_count
+        batcher.running.append(r)
+    return [view.request for view in chosen]
+
+
+class AdmitByTheEngine(solution.ContinuousBatcher):
+    def admit(self):
+        return admit_by_the_engine(self)
+
+
+class EvictByTheEngine(solution.ContinuousBatcher):
+    def evict(self):
+        finished = [r for r in self.running if solution.is_finished(r)]
+        engine_side = types.SimpleNamespace(running=self.running, free_slots=self.free_slots, blocks=None)
+        for r in finished:
+            r.forks = []  # the engine's requests carry the samples they will fork
+            scheduler.Scheduler._release(engine_side, r)
+            r.finished_step = self.step_count
+        return finished
+
+
+class StepAdmittingByTheEngine(solution.ContinuousBatcher):
+    def step(self):
+        admit_by_the_engine(self)
+        row = [None] * self.num_slots
+        if self.running:
+            for r, token in zip(self.running, self.step_fn(list(self.running))):
+                r.output.append(token)
+                row[r.slot] = r.request_id
+        self.timeline.append(row)
+        finished = self.evict()
+        self.step_count += 1
+        return finished
+
+
+class RunPlannedByTheSimulator(solution.ContinuousBatcher):
+    """run() takes the schedule from the course's batching simulator and only runs the model along it."""
+
+    def run(self):
+        requests, self.waiting = list(self.waiting), []
+        plan = simulate.simulate_continuous([r.max_tokens for r in requests], self.num_slots)
+        for step in range(plan.steps):
+            for i, r in enumerate(requests):
+                if plan.start_step[i] == step:
+                    r.slot, r.admitted_step = int(plan.lane[i]), step
+                    self.running.append(r)
+            for r, token in zip(self.running, self.step_fn(list(self.running))):
+                r.output.append(token)
+            self.timeline.append([None if i < 0 else requests[i].request_id for i in plan.timeline[step]])
+            for r in [r for r in self.running if solution.is_finished(r)]:
+                self.running.remove(r)
+                r.slot, r.finished_step = None, step
+            self.step_count += 1
+        return sorted(requests, key=lambda r: r.finished_step)
+
+
+# Each part of the lab handed to something that already does it, and a grading test that must fail it.
+HAND_OFFS = [
+    ("is_finished", is_finished_by_the_engine, test_is_finished, {}),
+    ("ContinuousBatcher.admit", AdmitByTheEngine, test_admit_skips_requests_that_have_not_arrived, {}),
+    ("ContinuousBatcher.evict", EvictByTheEngine, test_evict_frees_slots, {}),
+    ("ContinuousBatcher.step", StepAdmittingByTheEngine, test_step_runs_the_model_once_for_the_whole_batch, {}),
+    ("ContinuousBatcher.run", RunPlannedByTheSimulator, test_requests_finishing_at_different_steps, {"num_slots": 3}),
+]
+
+
+def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
+    missing = set(asked_for(LAB)) - {part for part, *_ in HAND_OFFS}
+    assert not missing, f"parts of the lab with no hand-off check above: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("part,replacement,test,args", HAND_OFFS,
+                         ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
+def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
+    hand_off(part, replacement, test, **args)
+
+
+# Source text, so that the given EnginePolicy, which looks ContinuousBatcher up when it runs, uses it.
+ADMIT_ONE_A_STEP = """
+class ContinuousBatcher(ContinuousBatcher):
+    def admit(self):
+        return super().admit()[:1]
+"""
+
+
+def test_the_engine_check_catches_a_policy_that_starts_one_request_a_step(mutant, real_model):
+    with pytest.raises(AssertionError, match="engine step 0: your policy ran"):
+        test_your_admit_serves_the_engine(mutant(ContinuousBatcher=ADMIT_ONE_A_STEP), real_model)

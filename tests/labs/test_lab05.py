@@ -3,13 +3,16 @@
     pytest tests/labs/test_lab05.py --impl=labs        # your work
     pytest tests/labs/test_lab05.py --impl=solutions   # the reference answers
 """
+import importlib
 import tracemalloc
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import triton
 
+from mini_engine import attention
 from mini_engine.course import online_softmax as engine_online_softmax
 
 # Without a GPU the lab's kernels run in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET
@@ -17,8 +20,13 @@ from mini_engine.course import online_softmax as engine_online_softmax
 from mini_engine.kernels.flash_attention import attention_reference
 
 LAB = "lab05_flash_attention"
-# Chapter 05's own online softmax already computes Part 1: calling it fails the test (see conftest.py).
-SHORTCUTS = {"online_softmax": [engine_online_softmax]}
+attention_kernels = importlib.import_module("mini_engine.kernels.flash_attention")  # the package re-exports a function by that name
+# Chapter 05's own online softmax, the engine's attention and its FlashAttention kernel, and PyTorch's SDPA
+# already do this lab's jobs: calling them fails the test (see conftest.py). The tile step is graded through the
+# given harness and kernel that run it, so those are watched too, and their messages name the tile step.
+ATTENTION = [engine_online_softmax, attention_kernels, attention, F.scaled_dot_product_attention]
+SHORTCUTS = {"online_softmax": ATTENTION, "run_tile_step": ATTENTION, "flash_attention": ATTENTION}
+GIVEN = {"run_tile_step": "attention_tile_step", "flash_attention": "attention_tile_step"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # On a GPU, tl.dot of fp32 tiles uses TF32 unless told otherwise, which costs about 1e-3.
 TOL = dict(atol=1e-4, rtol=1e-4) if DEVICE == "cpu" else dict(atol=1e-2, rtol=1e-2)
@@ -184,3 +192,61 @@ def test_kernel_with_your_step_matches_attention(impl, causal):
         msg=lambda m: f"the full kernel ({'causal' if causal else 'non-causal'}, 50 tokens in tiles of 16) "
                       f"disagrees with softmax(QK^T / sqrt(d)) V. If a tile-step test fails too, fix that first; "
                       f"otherwise check that your step returns (acc, l_i, m_new) in that order.\n{m}")
+
+
+# ---- the guards (see conftest.py) -----------------------------------------------------------------
+def online_softmax_by_the_course(score_tiles, value_tiles):
+    scores, values = np.concatenate(list(score_tiles), axis=1), np.concatenate(list(value_tiles))
+    return engine_online_softmax.online_softmax_attention(scores, values, tile=8)
+
+
+def online_softmax_by_sdpa(score_tiles, value_tiles):
+    # softmax(S) V is SDPA with S as the queries, the identity as the keys and a scale of 1.
+    scores = torch.from_numpy(np.concatenate(list(score_tiles), axis=1))
+    values = torch.from_numpy(np.concatenate(list(value_tiles)))
+    keys = torch.eye(scores.shape[1], dtype=scores.dtype)
+    return F.scaled_dot_product_attention(scores[None], keys[None], values[None], scale=1.0)[0].numpy()
+
+
+# A tile step that multiplies with the engine kernel's own helper: Triton source, so the given kernels run it.
+TILE_STEP_WITH_THE_ENGINES_KERNEL = """
+import importlib
+
+_engine_kernels = importlib.import_module("mini_engine.kernels.flash_attention")
+
+
+@triton.jit
+def attention_tile_step(acc, l_i, m_i, qk, v):
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    return acc * alpha[:, None] + _engine_kernels._dot(p, v, "ieee", False), l_i * alpha + tl.sum(p, 1), m_new
+"""
+
+# Each part of the lab handed to something that already does it, and a grading test that must fail it.
+HAND_OFFS = [
+    ("online_softmax", online_softmax_by_the_course, test_online_softmax_matches_exact_attention,
+     {"sizes": [8, 8, 8]}),
+    ("online_softmax", online_softmax_by_sdpa, test_online_softmax_when_a_late_tile_holds_the_max, {}),
+    ("attention_tile_step", TILE_STEP_WITH_THE_ENGINES_KERNEL, test_tile_step_on_the_first_tile, {}),
+]
+# The given wrapper edited to hand the whole of attention to the engine's kernel or to SDPA.
+WRAPPERS = [lambda q, k, v, causal=False, block=16: attention_kernels.flash_attention(q, k, v, causal=causal),
+            lambda q, k, v, causal=False, block=16: F.scaled_dot_product_attention(q, k, v, is_causal=causal)]
+
+
+def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
+    missing = set(asked_for(LAB)) - {part for part, *_ in HAND_OFFS}
+    assert not missing, f"parts of the lab with no hand-off check above: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("part,replacement,test,args", HAND_OFFS,
+                         ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
+def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
+    hand_off(part, replacement, test, **args)
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS, ids=["engine-kernel", "sdpa"])
+def test_the_grader_fails_a_given_wrapper_that_hands_attention_off(mutant, wrapper):
+    with pytest.raises(pytest.fail.Exception, match=r"^flash_attention\(\) calls .*write attention_tile_step yourself"):
+        test_kernel_with_your_step_matches_attention(mutant(flash_attention=wrapper), causal=True)

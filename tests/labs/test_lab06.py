@@ -1,4 +1,4 @@
-"""Grades lab 06 (the n-gram proposer and the lossless rejection sampler) in either tree.
+"""Grades lab 06 (the n-gram proposer, the lossless rejection sampler and the speculative loop) in either tree.
 
     pytest tests/labs/test_lab06.py --impl=labs        # your work
     pytest tests/labs/test_lab06.py --impl=solutions   # the reference answers
@@ -6,17 +6,27 @@
 The statistical tests draw 100,000 sequences from your sampler in one call and compare how often each token
 comes out with the target distribution p. Five standard deviations of slack let a correct sampler through;
 a sampler that skips the residual, accepts too often or draws the bonus token from the wrong row misses by
-far more (the last test shows that the check catches such a sampler).
+far more (`test_the_check_catches_a_sampler_that_skips_the_residual` shows that the check catches such a
+sampler). The loop is run on a toy target whose logits depend on the last two tokens in its cache, so a cache
+that was not rolled back shows, then on the real model against the engine's own loop; the last tests serve
+requests with the real engine, `LLM`, drafting with your proposer.
 """
+import random
+
 import pytest
 import torch
 
-from mini_engine import formulas, speculative
+import mini_engine as me
+from mini_engine import formulas, generate, speculative
+from mini_engine.engine import LLM
+from mini_engine.speculative import NgramProposer
 
 LAB = "lab06_speculative"
-# The engine's own proposer and sampler already do these jobs: calling them fails the test (see conftest.py).
+# The engine's own proposer, sampler and loop already do these jobs: calling them fails the test (see conftest.py).
 SHORTCUTS = {"ngram_propose": [speculative], "residual_distribution": [speculative],
-             "rejection_sample": [speculative]}
+             "rejection_sample": [speculative],
+             "generate_speculative": [generate.generate_speculative, speculative.verify, speculative.rejection_sample,
+                                      speculative.rejection_sample_from_randoms]}
 
 P = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])   # the target
 Q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])   # a draft that disagrees a lot: α = Σ min(P, Q) = 0.5
@@ -200,3 +210,228 @@ def test_the_check_catches_a_sampler_that_skips_the_residual():
     assert deviation(from_residual.tolist(), P) < 1
     assert deviation(from_p.tolist(), P) > 3
     assert deviation(x.tolist(), P) > 3  # always accepting emits q
+
+
+# ---------------------------------------------------------------- generate_speculative
+
+class ToyTarget:
+    """Stands in for `Target`: a 6-token vocabulary whose next-token logits depend on the last TWO tokens in the
+    cache, so a cache that still holds a rejected draft, or lacks a kept token, changes them. `passes` records
+    each forward pass as (its first position, its tokens)."""
+    V = 6
+
+    def __init__(self, seed: int, sharpness: float = 4.0):
+        self.table = torch.randn(self.V, self.V, self.V, generator=torch.Generator().manual_seed(seed)) * sharpness
+        self.cache: list[int] = []  # the token at each cached position (rows past num_cached are stale)
+        self.num_cached = self.num_passes = 0
+        self.passes: list[tuple[int, list[int]]] = []
+
+    def next_logits(self, tokens):
+        return self.table[tokens[-2] if len(tokens) > 1 else 0, tokens[-1]]
+
+    def forward(self, token_ids):
+        start = self.num_cached
+        assert token_ids, "forward() needs at least one token"
+        self.cache[start:] = list(token_ids)
+        self.num_cached, self.num_passes = start + len(token_ids), self.num_passes + 1
+        self.passes.append((start, list(token_ids)))
+        return torch.stack([self.next_logits(self.cache[:p + 1]) for p in range(start, self.num_cached)])
+
+    def rollback(self, num_tokens):
+        assert 0 <= num_tokens <= self.num_cached, f"rollback({num_tokens}) with {self.num_cached} positions cached"
+        self.num_cached = num_tokens
+
+
+def greedy_chain(target, prompt, n):
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(target.next_logits(tokens).argmax()))
+    return tokens[len(prompt):]
+
+
+def sometimes_right(target, seed):
+    """A proposer that guesses the greedy continuation, then goes wrong at a random point: rounds accept all,
+    some or none of their drafts."""
+    rng = random.Random(seed)
+
+    def propose(token_ids, k):
+        right = greedy_chain(target, token_ids, k)
+        wrong_from = rng.randrange(k + 1)
+        return right[:wrong_from] + [(t + 1) % ToyTarget.V for t in right[wrong_from:]]
+    return propose
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_loop_gives_greedy_decodings_tokens(impl, seed):
+    target = ToyTarget(seed)
+    prompt = [seed % 6, (seed + 2) % 6, 1]
+    expected = greedy_chain(target, prompt, 14)
+    out, rounds = impl.generate_speculative(target, prompt, sometimes_right(target, seed), 3, 14)
+    assert out == expected, (
+        f"greedy speculative decoding must give plain greedy decoding's tokens: expected {expected}, got {out}. "
+        "Keep only the drafts rejection_sample accepts, and roll the cache back to the tokens kept")
+    assert any(0 < a < d for d, a in rounds) and any(a == d > 0 for d, a in rounds), \
+        f"this proposer's rounds accept some and all of their drafts; your rounds say {rounds}"
+
+
+def test_loop_verifies_each_round_in_one_pass_after_rolling_back(impl):
+    target = ToyTarget(7)
+    prompt = [3, 1, 4]
+    out, rounds = impl.generate_speculative(target, prompt, sometimes_right(target, 7), 4, 16)
+    assert target.passes[0] == (0, prompt), f"the first pass runs the prompt from position 0, got {target.passes[0]}"
+    assert len(target.passes) == 1 + len(rounds), (
+        f"{len(target.passes)} forward passes for {len(rounds)} rounds: prefill once, then verify each round's "
+        "last token and drafts together in ONE target.forward")
+    sequence, emitted = prompt + out, 1
+    for r, ((start, chunk), (drafted, accepted)) in enumerate(zip(target.passes[1:], rounds)):
+        newest = len(prompt) + emitted - 1
+        assert start == newest, (
+            f"round {r} ran its chunk from position {start}, but the newest kept token sits at {newest}: after "
+            "a verify pass the cache must hold every kept token but the newest, and nothing of a rejected draft")
+        assert chunk[0] == sequence[newest] and len(chunk) == 1 + drafted, \
+            f"round {r}: a chunk is the newest token, then the round's {drafted} drafts; got {chunk}"
+        emitted += accepted + 1
+    assert emitted >= len(out) and sum(d for d, _ in rounds) > 0
+
+
+def test_loop_stops_at_max_new_tokens_and_after_the_stop_token(impl):
+    target = ToyTarget(6)
+    prompt = [3, 0]
+    out, rounds = impl.generate_speculative(target, prompt, sometimes_right(target, 1), 4, 9)
+    assert len(out) == 9, f"max_new_tokens=9: got {len(out)} tokens"
+    left = 8  # after the prefill's token
+    for drafted, accepted in rounds:
+        assert drafted <= min(4, left - 1), (f"a round with {left} tokens left drafted {drafted}: ask for at most "
+                                             "min(k, tokens left - 1), since the round adds one token of its own")
+        left -= accepted + 1
+    chain = greedy_chain(target, prompt, 12)
+    stop = next(t for t in chain[4:] if t not in chain[:4])  # a token that first appears after a few others
+    out, _ = impl.generate_speculative(ToyTarget(6), prompt, sometimes_right(target, 2), 4, 12, stop_token_id=stop)
+    assert out == chain[:chain.index(stop) + 1], \
+        f"stop right after the stop token {stop} (even inside accepted drafts): expected {chain[:chain.index(stop) + 1]}, got {out}"
+
+
+def test_loop_samples_the_targets_distribution(impl):
+    """Sampled (temperature 1): the first three tokens follow the target's chain of distributions."""
+    gen, runs, prompt = torch.Generator().manual_seed(8), 3000, [1, 2]
+    probe = ToyTarget(5, sharpness=1.0)
+    counts = torch.zeros(6, 6, 6)
+    for _ in range(runs):
+        target = ToyTarget(5, sharpness=1.0)
+        out, _ = impl.generate_speculative(target, prompt, lambda ids, k: [(ids[-1] + 1) % 6] * k, 2, 3, 1.0,
+                                           generator=gen)
+        counts[tuple(out)] += 1
+    p = torch.zeros(6, 6, 6)
+    for a in range(6):
+        for b in range(6):
+            for c in range(6):
+                p[a, b, c] = torch.prod(torch.stack([torch.softmax(probe.next_logits(prompt + [a, b, c][:i]), -1)[t]
+                                                     for i, t in enumerate((a, b, c))]))
+    for axes, name in (((1, 2), "first"), ((0, 2), "second"), ((0, 1), "third")):
+        freq, want = counts.sum(axes) / runs, p.sum(axes)
+        off = ((freq - want).abs() / (5 * (want * (1 - want) / runs).sqrt() + 1e-3)).max().item()
+        assert off < 1, (f"the {name} token's frequencies {freq.numpy().round(3)} are far from the target's "
+                         f"{want.numpy().round(3)}: verify with your rejection_sample and draw a round without "
+                         "drafts from p_0")
+
+
+GREEDY = me.SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def repeat_prompt(real_model):
+    _, tok = real_model
+    text = "The river flows past the old mill and under the stone bridge."
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": "Repeat exactly: " + text}]))
+
+
+def test_loop_gives_the_engines_tokens_on_the_real_model(impl, real_model, repeat_prompt):
+    model, _ = real_model
+    target = impl.Target(model, len(repeat_prompt) + 24)
+    out, rounds = impl.generate_speculative(target, repeat_prompt, NgramProposer(1, 3).propose, 4, 24)
+    expected, stats = me.generate_speculative(model, repeat_prompt, NgramProposer(1, 3), k=4, max_new_tokens=24,
+                                              params=GREEDY)
+    assert out == expected, f"on the real model your loop gives {out}, the engine's {expected}"
+    assert rounds == [(len(d), a) for d, a in stats.rounds], "the same drafts must be proposed and accepted"
+    assert target.num_passes == 1 + len(rounds) < 24, "one prefill, then one pass per round, fewer than the tokens"
+
+
+class LabProposer:
+    """Your ngram_propose behind the engine's proposer hook: `LLM(speculative={"method": LabProposer(...)})`."""
+
+    def __init__(self, ngram_propose):
+        self.ngram_propose = ngram_propose
+
+    def propose(self, token_ids, k):
+        return self.ngram_propose(token_ids, k, ngram_min=1, ngram_max=3)
+
+
+def test_the_engine_serves_requests_with_your_proposer(impl, real_model, repeat_prompt):
+    model, tok = real_model
+    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Give me two ideas for a rainy day."}]))
+    params = me.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine_own = LLM.from_model(model, tok, max_num_seqs=2,
+                                speculative={"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3})
+    yours = LLM.from_model(model, tok, max_num_seqs=2, speculative={"method": LabProposer(impl.ngram_propose), "k": 4})
+    b, a = (llm.generate([repeat_prompt, chat], params, use_tqdm=False) for llm in (yours, engine_own))
+    for x, y in zip(a, b):
+        assert y.token_ids == x.token_ids, "the engine drafting with your proposer must give its own tokens"
+        assert (y.metrics.num_draft_tokens, y.metrics.num_accepted_tokens) == \
+            (x.metrics.num_draft_tokens, x.metrics.num_accepted_tokens), \
+            "your proposer must draft what the engine's n-gram lookup drafts (same n range, latest match)"
+    assert b[0].metrics.num_accepted_tokens > 0
+
+
+# ---------------------------------------------------------------- the guards (see conftest.py)
+
+def residual_by_the_engine(target_probs, draft_probs):
+    """max(0, p - q), normalised by the engine's own softmax."""
+    residual = (target_probs - draft_probs).clamp_min(0)
+    return speculative.target_probs_from_logits(residual.log(), me.SamplingParams(temperature=1.0))
+
+
+def loop_by_the_engine(target, prompt_ids, propose, k, max_new_tokens, temperature=0.0, stop_token_id=None,
+                       generator=None):
+    """The whole loop handed to the engine's `generate_speculative`."""
+    proposer = type("Wrapped", (), {"propose": staticmethod(propose)})()
+    out, stats = me.generate_speculative(target.model, prompt_ids, proposer, k, max_new_tokens, GREEDY)
+    return out, [(len(d), a) for d, a in stats.rounds]
+
+
+def loop_verifying_by_the_engine(target, prompt_ids, propose, k, max_new_tokens, temperature=0.0,
+                                 stop_token_id=None, generator=None):
+    """The loop written out, but each round's accept and reject handed to the engine's `verify`."""
+    out, rounds = [int(target.forward(list(prompt_ids))[-1].argmax())], []
+    while len(out) < max_new_tokens:
+        tokens = list(prompt_ids) + out
+        n = min(k, max_new_tokens - len(out) - 1)
+        drafts = list(propose(tokens, n))[:n] if n > 0 else []
+        kept = speculative.verify(target.forward([tokens[-1]] + drafts), drafts, None, GREEDY, generator)
+        rounds.append((len(drafts), len(kept) - 1))
+        target.rollback(len(tokens) + len(kept) - 1)
+        out += kept[:max_new_tokens - len(out)]
+    return out, rounds
+
+
+# Each part of the lab handed to something that already does it, and a grading test that must fail it.
+HAND_OFFS = [
+    ("ngram_propose", lambda token_ids, k, ngram_min=1, ngram_max=3:
+        NgramProposer(ngram_min, ngram_max).propose(token_ids, k), test_ngram_takes_the_latest_occurrence, {}),
+    ("residual_distribution", residual_by_the_engine, test_residual_is_what_p_wants_beyond_q, {}),
+    ("rejection_sample", lambda target_probs, draft_token_ids, draft_probs=None, generator=None:
+        speculative.rejection_sample(target_probs, draft_token_ids, draft_probs, generator),
+     test_greedy_target_accepts_while_the_draft_is_the_argmax, {}),
+    ("generate_speculative", loop_verifying_by_the_engine, test_loop_gives_greedy_decodings_tokens, {"seed": 0}),
+    ("generate_speculative", loop_by_the_engine, test_loop_gives_the_engines_tokens_on_the_real_model, {}),
+]
+
+
+def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
+    missing = set(asked_for(LAB)) - {part for part, *_ in HAND_OFFS}
+    assert not missing, f"parts of the lab with no hand-off check above: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("part,replacement,test,args", HAND_OFFS,
+                         ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
+def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
+    hand_off(part, replacement, test, **args)

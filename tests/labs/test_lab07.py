@@ -1,17 +1,32 @@
-"""Grades lab 07 (paged KV memory: block allocator, block tables, slot mapping) in either tree.
+"""Grades lab 07 (paged KV memory: block allocator, block tables, slot mapping, paged attention, recompute
+preemption) in either tree.
 
     pytest tests/labs/test_lab07.py --impl=labs        # your work
     pytest tests/labs/test_lab07.py --impl=solutions   # the reference answers
 
-The last tests store keys and values in a real tensor cache through your slot mappings and read them
-back through your block tables: a sequence must get back exactly what it wrote, whatever its neighbours do.
+The tensor tests store keys and values in a real tensor cache through your slot mappings and read them back
+through your block tables: a sequence must get back exactly what it wrote, whatever its neighbours do, and
+attention through the tables must equal attention over the same keys kept contiguously. The last tests serve
+requests with the real engine, `LLM`, running its paged pool on your allocator and block tables.
 """
+import importlib
 import random
+import types
 
 import pytest
 import torch
 
+import mini_engine as me
+from mini_engine import attention, paging, scheduler
+from mini_engine.bench.runs import ServingWorkload
+from mini_engine.engine import LLM
+from mini_engine.kernels import kv_store, paged_attention as engine_paged_attention
+
 LAB = "lab07_paging"
+# The engine's block manager, attention and scheduler already do these jobs: calling them fails the test.
+SHORTCUTS = {"BlockAllocator": [paging], "BlockTable": [paging], "slot_mapping": [paging],
+             "store_kv": [kv_store, paging], "paged_attention": [attention, engine_paged_attention, paging],
+             "preempt": [scheduler, paging], "make_room": [scheduler, paging]}
 
 
 def grown(impl, block_size, steps, num_blocks=64):
@@ -174,6 +189,20 @@ def test_interleaved_sequences_never_share_a_slot(impl):
     assert all(0 <= s < 128 * 8 for s in slots)
 
 
+def read_back(cache, table):
+    """A sequence's rows of a paged cache, position by position, through its table's slots."""
+    return cache.view(-1, *cache.shape[2:])[[table.slot(p) for p in range(table.num_tokens)]]
+
+
+def test_store_kv_writes_each_row_at_its_slot(impl):
+    cache = torch.zeros(4, 4, 2, 3)
+    values = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3) + 1
+    impl.store_kv(cache, [13, 2, 7], values)
+    assert torch.equal(cache[3, 1], values[0]) and torch.equal(cache[0, 2], values[1]) and \
+        torch.equal(cache[1, 3], values[2]), "slot s is block s // block_size, offset s % block_size"
+    assert int((cache != 0).any(-1).any(-1).sum()) == 3, "write exactly the rows of the given slots, nothing else"
+
+
 def test_keys_round_trip_through_a_paged_cache(impl):
     """Several sequences grow step by step, interleaved; each step's keys are stored through your slot mapping
     and every sequence is read back through its block table: it must get exactly the keys it wrote."""
@@ -192,6 +221,292 @@ def test_keys_round_trip_through_a_paged_cache(impl):
         for i, chunk in zip(running, keys.split(counts)):
             written[i] = torch.cat([written[i], chunk])
     for i, table in enumerate(tables):
-        assert torch.equal(impl.gather_kv(cache, table), written[i]), (
+        assert torch.equal(read_back(cache, table), written[i]), (
             f"sequence {i} reads back other keys than it wrote: are slot_mapping's slots the table's LAST positions, "
             "in order, and does each new block come from the allocator?")
+
+
+def dense_attention(q, k, v):
+    """Reference: one query per sequence [Hq, D] over contiguous keys and values [n, Hkv, D]."""
+    group = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1).transpose(0, 1), v.repeat_interleave(group, 1).transpose(0, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q[:, None], k, v)[:, 0]
+
+
+@pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (6, 2)])
+def test_paged_attention_equals_attention_over_contiguous_keys(impl, heads_q, heads_kv):
+    gen, block_size, head_dim = torch.Generator().manual_seed(3), 4, 8
+    pool = impl.BlockAllocator(40)
+    tables = [impl.BlockTable(block_size) for _ in range(3)]
+    k_cache = torch.full((40, block_size, heads_kv, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    keys, values = [[] for _ in tables], [[] for _ in tables]
+    for step in range(7):  # prefills of 6, 9 and 1 tokens, then decodes, interleaved in one pool
+        counts = [(6, 9, 1)[i] if step == 0 else 1 for i in range(3)]
+        for table, n in zip(tables, counts):
+            table.append_tokens(n, pool)
+        k, v = (torch.randn(sum(counts), heads_kv, head_dim, generator=gen) for _ in range(2))
+        slots = impl.slot_mapping(tables, counts)
+        impl.store_kv(k_cache, slots, k)
+        impl.store_kv(v_cache, slots, v)
+        for i, (k_i, v_i) in enumerate(zip(k.split(counts), v.split(counts))):
+            keys[i].append(k_i)
+            values[i].append(v_i)
+    q = torch.randn(3, heads_q, head_dim, generator=gen)
+    out = impl.paged_attention(q, k_cache, v_cache, tables)
+    assert out.shape == q.shape, f"one output row per sequence and query head: expected {tuple(q.shape)}"
+    for i in range(3):
+        expected = dense_attention(q[i], torch.cat(keys[i]), torch.cat(values[i]))
+        error = (out[i] - expected).abs().max().item()
+        assert error < 1e-5, (
+            f"sequence {i} ({tables[i].num_tokens} tokens in blocks {tables[i].block_ids}): paged attention differs "
+            f"from attention over its keys kept contiguously by {error:.2g}. Read its blocks in table order, stop at "
+            "num_tokens (rows past it hold NaN here), scale by 1/sqrt(D), and let query head h read KV head "
+            "h // (Hq // Hkv)")
+
+
+# ---------------------------------------------------------------- recompute preemption
+
+def admitted(impl, pool, specs, block_size=4):
+    """Running sequences (in admission order), each with `tokens` positions claimed and computed."""
+    running = []
+    for seq_id, tokens in enumerate(specs):
+        seq = impl.Sequence(seq_id, list(range(tokens)), impl.BlockTable(block_size))
+        seq.table.append_tokens(tokens, pool)
+        seq.num_computed = tokens
+        running.append(seq)
+    return running
+
+
+def test_preempt_gives_everything_back_and_queues_the_sequence_first(impl):
+    pool = impl.BlockAllocator(8)
+    a, b = admitted(impl, pool, [6, 5])
+    pool.share(a.table.block_ids[0])  # someone else also reads a's first block
+    late = impl.Sequence(9, [1, 2, 3], impl.BlockTable(4))
+    running, waiting = [a, b], [late]
+    impl.preempt(a, running, waiting, pool)
+    assert running == [b] and waiting == [a, late], \
+        "take the sequence out of running and put it FIRST in waiting (it arrived before the others waiting)"
+    assert a.table.block_ids == [] and a.table.num_tokens == 0, "its table is emptied: every block given back"
+    assert pool.num_free() == 8 - 2 - 1, "its blocks are free again, except the one someone else still holds"
+    assert a.num_computed == 0 and a.token_ids == list(range(6)), \
+        "it forgets what it computed (it will recompute), but keeps its tokens: prompt and output so far"
+    assert a.num_preemptions == 1, "count the preemption"
+
+
+def test_make_room_preempts_the_latest_admitted_holder(impl):
+    pool = impl.BlockAllocator(6)
+    a, b, c, d = admitted(impl, pool, [4, 4, 4, 0])  # one block each for a, b, c; d holds none yet
+    for _ in range(3):
+        pool.allocate()  # the pool is now full: 6 of 6 taken
+    running, waiting = [a, b, c, d], []
+    assert impl.make_room(a, 1, running, waiting, pool), "a keeps running once a block is free"
+    assert waiting == [c] and running == [a, b, d], \
+        "the victim is the most recently admitted sequence that holds a block (c: d holds none)"
+    assert pool.num_free() == 1
+    assert impl.make_room(a, 1, running, waiting, pool) and waiting == [c], "with room, preempt nobody"
+    a.table.append_tokens(1, pool)
+    assert impl.make_room(a, 4, running, waiting, pool), "a needs one more block: b goes"
+    assert waiting == [b, c] and running == [a, d]
+
+
+def test_make_room_may_preempt_the_sequence_itself(impl):
+    pool = impl.BlockAllocator(3)
+    a, b = admitted(impl, pool, [4, 8])
+    running, waiting = [a, b], []
+    assert impl.make_room(a, 1, running, waiting, pool) and waiting == [b], "b, admitted later, goes first"
+    b2 = admitted(impl, pool, [8])[0]  # someone else takes the blocks b gave back
+    running.insert(0, b2)  # ... and was admitted before a
+    assert impl.make_room(a, 9, running, waiting, pool) is False, "a is the latest holder: it preempts itself"
+    assert waiting[0] is a and a not in running and a.num_computed == 0
+
+
+def test_preemption_under_pressure_loses_no_block_and_recomputes_everything(impl):
+    """A small scheduler (prefill whole prompts, then decode one token a step) on a pool too small for everyone:
+    sequences get preempted, readmitted and recomputed; the books stay right after every step."""
+    rng, block_size = random.Random(5), 4
+    pool = impl.BlockAllocator(10)
+    waiting = [impl.Sequence(i, list(range(rng.randrange(3, 12))), impl.BlockTable(block_size)) for i in range(6)]
+    running, target, computed = [], {s.seq_id: len(s.token_ids) + 10 for s in waiting}, {}
+    for step in range(200):
+        for seq in list(running):  # decode: one new token each, oldest first
+            if seq in running and impl.make_room(seq, 1, running, waiting, pool):
+                seq.table.append_tokens(1, pool)
+                seq.token_ids.append(step)
+                seq.num_computed += 1
+                computed[seq.seq_id] = computed.get(seq.seq_id, 0) + 1
+        for seq in [s for s in running if len(s.token_ids) >= target[s.seq_id]]:
+            seq.table.release(pool)
+            running.remove(seq)
+        while waiting and pool.can_allocate(waiting[0].table.blocks_needed(len(waiting[0].token_ids) + 1)):
+            seq = waiting.pop(0)  # (re)admission recomputes prompt and output so far in one prefill
+            seq.table.append_tokens(len(seq.token_ids), pool)
+            computed[seq.seq_id] = computed.get(seq.seq_id, 0) + len(seq.token_ids) - seq.num_computed
+            seq.num_computed = len(seq.token_ids)
+            running.append(seq)
+        held = sum(len(s.table.block_ids) for s in running)
+        assert pool.num_free() + held == 10 and all(not s.table.block_ids for s in waiting), \
+            "every block is either free or in exactly one running sequence's table"
+        if not running and not waiting:
+            break
+    assert not running and not waiting, "every sequence finished"
+    preempted = [s for s in target if computed[s] > target[s]]
+    assert preempted, "the pool is too small: some sequence must have been preempted and recomputed"
+
+
+# ---------------------------------------------------------------- your block manager in the real engine
+
+def engine_block_manager(impl):
+    """The given EngineBlockManager on the (graded) BlockAllocator and BlockTable of `impl`."""
+    return type("Graded", (impl.EngineBlockManager,), {"allocator_class": impl.BlockAllocator,
+                                                        "table_class": impl.BlockTable})
+
+
+def test_the_engine_serves_requests_with_your_block_manager(impl, real_model):
+    """A pool too small for the requests together: the engine preempts and recomputes, on your blocks, and every
+    output is the one the engine's own block manager gives (greedy ones and seeded sampled ones alike)."""
+    model, tok = real_model
+    work = ServingWorkload.uniform(6, 8, 20, vocab=model.config.vocab_size, seed=3)
+    params = [me.SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8 if i % 3 == 0 else 0.0, seed=i)
+              for i in range(len(work.prompts))]
+    kwargs = dict(num_kv_blocks=9, block_size=8, max_num_seqs=4, enable_prefix_caching=False, chunked_prefill_tokens=32)
+    llm = LLM.from_model(model, tok, block_manager=engine_block_manager(impl), **kwargs)
+    yours = llm.generate(work.prompts, params, use_tqdm=False)
+    own = LLM.from_model(model, tok, **kwargs).generate(work.prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in yours] == [o.token_ids for o in own], \
+        "the engine on your block manager must give the tokens it gives on its own"
+    assert [o.metrics.num_preemptions for o in yours] == [o.metrics.num_preemptions for o in own], \
+        "your blocks must run out exactly when the engine's do: take a block only when a position needs one"
+    assert sum(o.metrics.num_preemptions for o in own) > 0, "the pool is small enough to preempt"
+    blocks = llm.engine.scheduler.blocks
+    assert blocks.allocator.num_free() == 9 and blocks.tables == {}, "every block is back in your pool at the end"
+
+
+# ---------------------------------------------------------------- the guards (see conftest.py)
+
+solution = importlib.import_module(f"solutions.{LAB}")  # what a hand-off may build on besides the engine
+
+
+def engine_view(allocator, **tables):
+    """The engine's block manager's fields, over the allocator's own free list and counts."""
+    return types.SimpleNamespace(free_blocks=allocator.free_blocks, ref_counts=allocator.ref_counts,
+                                 evictable={}, block_tables=tables, seq_hashes={},
+                                 block_hash=[None] * len(allocator.ref_counts))
+
+
+class CanAllocateByTheEngine(solution.BlockAllocator):
+    def can_allocate(self, num_blocks):
+        return num_blocks <= paging.BlockManager.num_free_blocks.fget(engine_view(self))
+
+
+class AllocateByTheEngine(solution.BlockAllocator):
+    def allocate(self):  # the engine's block manager takes blocks from the same two fields
+        return paging.BlockManager._take_block(self)
+
+
+class ShareByTheEngine(solution.BlockAllocator):
+    def share(self, block_id):
+        if self.ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} is free")
+        paging.BlockManager.fork(engine_view(self, owner=[block_id]), "owner", "sharer")
+
+
+class FreeByTheEngine(solution.BlockAllocator):
+    def free(self, block_id):
+        if self.ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} is already free")
+        paging.BlockManager.free(engine_view(self, seq=[block_id]), "seq")
+
+
+class BlocksNeededByTheEngine(solution.BlockTable):
+    def blocks_needed(self, num_new_tokens):
+        return paging.BlockManager.blocks_for(self, self.num_tokens + num_new_tokens) - len(self.block_ids)
+
+
+class AppendByTheEngine(solution.BlockTable):
+    def append_tokens(self, num_new_tokens, allocator):
+        view = engine_view(allocator, seq=self.block_ids)
+        view.num_blocks, view.block_size = allocator.num_blocks, self.block_size
+        view.num_free_blocks = allocator.num_free()
+        for name in ("blocks_for", "block_table", "num_new_blocks", "can_allocate", "_check_room", "_take_block"):
+            setattr(view, name, getattr(paging.BlockManager, name).__get__(view))
+        before = len(self.block_ids)
+        paging.BlockManager.append_slots(view, "seq", self.num_tokens + num_new_tokens)
+        self.num_tokens += num_new_tokens
+        return self.block_ids[before:]
+
+
+class SlotByTheEngine(solution.BlockTable):
+    def slot(self, position):
+        if not 0 <= position < self.num_tokens:
+            raise IndexError(position)
+        return paging.slot_mapping(self.block_ids, position, position + 1, self.block_size)[0]
+
+
+class ReleaseByTheEngine(solution.BlockTable):
+    def release(self, allocator):
+        paging.BlockManager.free(engine_view(allocator, seq=self.block_ids), "seq")
+        self.block_ids, self.num_tokens = [], 0
+
+
+def slot_mapping_by_the_engine(tables, num_new_tokens):
+    return [slot for t, n in zip(tables, num_new_tokens)
+            for slot in paging.slot_mapping(t.block_ids, t.num_tokens - n, t.num_tokens, t.block_size)]
+
+
+def paged_attention_by_the_engine(q, k_cache, v_cache, tables):
+    width = max(len(t.block_ids) for t in tables)
+    block_tables = torch.tensor([t.block_ids + [0] * (width - len(t.block_ids)) for t in tables], dtype=torch.int32)
+    context_lens = torch.tensor([t.num_tokens for t in tables], dtype=torch.int32)
+    return engine_paged_attention.paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens)
+
+
+def preempt_by_the_engine(seq, running, waiting, allocator):
+    """The engine's scheduler does the bookkeeping, on a stand-in for itself."""
+    def release(r):
+        running.remove(r)
+        r.table.release(allocator)
+    seq.status, seq.spec_token_ids = scheduler.RequestStatus.RUNNING, []
+    scheduler.Scheduler.preempt(types.SimpleNamespace(waiting=waiting, num_preemptions=0, _release=release), seq)
+
+
+def make_room_by_the_engine(seq, num_new_tokens, running, waiting, allocator):
+    """The solution's loop, but the engine's block manager counts the blocks needed."""
+    while (paging.BlockManager.blocks_for(seq.table, seq.table.num_tokens + num_new_tokens)
+           - len(seq.table.block_ids) > allocator.num_free()):
+        victim = next(v for v in reversed(running) if v is seq or v.table.block_ids)
+        solution.preempt(victim, running, waiting, allocator)
+        if victim is seq:
+            return False
+    return True
+
+
+# Each part of the lab handed to something that already does it, and a grading test that must fail it.
+HAND_OFFS = [
+    ("BlockAllocator.can_allocate", CanAllocateByTheEngine, test_allocate_hands_out_every_block_once, {}),
+    ("BlockAllocator.allocate", AllocateByTheEngine, test_allocate_hands_out_every_block_once, {}),
+    ("BlockAllocator.share", ShareByTheEngine, test_a_shared_block_is_freed_by_its_last_holder, {}),
+    ("BlockAllocator.free", FreeByTheEngine, test_free_returns_a_block_to_the_end_of_the_free_list, {}),
+    ("BlockTable.blocks_needed", BlocksNeededByTheEngine, test_blocks_needed, {}),
+    ("BlockTable.append_tokens", AppendByTheEngine, test_a_new_block_every_block_size_tokens, {}),
+    ("BlockTable.slot", SlotByTheEngine, test_slot_of_a_position, {}),
+    ("BlockTable.release", ReleaseByTheEngine, test_release_frees_every_block, {}),
+    ("slot_mapping", slot_mapping_by_the_engine, test_slot_mapping_of_a_mixed_step, {}),
+    ("store_kv", lambda cache, slots, values: kv_store.store_kv_cache_reference(
+        values, values, cache, cache, torch.tensor(slots)), test_store_kv_writes_each_row_at_its_slot, {}),
+    ("paged_attention", paged_attention_by_the_engine, test_paged_attention_equals_attention_over_contiguous_keys,
+     {"heads_q": 6, "heads_kv": 2}),
+    ("preempt", preempt_by_the_engine, test_preempt_gives_everything_back_and_queues_the_sequence_first, {}),
+    ("make_room", make_room_by_the_engine, test_make_room_preempts_the_latest_admitted_holder, {}),
+]
+
+
+def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
+    missing = set(asked_for(LAB)) - {part for part, *_ in HAND_OFFS}
+    assert not missing, f"parts of the lab with no hand-off check above: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("part,replacement,test,args", HAND_OFFS,
+                         ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
+def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
+    hand_off(part, replacement, test, **args)

@@ -3,15 +3,25 @@
     pytest tests/labs/test_lab08.py --impl=labs        # your work
     pytest tests/labs/test_lab08.py --impl=solutions   # the reference answers
 
-The last tests run random workloads (hypothesis) and check the pool's bookkeeping after every step: each block
-held, free or evictable, never two of them; ref counts equal to the requests holding a block; no held block
-ever handed to someone else.
+The random-workload tests (hypothesis) check the pool's bookkeeping after every step: each block held, free or
+evictable, never two of them; ref counts equal to the requests holding a block; no held block ever handed to
+someone else. The last tests serve requests that share a system prompt with the real engine, `LLM`, running its
+pool and prefix cache on your PrefixCache and your hashes.
 """
+import importlib
+import types
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mini_engine as me
+from mini_engine import paging
+from mini_engine.engine import LLM
+
 LAB = "lab08_prefix_caching"
+# The engine's block manager already hashes blocks and keeps a prefix cache: calling it fails the test.
+SHORTCUTS = {"hash_block": [paging], "block_hashes": [paging], "PrefixCache": [paging]}
 B = 4  # block size of most tests: small enough to count blocks by hand
 
 
@@ -294,3 +304,132 @@ def test_no_block_is_evicted_while_a_request_holds_it(impl, steps):
             assert all(cache.ref_counts[b] > 0 for b in blocks), "a running request's block lost its holder"
             assert all(cache.block_hash[b] == h for b, h in hashes.items()), \
                 "a running request's cached block was evicted (allocate may only evict blocks nobody holds)"
+
+
+# ---------------------------------------------------------------- your prefix cache in the real engine
+
+def engine_block_manager(impl):
+    """The given EngineBlockManager on the (graded) PrefixCache and block_hashes of `impl`."""
+    return type("Graded", (impl.EngineBlockManager,), {"cache_class": impl.PrefixCache,
+                                                        "hashes": staticmethod(impl.block_hashes)})
+
+
+@pytest.fixture(scope="module")
+def shop_prompts(real_model):
+    """Chapter 08's workload, smaller: one long system prompt, short questions behind it."""
+    _, tok = real_model
+    rules = [f"Rule {i}: when a customer asks about item {i}, give the price in euros and the warranty of "
+             f"{i % 3 + 1} years." for i in range(8)]
+    system = "You are the assistant of a bicycle shop. Follow these rules.\n" + "\n".join(rules)
+    asks = ["Do you fix flat tyres?", "Are you open on Sunday?", "How much is a new chain?", "Can I rent a bike?",
+            "Do you sell helmets?", "Where is the shop?", "Is item 3 in stock?"]
+    return [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                {"role": "user", "content": q}])) for q in asks]
+
+
+def test_the_engine_serves_requests_with_your_prefix_cache(impl, real_model, shop_prompts):
+    """The first request computes the system prompt; the next three, served together, find it in your cache; then
+    one of them again (it finds its own question's block too) with three new questions, which need more blocks
+    than are free: cached blocks are evicted. Every output, and every count of cached tokens, must be what the
+    engine's own block manager gives."""
+    model, tok = real_model
+    params = me.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kwargs = dict(block_size=16, max_num_seqs=4, num_kv_blocks=20, max_model_len=max(map(len, shop_prompts)) + 4)
+    runs = {}
+    for name, manager in (("yours", engine_block_manager(impl)), ("own", None)):
+        llm = LLM.from_model(model, tok, block_manager=manager, **kwargs)
+        outs = [o for batch in (shop_prompts[:1], shop_prompts[1:4], shop_prompts[1:2] + shop_prompts[4:])
+                for o in llm.generate(batch, params, use_tqdm=False)]
+        runs[name] = (outs, llm.engine.scheduler.blocks)
+    (own, own_blocks), (yours, your_blocks) = runs["own"], runs["yours"]
+    assert [o.token_ids for o in yours] == [o.token_ids for o in own], \
+        "the engine on your prefix cache must give the tokens it gives on its own"
+    cached = [o.num_cached_tokens for o in yours]
+    assert cached == [o.num_cached_tokens for o in own], (
+        f"prompt tokens served from your cache per request: {cached}; the engine's own cache serves "
+        f"{[o.num_cached_tokens for o in own]}: check lookup (longest cached prefix, never the last token), "
+        "cache_full_blocks, and which block allocate evicts")
+    assert cached[0] == 0 and min(cached[1:]) > 0, "the system prompt is computed once, then found in the cache"
+    assert cached[4] > cached[1], "a question asked again also finds the block its question began in"
+    assert your_blocks.num_evictions == own_blocks.num_evictions > 0, "the last four requests evict cached blocks"
+    assert your_blocks.num_free_blocks == 20 and all(n == 0 for n in your_blocks.cache.ref_counts), \
+        "every block is back in your pool at the end"
+
+
+# ---------------------------------------------------------------- the guards (see conftest.py)
+
+solution = importlib.import_module(f"solutions.{LAB}")  # what a hand-off may build on besides the engine
+
+
+def engine_view(cache, **tables):
+    """The engine's block manager's fields, over the prefix cache's own."""
+    return types.SimpleNamespace(free_blocks=cache.free_blocks, evictable=cache.evictable, ref_counts=cache.ref_counts,
+                                 cached_blocks=cache.cached_blocks, block_hash=cache.block_hash, block_tables=tables,
+                                 seq_hashes={}, block_size=cache.block_size, enable_prefix_caching=True)
+
+
+class AllocateByTheEngine(solution.PrefixCache):
+    def allocate(self):  # the engine's block manager keeps the same fields
+        return paging.BlockManager._take_block(self)
+
+
+class FreeByTheEngine(solution.PrefixCache):
+    def free(self, block_id):
+        if self.ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} has no holder")
+        paging.BlockManager.free(engine_view(self, seq=[block_id]), "seq")
+
+
+class ReleaseByTheEngine(solution.PrefixCache):
+    def release(self, block_ids):
+        paging.BlockManager.free(engine_view(self, seq=list(block_ids)), "seq")
+
+
+class LookupByTheEngine(solution.PrefixCache):
+    def lookup(self, token_ids):
+        hits = paging.BlockManager.lookup(engine_view(self), token_ids)
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+        return hits
+
+
+class CacheFullBlocksByTheEngine(solution.PrefixCache):
+    def cache_full_blocks(self, token_ids, block_ids):
+        paging.BlockManager.cache_blocks(engine_view(self, seq=list(block_ids)), "seq", token_ids, len(token_ids))
+
+
+class AdmitByTheEngine(solution.PrefixCache):
+    def admit(self, token_ids):
+        hits = self.lookup(token_ids)
+        needed = paging.BlockManager.blocks_for(self, len(token_ids)) - len(hits)
+        if needed > self.num_available():
+            self.release(hits)
+            raise RuntimeError(f"{needed} fresh blocks needed")
+        return hits + [self.allocate() for _ in range(needed)], len(hits) * self.block_size
+
+
+# Each part of the lab handed to something that already does it, and a grading test that must fail it.
+HAND_OFFS = [
+    ("hash_block", paging.hash_block, test_hash_block_digests_the_parent_and_the_tokens, {}),
+    ("block_hashes", lambda token_ids, block_size: paging.block_hashes(token_ids, block_size),
+     test_block_hashes_cover_full_blocks_only, {}),
+    ("PrefixCache.allocate", AllocateByTheEngine, test_allocate_takes_the_oldest_free_block_with_one_holder, {}),
+    ("PrefixCache.free", FreeByTheEngine, test_a_double_free_is_an_error_and_counts_never_go_negative, {}),
+    ("PrefixCache.release", ReleaseByTheEngine, test_a_released_cached_block_stays_cached_but_evictable, {}),
+    ("PrefixCache.lookup", LookupByTheEngine, test_lookup_takes_a_reference_on_every_hit, {}),
+    ("PrefixCache.cache_full_blocks", CacheFullBlocksByTheEngine, test_hand_computed_hits_of_a_64_token_prompt, {}),
+    ("PrefixCache.admit", AdmitByTheEngine, test_admit_is_all_or_nothing, {}),
+]
+
+
+def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
+    missing = set(asked_for(LAB)) - {part for part, *_ in HAND_OFFS}
+    assert not missing, f"parts of the lab with no hand-off check above: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("part,replacement,test,args", HAND_OFFS,
+                         ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
+def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
+    hand_off(part, replacement, test, **args)

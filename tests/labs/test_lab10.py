@@ -7,16 +7,21 @@ Small hand-made cases first (a group you can check on paper), then random matric
 embedded GGUF's Q4_1 tensors repacked by your code must dequantize to exactly what the `gguf` package gives, and
 with your 8-bit scales to within half a code of them.
 """
+import importlib
+
 import numpy as np
 import pytest
 import torch
 
 from mini_engine import quant
+from mini_engine.loading import loader
 
 LAB = "lab10_quantization"
-# The engine's quant.py already does each of these jobs: calling it fails the test (see conftest.py).
-SHORTCUTS = {name: [quant] for name in ("quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4",
-                                        "int4_matmul", "repack_q4_1", "compact_scales")}
+quant_kernels = importlib.import_module("mini_engine.kernels.quant_matmul")
+# The engine's quantization (quant/), its int4 kernel with the kernel's torch reference, and its GGUF loader
+# already do each of these jobs: calling them fails the test (see conftest.py).
+SHORTCUTS = {name: [quant, quant_kernels, loader] for name in (
+    "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4", "int4_matmul", "repack_q4_1", "compact_scales")}
 
 
 def rand(*shape, seed=0):
@@ -174,3 +179,46 @@ def test_gguf_tensor_with_compact_scales_stays_within_half_a_code(impl):
     assert ((small - exact).abs() <= bound).all(), "with d and m within half a code, no weight moves more"
     rel = ((small - exact).pow(2).mean() / exact.pow(2).mean()).sqrt().item()
     assert rel < 0.05, f"8-bit scales should move the weights by a few percent at most, got {rel:.3f} (relative RMS)"
+
+
+# ---------------------------------------------------------------- the guards (see conftest.py)
+
+
+def int4_matmul_by_the_kernels_reference(x, packed, scales, zeros, group_size=32):
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # [G, N, 2], as the kernel reads them
+    return quant_kernels.w4a16_matmul_reference(x.float(), packed, scales_and_zeros, group_size)
+
+
+def compact_scales_by_the_engine(d, m):
+    n, groups = d.shape
+    packed = quant.compact_scales(d, m)
+    codes = packed[:groups * n].view(groups, n).t().to(torch.int32)
+    factors = packed[groups * n:].clone().view(torch.float32).view(2, n)
+    return (codes & 255).to(torch.uint8), ((codes - (codes & 255)) // 256).to(torch.int8), factors[0], factors[1]
+
+
+# Each part of the lab handed to something that already does it, and a grading test that must fail it.
+HAND_OFFS = [
+    ("quantize_int4", lambda w, group_size=32: quant.quantize_int4(w, group_size, scale_dtype=torch.float32),
+     test_one_group_by_hand, {}),
+    ("dequantize_int4", quant.dequantize_int4, test_dequantize_is_the_rule, {}),
+    ("pack_int4", quant.pack_int4, test_pack_puts_even_columns_in_the_low_nibble, {}),
+    ("unpack_int4", quant.unpack_int4, test_pack_unpack_round_trip, {}),
+    ("int4_matmul", int4_matmul_by_the_kernels_reference, test_int4_matmul_is_x_times_the_dequantized_weight, {}),
+    ("int4_matmul", lambda x, packed, scales, zeros, group_size=32: quant.int4_matmul_reference(
+        x, quant.unpack_int4(packed), scales, zeros, group_size), test_int4_matmul_is_x_times_the_dequantized_weight, {}),
+    ("repack_q4_1", lambda raw, n, k: quant.repack_q4_1(raw, (n, k), scale_dtype=torch.float32),
+     test_repack_one_hand_made_block, {}),
+    ("compact_scales", compact_scales_by_the_engine, test_compact_scales_by_hand, {}),
+]
+
+
+def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
+    missing = set(asked_for(LAB)) - {part for part, *_ in HAND_OFFS}
+    assert not missing, f"parts of the lab with no hand-off check above: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("part,replacement,test,args", HAND_OFFS,
+                         ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
+def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
+    hand_off(part, replacement, test, **args)

@@ -1,4 +1,5 @@
-"""The student's stubs and the reference solutions expose the same API, so one test file grades both."""
+"""The student's stubs and the reference solutions expose the same API, so one test file grades both; and every
+part a stub asks for is watched by its grader for a hand-off to the engine."""
 import importlib
 import inspect
 from pathlib import Path
@@ -82,4 +83,17 @@ def test_every_lab_has_a_stub_and_a_solution():
 def test_stubs_and_solutions_share_signatures_and_docstrings():
     labs = sorted(_lab_modules("labs") & _lab_modules("solutions"))
     problems = [p for lab in labs for p in _api_differences(lab)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_part_a_lab_asks_for_is_guarded(asked_for):
+    """Each function a stub leaves to write is watched by its grader (SHORTCUTS in tests/labs/test_labNN.py, see
+    conftest.py): under its own name, through its class, or through the given code that runs it (GIVEN)."""
+    problems = []
+    for lab in sorted(_lab_modules("labs")):
+        grader = importlib.import_module(f"test_{lab[:5]}")  # this folder is on sys.path, as pytest imports it
+        shortcuts, given = getattr(grader, "SHORTCUTS", {}), getattr(grader, "GIVEN", {})
+        watched = set(shortcuts) | {part for name, part in given.items() if name in shortcuts}
+        problems += [f"{lab}: `{part}` is not watched: name it (or its class) in SHORTCUTS of {grader.__name__}.py"
+                     for part in asked_for(lab) if part not in watched and part.partition(".")[0] not in watched]
     assert not problems, "\n".join(problems)

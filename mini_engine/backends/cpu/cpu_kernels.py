@@ -130,7 +130,7 @@ def _compile_and_link(out: Path, compiles: list[tuple[list[str], Path]], link: l
     several sources (the C++ operators: about 10 s on a 2-core CPU, once per machine) shows a progress bar."""
     if out.exists():
         return out
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
