@@ -10,7 +10,8 @@ so one graph serves every context length. `CompiledDecode` builds such steps for
 (`generate_cached(..., compile=True)`: one graph per batch size) and the serving engine (`LLM(compile=True)`:
 steps padded up to a batch-size bucket, the padded rows writing a scratch row no sequence reads). The graphs live
 on the model (`DecodeGraphs`); the first call of each compiles (a minute on a 2-core CPU with a cold cache).
-"""from __future__ import annotations
+"""
+from __future__ import annotations
 
 import contextlib
 import time
