@@ -16,8 +16,7 @@ __all__ = ["formulas", "simulate", "LLM", "LLMEngine", "RequestOutput", "Complet
 
 def __getattr__(name: str):
     # `me.formulas`, `me.simulate` and `me.default_dtype` are public API, loaded from the course support on first use.
-    if name in ("formulas", "simulate"):
-        return importlib.import_module(f"mini_engine.course.{name}")
-    if name == "default_dtype":
-        return importlib.import_module("mini_engine.course.devices").default_dtype
+    if name in ("formulas", "simulate", "default_dtype"):
+        module = importlib.import_module(f"mini_engine.course.{'devices' if name == 'default_dtype' else name}")
+        return getattr(module, name, module)
     raise AttributeError(f"module 'mini_engine' has no attribute {name!r}")

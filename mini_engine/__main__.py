@@ -134,7 +134,7 @@ def cmd_serve(args) -> None:
     import mini_engine as me
     from .serving.server import ServerConfig, serve
     config = ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                          max_waiting=args.max_waiting)  # checked before the weights load
+                          max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)  # checked before loading
     llm = me.LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                  kv_cache=args.kv_cache,
                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
@@ -144,7 +144,11 @@ def cmd_serve(args) -> None:
 
 
 def cmd_loadtest(args) -> None:
-    from .serving.loadtest import format_table, plot_sweep, run_loadtest
+    from .serving.loadtest import format_hostile, format_table, plot_sweep, run_hostile_loadtest, run_loadtest
+    if args.hostile:
+        print(format_hostile(run_hostile_loadtest(args.url, honest=args.honest, hostile=args.hostile,
+                                                  max_tokens=args.max_tokens, api_key=args.api_key)))
+        return
     rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate]
     results = [run_loadtest(args.url, rate, args.requests, max_tokens=args.max_tokens, api_key=args.api_key,
                             seed=args.seed) for rate in rates]
@@ -244,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="paged: share cached prompt blocks (default: on with the paged cache)")
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which new ones get 503")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+                   help="request bodies over this size are refused with 413, unread (default 4 MiB)")
     s.add_argument("--api-key", default=os.environ.get("MINI_ENGINE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $MINI_ENGINE_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
@@ -256,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--plot", default=None, help="save the throughput-latency curve to this PNG")
     lt.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
     lt.add_argument("--api-key", default=os.environ.get("MINI_ENGINE_API_KEY"))
+    lt.add_argument("--hostile", type=int, default=0, metavar="N",
+                    help="N hostile clients (oversized, malformed and abandoned requests) against --honest "
+                         "streaming clients: their time per output token quiet and under attack, and the KV "
+                         "blocks held after it (--max-tokens per honest stream)")
+    lt.add_argument("--honest", type=int, default=4, help="with --hostile: honest streaming clients (default 4)")
     return parser
 
 

@@ -5,10 +5,8 @@ padding). Sequence i attends to its first `context_lens[i]` positions: what the 
 tokens. With no cache a sequence attends to its new tokens only.
 
 With the contiguous cache sequence i owns row `slots[i]`; with the paged one (chapter 07) `block_tables[i]` lists
-the blocks holding its positions in order. The attention itself is a backend object: `TorchAttention` (SDPA, or
-the two explicit products whose FLOPs chapter 02 counts) or `TritonAttention` (the kernels of
-`mini_engine/kernels`). A model holds one per name (`LlamaModel.attention_backends`); an optional backend may
-swap in a subclass after loading (the CPU backend does: backends/cpu/attention.py).
+its blocks in order. The attention itself is a backend object, `TorchAttention` (SDPA, or chapter 02's two
+explicit products) or `TritonAttention` (mini_engine/kernels), one per name in `LlamaModel.attention_backends`.
 """
 from __future__ import annotations
 
@@ -117,10 +115,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # paged cache: [S, longest table] int32, padded with block 0
     # What an attention backend derives once per step and every layer reuses (its own keys; empty in the core).
     extras: dict = field(default_factory=dict)
-
-    @property
-    def has_cache(self) -> bool:
-        return self.slot_mapping is not None
 
     @classmethod
     def decode_only(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, group: DecodeGroup,
@@ -281,11 +275,9 @@ class TorchAttention:
 
 
 class TritonAttention(TorchAttention):
-    """The Triton kernels (imported on first use: only this backend needs triton, and TRITON_INTERPRET must be
-    set before triton's first import to run them on CPU tensors): FlashAttention over packed sequences for
-    prefills and verify chunks, the paged decode kernel, and the KV-store kernel for the paged cache. A decode on
-    the contiguous cache goes through SDPA: its scores are one row per head, not the N x N matrix
-    FlashAttention avoids."""
+    """The Triton kernels (imported on first use): FlashAttention over packed prefills and verify chunks, the paged
+    decode kernel and the paged KV store. A decode on the contiguous cache goes through SDPA: its scores are one
+    row per head, not the N x N matrix FlashAttention avoids."""
 
     def store(self, kv_cache, layer: int, k, v, meta: AttentionMetadata) -> None:
         if meta.block_tables is None or torch.compiler.is_compiling():

@@ -37,11 +37,8 @@ def decode_graph(model, kv_cache, backend: str, tokens, positions, slot_mapping,
     return model.run(tokens, meta, kv_cache, backend)
 
 
-# Each model's graphs hang off one code object, and Dynamo stops compiling a code object after 8 graphs by
-# default: batch buckets x caches x dtypes can reach that in one process (the test suite does).
+# Dynamo stops compiling a code object after 8 graphs by default: buckets x caches x dtypes reach that.
 _RECOMPILE_LIMIT = 64
-
-
 # compile="max-autotune" on a CPU: with freezing, the weights are constants of the graph, packed once at compile
 # time for Inductor's own GEMM, which it times against ATen's for every product shape. Passed as torch.compile
 # `options`, freezing was not applied (torch 2.13), so the settings are patched in around each call.
@@ -50,10 +47,9 @@ COMPILE_MODES = (True, "cpp", "max-autotune")
 
 
 class DecodeGraphs(dict):
-    """A model's compiled decode steps, kept on the model (`model.decode_graphs`), one per (mode, device type,
-    dtype). Each compiles its own copy of `decode_graph`'s code object: Dynamo keeps graphs per code object, so
-    a step compiled for one model or mode is never offered to another. A copy of the model (`copy.deepcopy`, as
-    quantizing makes) starts with none: a "cpp" graph skips its guards on the model's modules."""
+    """A model's compiled decode steps (`model.decode_graphs`), one per (mode, device type, dtype), each on its own
+    copy of `decode_graph`'s code (Dynamo keeps graphs per code object: no graph is offered to another model or
+    mode). A deep copy of the model starts with none: a "cpp" graph skips its guards on the model's modules."""
 
     def __deepcopy__(self, memo):
         return DecodeGraphs()
@@ -75,8 +71,7 @@ class DecodeGraphs(dict):
 
 
 def _run_graph(model, kv_cache, backend: str, *args, mode: bool | str = True, **kwargs) -> torch.Tensor:
-    """decode_graph(model, kv_cache, backend, *args, **kwargs), compiled (mode="cpp": with the C++ wrapper;
-    "max-autotune": with Inductor's own weight products, see _MAX_AUTOTUNE_CPU)."""
+    """decode_graph(...), compiled: mode "cpp" with the C++ wrapper, "max-autotune" with Inductor's products."""
     step = model.__dict__.setdefault("decode_graphs", DecodeGraphs()).step(model, mode)
     limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     settings = contextlib.nullcontext()
@@ -118,9 +113,8 @@ class CompiledDecode:
         if model.device.type == "cuda":  # CUDA graphs replay fixed addresses: the cache must never move
             torch._dynamo.mark_static_address(kv_cache.data)
         self.buckets = decode_buckets(max_num_seqs)
-        self.scratch, self.block_size = scratch, block_size
+        self.scratch, self.block_size, self.device = scratch, block_size, model.device
         self.paged = block_size is not None
-        self.device = model.device
         self.max_blocks = -(-(max_model_len or kv_cache.max_len) // block_size) if self.paged else None
         self.compile_seconds = 0.0
         self.compiled_buckets: set[int] = set()

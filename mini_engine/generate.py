@@ -19,12 +19,12 @@ def _check(model, prompts: list[list[int]], max_new_tokens, params, eos_token_id
     params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     if not prompts:
         raise ValueError("prompts must not be empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     limit = model.config.max_position_embeddings
     for prompt_ids in prompts:
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids must not be empty")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(prompt_ids) + max_new_tokens > limit:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                              f"{limit} positions")
@@ -148,10 +148,8 @@ def generate_speculative(model, prompt_ids: list[int], proposer, k: int = 4, max
     (up to floating-point ties); sampled, they follow the same distribution. A proposer with `propose_sampled`
     (`DraftModelProposer`) samples its drafts when `params` does; others' drafts are deterministic.
 
-    Rollback is a length: the cache holds valid keys/values for every token but the newest; a rejected
-    draft's rows lie past it, are never read (attention reads a slot's first context_len rows) and are
-    overwritten by the next round's chunk. Stops are checked after each token; nothing passes the budget.
-    """
+    Rollback is a length: a rejected draft's rows lie past the context, are never read and are overwritten by
+    the next round's chunk. Stops are checked after each token; nothing passes the budget."""
     params, stops = _check(model, [prompt_ids], max_new_tokens, params, eos_token_id)
     _check_k(k)
     length = len(prompt_ids) + max_new_tokens

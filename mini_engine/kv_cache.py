@@ -19,9 +19,8 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, shape: tuple[int, ...], device, dtype):
         self.data = torch.zeros(config.num_layers, 2, *shape, device=device, dtype=dtype)
-        # Views made once: slicing the big tensor anew on every layer of every step is measurable overhead.
+        # Views made once (slicing anew in every layer of every step costs), and each layer's index for `_store`.
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
-        # Each layer's index as a tensor of its own, for `_store`.
         self._layer_ids = [torch.tensor(i, device=device) for i in range(config.num_layers)]
 
     @property
@@ -92,10 +91,8 @@ class PagedKVCache(KVCache):
 def _store(data: torch.Tensor, layer: torch.Tensor | int, k: torch.Tensor, v: torch.Tensor, *where) -> None:
     """Inside a compiled graph: write a layer's new keys and values (k/v [T,Hkv,D]) with ONE indexed store into
     the cache's base tensor, at data[layer, K or V, *where] (where: each token's row, as index tensors [T] and
-    slices). Written through per-layer views, as the eager steps do, the compiler would copy the whole cache at
-    every layer to keep the views consistent. `layer` is a 0-d tensor, a graph input: as a Python int it would
-    be a constant of the generated code, and Inductor would compile one store kernel per layer instead of one
-    for all (`benchmarks/bench_compile.py` measures both)."""
+    slices). Through per-layer views the compiler would copy the whole cache at every layer to keep them
+    consistent. `layer` is a 0-d tensor (a graph input), so one store kernel serves every layer."""
     t = k.shape[0]
     kv = torch.arange(2, device=k.device)[:, None].expand(2, t)  # K then V, for each token
     index = layer.expand(2, t) if isinstance(layer, torch.Tensor) else torch.full_like(kv, layer)

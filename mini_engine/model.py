@@ -125,8 +125,7 @@ class LlamaModel(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    # Read off the final norm's weight, a float parameter whatever the products' weights are stored as (a
-    # quantized model's embedding and LM head hold integer codes: see mini_engine/quant).
+    # Read off the final norm's weight: a float parameter even when the products hold integer codes (quant/).
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
@@ -164,16 +163,15 @@ class LlamaModel(nn.Module):
             input_ids = input_ids.reshape(-1)
         elif meta is None:
             raise ValueError("packed 1-D input_ids need an AttentionMetadata (meta)")
-        if kv_cache is not None and not meta.has_cache:
+        if kv_cache is not None and meta.slot_mapping is None:
             raise ValueError("meta must name each sequence's cache slot or block table when kv_cache is given")
         self.check_last_position(max(meta.context_lens) - 1, kv_cache)
         logits = self.run(input_ids, meta, kv_cache, backend)
         return logits.view(b, 1 if last_only else n, -1) if batched else logits
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache, backend: str) -> torch.Tensor:
-        """The layers over packed tokens, with no checks: what `forward` runs once it has checked its
-        arguments. It reads only tensors of `meta` (and the decode group's), so torch.compile traces it into
-        one graph: the compiled decode step (`compiled_decode`) is this code, not a copy of it."""
+        """The layers over packed tokens, unchecked (`forward` checks). It reads only tensors of `meta`, so the
+        compiled decode step (`compiled_decode`) traces this code, not a copy of it."""
         # Angles are computed in fp32, then cast once per step to the weights' dtype (as the reference does).
         cos = self.rope_cos[meta.positions, None].to(self.dtype)
         sin = self.rope_sin[meta.positions, None].to(self.dtype)

@@ -64,7 +64,7 @@ class RequestOutput:
         outputs = [CompletionOutput(s.index, list(s.output_ids), tokenizer.decode(s.output_ids)
                                     if tokenizer is not None else None, s.finish_reason,
                                     s.logprobs[:len(s.output_ids)] if s.params.logprobs is not None else None)
-                   for s in samples]  # logprobs: none past a stop inside a speculative step's accepted tokens
+                   for s in samples]
         return cls(r.request_id, r.prompt_ids, outputs[0].token_ids, outputs[0].text, outputs[0].finish_reason,
                    metrics, r.num_cached_tokens or 0, outputs,
                    [None, *r.prompt_logprobs] if r.params.prompt_logprobs is not None else None)

@@ -58,8 +58,7 @@ class ModelRunner:
 
     @staticmethod
     def record_logprobs(chunks: list[Chunk], logits: torch.Tensor, samplers, sampled: list) -> None:
-        """Each sampled token's log-probability (SamplingParams.logprobs), from the logits row it was drawn from:
-        `samplers` and `sampled` as the scheduler's `update` takes them."""
+        """Each sampled token's log-probability (SamplingParams.logprobs), from the row it was drawn from."""
         starts = list(itertools.accumulate((c.num_logits for c in chunks if c.samples), initial=0))
         for (row, r), got in zip(samplers, sampled):
             if r.params.logprobs is not None:
@@ -83,7 +82,6 @@ class ModelRunner:
 
 def _prompt_rows(c: Chunk) -> int:
     """Rows of chunk c that score the prompt's next token: SamplingParams.prompt_logprobs, first pass only."""
-    r = c.request
-    if r.params.prompt_logprobs is None or len(r.prompt_logprobs) >= len(r.prompt_ids) - 1:
-        return 0
-    return max(0, min(c.start + c.num_tokens, len(r.prompt_ids) - 1) - c.start)
+    r, last = c.request, len(c.request.prompt_ids) - 1
+    wanted = r.params.prompt_logprobs is not None and len(r.prompt_logprobs) < last
+    return max(0, min(c.start + c.num_tokens, last) - c.start) if wanted else 0

@@ -19,7 +19,6 @@ class SamplingParams:
     n: int = 1                        # parallel sampling: n completions of the one prompt (chapter 08)
     logprobs: int | None = None       # each output token's log-probability and the top k there (`logprobs_of`)
     prompt_logprobs: int | None = None  # the same for every prompt token but the first
-
     MAX_LOGPROBS = 20  # as OpenAI's API: top_logprobs <= 20
 
     def __post_init__(self):

@@ -362,9 +362,13 @@ def test_full_queue_answers_503(real):
 
 
 def test_cli_server_with_api_key_and_the_loadtest(tmp_path, capsys):
-    with start_server("--max-model-len", "256", "--max-num-seqs", "8", "--api-key", "sesame") as srv:
+    with start_server("--max-model-len", "256", "--max-num-seqs", "8", "--api-key", "sesame",
+                      "--max-body-bytes", "4096") as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a" * 4096, "max_tokens": 2},
+                       headers={"authorization": "Bearer sesame"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         with pytest.raises(openai.AuthenticationError):
             client(srv.url, api_key="wrong").models.list()
         assert httpx.get(srv.url + "/health").status_code == 200, "/health needs no key"
@@ -379,6 +383,11 @@ def test_cli_server_with_api_key_and_the_loadtest(tmp_path, capsys):
         table = capsys.readouterr().out
         assert "TTFT p50" in table and len([line for line in table.splitlines() if " 2      0 " in line]) == 2, table
         assert plot.stat().st_size > 0
+        main(["loadtest", "--url", srv.url, "--hostile", "2", "--honest", "1", "--max-tokens", "4",
+              "--api-key", "sesame"])
+        report = capsys.readouterr().out
+        assert "every refused request got its 4xx: yes" in report, report
+        assert "after the attack: 0 KV blocks held, 0 requests left" in report, report
         srv.process.send_signal(signal.SIGTERM)  # as `kill` or a container's stop: a clean shutdown, not a crash
         srv.process.wait(30)
     assert srv.process.returncode == 0, f"SIGTERM should stop the server cleanly:\n{srv.log()}"

@@ -33,7 +33,7 @@ import triton.language as tl
 from .aot import TRITON_DTYPES, KernelSpec
 from .checks import (check_device, check_float_tensor, check_gqa_heads, check_head_dim, check_launchable,
                      check_out, check_same_dtype, check_same_shape, check_tensor)
-from .gpus import GPUSpec, gpu_of
+from .gpus import GPUSpec, launch_arguments
 
 # Scores are scaled by sm_scale * log2(e) so the kernel can use exp2, which maps to one hardware
 # instruction, while computing exactly exp(sm_scale * q.k).
@@ -316,7 +316,7 @@ def _compile_time_args(head_dim: int, dtype: torch.dtype, causal: bool, varlen: 
 
 def _launch(q, k, v, out, cu_q, cu_k, strides, grid, seq_len_q, seq_len_k, causal, sm_scale, varlen):
     head_dim = q.shape[-1]
-    args = _compile_time_args(head_dim, q.dtype, causal, varlen, None if INTERPRETED else gpu_of(q.device))
+    args = launch_arguments(_compile_time_args, None if INTERPRETED else q.device, head_dim, q.dtype, causal, varlen)
     scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     _attn_fwd[grid(args["BLOCK_M"])](
         q, k, v, out, cu_q, cu_k, *strides,

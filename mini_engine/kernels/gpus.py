@@ -7,6 +7,7 @@ Specifications per Compute Capability"): shared memory a block may opt in to, re
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,16 +57,29 @@ def _read_gpu(device: torch.device) -> GPUSpec:
     return GPUSpec.from_device(device)
 
 
-@torch._dynamo.assume_constant_result
-def gpu_of(device: torch.device) -> GPUSpec:
-    """The GPU a kernel launched on `device` runs on, read from the driver once per device.
-
-    The wrappers call it for every launch, and some launch inside a compiled graph (the paged decode kernel and
-    the quantized products in the compiled decode step). There torch.compile runs this function, it does not
-    trace it: the driver is asked (or the cache read) while the graph is built, and the spec enters the graph
-    as a constant, so no query of the device is ever part of traced code. The device is fixed for a graph
-    (its tensors' devices are guarded), so the constant cannot go stale."""
+def gpu_of(device: torch.device | str) -> GPUSpec:
+    """The GPU a kernel launched on `device` runs on, read from the driver once per device."""
     return _read_gpu(torch.device(device))
+
+
+def launch_arguments(compile_time_args: Callable[..., dict], device: torch.device | None, *args) -> dict:
+    """A kernel's constexprs and launch options for one launch on `device`: `compile_time_args(*args, gpu)`, where
+    gpu is `gpu_of(device)`, or None (the interpreter's tiles) when device is None.
+
+    Every wrapper gets its launch arguments here, and some launch inside a compiled graph (the paged decode kernel
+    and the quantized products inside the compiled decode step). There torch.compile runs this function, it does
+    not trace it: the GPU is read (or found in the cache) while the graph is built, and the arguments enter the
+    graph as constants, so neither a query of the driver nor the choice of tiles is traced code. The arguments
+    must then be constants themselves, which they are in a graph compiled with dynamic=False (the compiled decode
+    step's): sizes, dtypes and devices, each guarded, so a graph that sees others is compiled again."""
+    return dict(_chosen_outside_the_trace(compile_time_args, device, *args))
+
+
+@torch._dynamo.assume_constant_result
+def _chosen_outside_the_trace(compile_time_args, device, *args) -> tuple[tuple[str, object], ...]:
+    # As (name, value) pairs: a constant dict would make torch.compile guard on its keys, which it cannot do for
+    # a constant; a tuple of constants it takes as it is, and the dict is rebuilt in the graph.
+    return tuple(compile_time_args(*args, None if device is None else gpu_of(device)).items())
 
 
 # The GPUs the course names, which every kernel must compile for (tests/kernels/test_aot.py): Colab's T4 and

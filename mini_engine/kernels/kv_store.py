@@ -23,7 +23,7 @@ from .aot import TRITON_DTYPES, KernelSpec
 from .checks import (check_device, check_float_tensor, check_head_dim, check_launchable, check_same_dtype,
                      check_same_shape, check_tensor, check_unit_stride)
 from .flash_attention import INTERPRETED, _unit_stride
-from .gpus import GPUSpec, gpu_of
+from .gpus import GPUSpec, launch_arguments
 
 
 # The head count is masked against BLOCK_H, so it is not specialised: one compile per head size and
@@ -126,8 +126,8 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    args = _compile_time_args(head_dim, k_cache.shape[1], num_kv_heads, k.dtype,
-                              None if INTERPRETED else gpu_of(k.device))
+    args = launch_arguments(_compile_time_args, None if INTERPRETED else k.device, head_dim, k_cache.shape[1],
+                            num_kv_heads, k.dtype)
     _store_kv[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -33,7 +33,7 @@ from .aot import TRITON_DTYPES, KernelSpec
 from .checks import (check_device, check_float_tensor, check_gqa_heads, check_head_dim, check_launchable,
                      check_out, check_same_dtype, check_same_shape, check_tensor)
 from .flash_attention import _LOG2E, INTERPRETED, _dot, _unit_stride
-from .gpus import GPUSpec, gpu_of
+from .gpus import GPUSpec, launch_arguments
 
 
 # --------------------------------------------------------------------------------------------------
@@ -251,7 +251,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out.numel() == 0:
         return out
     group = heads_q // heads_kv
-    args = _compile_time_args(head_dim, block_size, group, q.dtype, None if INTERPRETED else gpu_of(q.device))
+    args = launch_arguments(_compile_time_args, None if INTERPRETED else q.device, head_dim, block_size, group,
+                            q.dtype)
     sm_scale = head_dim ** -0.5 if scale is None else float(scale)
     _paged_decode_fwd[(num_seqs, heads_kv)](
         q, k_cache, v_cache, out, block_tables, context_lens,

@@ -29,7 +29,7 @@ import triton.language as tl
 from .aot import TRITON_DTYPES, KernelSpec
 from .checks import check_device, check_float_tensor, check_launchable, check_tensor
 from .flash_attention import INTERPRETED, _dot
-from .gpus import GPUSpec, gpu_of
+from .gpus import GPUSpec, launch_arguments
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    args = _compile_time_args(m, group_size, x.dtype, None if INTERPRETED else gpu_of(x.device))
+    args = launch_arguments(_compile_time_args, None if INTERPRETED else x.device, m, group_size, x.dtype)
     grid = (triton.cdiv(m, args["BLOCK_M"]), triton.cdiv(n, args["BLOCK_N"]))
     _w4a16_matmul[grid](x, qweight, scales_and_zeros, out, m, n, x.shape[1],
                         x.stride(0), qweight.stride(0), scales_and_zeros.stride(0), out.stride(0),

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .aot import KernelSpec
 from .checks import check_device, check_launchable, check_tensor
-from .gpus import GPUSpec, gpu_of
+from .gpus import GPUSpec, launch_arguments
 
 _INT_ARGS = ["num_slots", "vocab_size", "stride_ts", "stride_tk", "stride_ds", "stride_qs", "stride_qk",
              "stride_us", "stride_es", "stride_os"]
@@ -149,12 +149,12 @@ def rejection_sampler(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     # Without draft probabilities the pointer is never read; the target's stands in so the signature is fixed.
     q = draft_probs.contiguous() if draft_probs is not None else target_probs
     q_strides = q.stride()[:2] if draft_probs is not None else (0, 0)
-    gpu = None if INTERPRETED else gpu_of(target_probs.device)
     _rejection_sample[(s,)](
         target_probs, draft_token_ids, num_drafts, q, uniforms, inv_exponentials, out,
         k, vocab, *target_probs.stride()[:2], draft_token_ids.stride(0), *q_strides,
         uniforms.stride(0), inv_exponentials.stride(0), out.stride(0),
-        **_compile_time_args(k, vocab, draft_probs is not None, gpu))
+        **launch_arguments(_compile_time_args, None if INTERPRETED else target_probs.device, k, vocab,
+                           draft_probs is not None))
     return out
 
 

@@ -17,7 +17,9 @@ class Tokenizer:
     eos_token_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch gives encode's ids and releases the GIL while it works, so a server thread tokenizing a
+        # long prompt does not pause the engine's thread.
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

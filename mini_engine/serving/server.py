@@ -338,10 +338,7 @@ def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = 
         if prompt_chars is not None and len(text) > prompt_chars:
             raise ValueError(f"{param} has {len(text)} characters, more than a prompt of fewer than max_model_len="
                              f"{max_len} tokens can have ({prompt_chars}); it was not tokenized")
-        backend = getattr(tokenizer, "backend", None)
-        if hasattr(backend, "encode_batch"):  # the same ids as tokenizer.encode, which holds the GIL throughout
-            return backend.encode_batch([text], add_special_tokens=False)[0].ids
-        return tokenizer.encode(text)
+        return tokenizer.encode(text)  # releases the GIL while it works (loading/tokenizer.py)
 
     def prepare(prompts: list, sampling: dict, max_tokens: int | None, param: str,
                 echo: bool = False) -> list[tuple[Prompt, SamplingParams]]:
