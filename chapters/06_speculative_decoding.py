@@ -504,8 +504,8 @@ else:
 
     folder = snapshot_download("HuggingFaceTB/SmolLM2-360M-Instruct",
                                allow_patterns=["*.json", "*.safetensors", "*.txt"])
-    target, target_tok = me.load_model(folder, device="cuda", dtype="bfloat16")
-    small, _ = me.load_model("smollm2-135m", device="cuda", dtype="bfloat16")
+    target, target_tok = me.load_model(folder, device="cuda", dtype=me.default_dtype("cuda"))
+    small, _ = me.load_model("smollm2-135m", device="cuda", dtype=me.default_dtype("cuda"))
     for name, msgs in WORKLOADS.items():
         gp = target_tok.encode(target_tok.apply_chat_template(msgs))
         me.generate_cached(target, gp, 8, GREEDY)  # warm-up (kernels compile on first use)
