@@ -566,8 +566,8 @@ print(f"\nT4: {products(t4.ptx)}, and no mma at all: {first(t4.ptx, 'fma.rn.f32'
 # for every multiply-add it issues, so the cap is 24 values per thread. The same holds for fp32 inputs on
 # any GPU, which the kernel multiplies exactly ("ieee"): tensor cores would round them to TF32. The
 # budgets were found by compiling candidate tiles with `aot`, and CI checks every configuration of every
-# kernel for spills and shared memory on all three GPUs. FMAs also cost a T4 most of its speed: NVIDIA
-# rates it at 8.1 TFLOP/s for fp32 FMAs against 65 for fp16 tensor-core products.
+# kernel for spills and shared memory on each GPU the course names (these three and an L4). FMAs also cost a
+# T4 most of its speed: NVIDIA rates it at 8.1 TFLOP/s for fp32 FMAs against 65 for fp16 tensor-core products.
 
 # %%
 print(f"A100, bf16, d = 64, tile {four_warps.tile}: {four_warps.num_warps} warps -> {four_warps.registers} registers, "

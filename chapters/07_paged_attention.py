@@ -415,7 +415,7 @@ for b in (4, 16, 64):
         one.step()
     snap = one.block_pool()
     held, written = len(snap.block_tables[rid]), snap.num_computed[rid]
-    print(f"blocks of {b:2d}: {written} positions written, {held:2d} blocks held, {held * b - written:2d} positions "
+    print(f"blocks of {b:2d}: {written} positions written into {held:2d} of them, {held * b - written:2d} positions "
           f"empty (formula: {formulas.blocks_needed(P + decode_steps, b)} blocks, "
           f"{formulas.paged_waste_tokens(P + decode_steps, b)} empty)")
     one.abort_request(rid)  # the request is not needed further: its blocks go back to the pool

@@ -412,8 +412,8 @@ for k, v in summary:
 # **1. Predict the hit.** One engine with blocks of 16 serves five 80-token prompts, one after another: a
 # prompt X; X again; X's first 40 tokens followed by 40 others; X with its first token changed; X with its
 # token 50 changed. How many prompt tokens does each take from the cache? Predict each with
-# `formulas.cached_prefix_tokens(prompt_len, shared_len, block_size)`, where `shared_len` is how many of its
-# first tokens an earlier prompt had, then run.
+# `formulas.cached_prefix_tokens(prompt_len, shared_len, block_size)`, where `shared_len` counts the first
+# tokens the prompt has in common with one served before it, then run.
 
 # %%
 ex_rng = np.random.default_rng(0)
@@ -439,28 +439,28 @@ for name, tokens, shared in variants:
 # on the first token. Changing token 50 keeps the three blocks before the one that holds it: 48 tokens.
 # </details>
 #
-# **2. Eviction.** Four different 64-token prompts A, B, C and D run one after another (one output token each),
-# then A again, on pools of 12, 14 and 16 blocks of 16. How many of A's tokens come from the cache the second
-# time, on each pool?
+# **2. Eviction.** Four different 32-token prompts A, B, C and D run one after another (one output token each),
+# then A again, on pools of 12, 14 and 16 blocks of 8 positions. How many of A's tokens come from the cache the
+# second time, on each pool?
 
 # %%
-a_to_d = [ex_rng.integers(1000, 20000, 64).tolist() for _ in range(4)]
+a_to_d = [ex_rng.integers(1000, 20000, 32).tolist() for _ in range(4)]
 for blocks in (12, 14, 16):
-    pool_llm = LLM.from_model(model, tok, block_size=16, num_kv_blocks=blocks, max_num_seqs=1, max_model_len=256,
+    pool_llm = LLM.from_model(model, tok, block_size=8, num_kv_blocks=blocks, max_num_seqs=1, max_model_len=256,
                               enable_prefix_caching=True)
     pool_llm.generate(a_to_d, me.SamplingParams(max_tokens=1), use_tqdm=False)  # one at a time: max_num_seqs=1
     again = pool_llm.generate([a_to_d[0]], me.SamplingParams(max_tokens=1), use_tqdm=False)[0]
-    print(f"{blocks} blocks: A again takes {again.num_cached_tokens:2d} tokens from the cache; "
-          f"{pool_llm.engine.scheduler.blocks.num_evictions} cached blocks evicted in all")
+    print(f"{blocks} blocks: A again takes {again.num_cached_tokens:2d} tokens from the cache; cached blocks "
+          f"evicted in all: {pool_llm.engine.scheduler.blocks.num_evictions}")
 
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# 48, 32 and 0 from 16, 14 and 12 blocks. Each prompt fills 4 blocks, all full, all cached; when its request
+# 24, 16 and 0 from 16, 14 and 12 blocks. Each prompt fills 4 blocks, all full, all cached; when its request
 # finishes they become evictable. A new request takes plain free blocks first and evicts only when there are
 # none, least recently released first; a finished request releases its blocks tail first. On 16 blocks the
-# four prompts fit side by side, and A finds its first three blocks (48, not 64: its last block is recomputed,
-# as in exercise 1). On 14, D finds 2 free blocks and evicts 2, A's last two, so A's first two still hit: 32.
+# four prompts fit side by side, and A finds its first three blocks (24, not 32: its last block is recomputed,
+# as in exercise 1). On 14, D finds 2 free blocks and evicts 2, A's last two, so A's first two still hit: 16.
 # On 12, D evicts all four of A's. Tail first is the useful order: a block can only hit together with every
 # block before it, so A's first blocks outlive its last ones. And a prefix that keeps being asked for, such as
 # a system prompt every request shares, keeps being held and released again, so it stays at the young end of
@@ -481,8 +481,6 @@ for prompt_len, n in ((40, 4), (48, 4), (40, 2)):
     fork_engine.step()  # the first decode
     held = fork_engine.num_kv_blocks - fork_engine.num_free_blocks
     print(f"{prompt_len} tokens, n = {n}: blocks copied {fork_engine.scheduler.block_copies}, {held} blocks held")
-    while fork_engine.has_unfinished():
-        fork_engine.step()
 
 # %% [markdown]
 # <details><summary>Answer</summary>

@@ -136,6 +136,9 @@ ladder = bench_ladder(model=model, tok=tok, requests=size["requests"], batch=siz
                       print_fn=lambda _report: None)  # the bench's full report; the table and its footnotes below
 print(ladder.table())
 print(ladder.footnotes())
+for x in ladder.rows:
+    if x.rung in ("compiled", "compiled_engine"):  # a graph compiled inside the timing would be counted in it
+        print(f"{x.label}: {x.notes}")
 print()
 print(ladder.batching_beside_seed())
 

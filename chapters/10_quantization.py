@@ -74,7 +74,12 @@ from mini_engine.bench.paging import time_decode_steps
 from mini_engine.quant import from_scales_and_zeros, quantize_int4, weight_bytes
 
 device = default_device()
-act_dtype = "bfloat16"  # the quantized models' activations: W8A16 and W4A16, the "16" is the activations' bits
+# The quantized models' activations: W8A16 and W4A16, the "16" is the activations' bits. On a GPU the course's
+# 16-bit type for it (fp16 on a T4, which has no bf16 tensor math: the "bf16" row below is fp16 there); on a CPU,
+# where the course's dtype is fp32, bf16.
+act_dtype = me.default_dtype(device)
+if act_dtype == "float32":
+    act_dtype = "bfloat16"
 VARIANTS = {  # name -> load_model arguments (bf16 is the fp32 model's copy, cast)
     "fp32": dict(dtype="float32"),
     "int8": dict(dtype=act_dtype, quantization="int8"),
@@ -83,7 +88,7 @@ VARIANTS = {  # name -> load_model arguments (bf16 is the fp32 model's copy, cas
 models = {}
 for name, kwargs in tqdm(VARIANTS.items(), desc="loading"):
     models[name], tok = me.load_model("smollm2-135m", device=device, **kwargs)
-models = {"fp32": models["fp32"], "bf16": copy.deepcopy(models["fp32"]).to(torch.bfloat16),
+models = {"fp32": models["fp32"], "bf16": copy.deepcopy(models["fp32"]).to(getattr(torch, act_dtype)),
           "int8": models["int8"], "int4": models["int4"]}
 NEW = pick(32, 128, device)    # tokens per single-stream run
 BATCH = 16                     # sequences per decode step, beside one

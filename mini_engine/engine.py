@@ -422,7 +422,7 @@ class LLM:
         """Run every prompt (strings or token-id lists) to completion; outputs in prompt order.
         `sampling_params`: one for all, or a list with one per prompt. Every request is checked before
         any runs: a bad one raises ValueError naming its index, and nothing is queued."""
-        from tqdm import tqdm
+        from tqdm.auto import tqdm
 
         prompts = _as_prompt_list(prompts)
         if not prompts:

@@ -414,6 +414,7 @@ def run_single_stream(model, tok, work: LadderWorkload, sample: list[int], rung:
 
     from tqdm.auto import tqdm
 
+    from ..compiled_decode import graphs_compiled
     from ..course.formulas import kv_cache_bytes
     from ..generate import generate_cached, generate_naive
 
@@ -425,6 +426,7 @@ def run_single_stream(model, tok, work: LadderWorkload, sample: list[int], rung:
         loop(model, work.prompts[sample[0]], 2, SamplingParams(max_tokens=2))
         compile_s = time.perf_counter() - t0
     outputs, ttft, tpot, seconds = {}, [], [], 0.0
+    graphs_before = graphs_compiled()
     for i in tqdm(sample, desc=LABELS[rung], disable=not progress):
         timer = TokenTimer(str(model.device)).begin()
         outputs[i] = loop(model, work.prompts[i], work.max_tokens[i], SamplingParams(max_tokens=work.max_tokens[i]),
@@ -437,7 +439,8 @@ def run_single_stream(model, tok, work: LadderWorkload, sample: list[int], rung:
         c = model.config
         kv = max(kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim, len(work.prompts[i]) + work.max_tokens[i],
                                 1, model.dtype.itemsize) for i in sample)
-    return LadderRow(rung, list(sample), outputs, seconds, ttft, tpot, kv, compile_s)
+    notes = f"{graphs_compiled() - graphs_before} graphs compiled while timed" if rung == "compiled" else ""
+    return LadderRow(rung, list(sample), outputs, seconds, ttft, tpot, kv, compile_s, notes)
 
 
 def _track_peaks(engine) -> list[int]:
@@ -462,6 +465,7 @@ def _track_peaks(engine) -> list[int]:
 def run_engine_rung(model, tok, work: LadderWorkload, rung: str, progress: bool, **engine_kwargs) -> LadderRow:
     """The serving engine with `engine_kwargs`, every request queued at once, after a short warm-up on the same
     engine (the prefix cache is emptied after it, so the measured run starts cold)."""
+    from ..compiled_decode import graphs_compiled
     from ..engine import LLM
     from ..course.formulas import kv_bytes_per_token
 
@@ -472,6 +476,7 @@ def run_engine_rung(model, tok, work: LadderWorkload, rung: str, progress: bool,
     llm.generate(work.prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # allocation, lazy init
     compile_s = llm.engine.compile_seconds if compiled else None  # every graph compiled so far
     llm.reset_prefix_cache()
+    graphs_before = graphs_compiled()
     paged = llm.engine.scheduler.blocks is not None
     peak = _track_peaks(llm.engine)
     params = [SamplingParams(max_tokens=n) for n in work.max_tokens]
@@ -492,6 +497,8 @@ def run_engine_rung(model, tok, work: LadderWorkload, rung: str, progress: bool,
              "preemptions": sum(o.metrics.num_preemptions for o in outs),
              "lanes_busy": peak[2] / max(peak[3], 1) / c.max_num_seqs}  # the share of the batch's places in use
     notes = [f"peak {peak[1]} requests at once"]
+    if compiled:
+        notes.append(f"{graphs_compiled() - graphs_before} graphs compiled while timed")
     if not paged:
         notes.append(f"{stats['lanes_busy']:.0%} of its {c.max_num_seqs} places busy in an average step")
     if c.enable_prefix_caching:

@@ -418,16 +418,19 @@ def attention_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, c
 
 def benchmark_tflops(provider: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      causal: bool) -> float | None:
-    """Benchmark hook (CUDA tensors): TFLOP/s of 'triton' (this kernel), 'sdpa' (torch's flash backend)
-    or 'naive' (attention_reference in the input dtype). None when the naive N x N scores do not fit.
+    """Benchmark hook (CUDA tensors): TFLOP/s of 'triton' (this kernel), 'sdpa' (torch's fused kernel: its flash
+    backend where the GPU has one, see `devices.sdpa_backend`) or 'naive' (attention_reference in the input
+    dtype). None when the naive N x N scores do not fit.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
+
+    from mini_engine.course.devices import sdpa_backend
 
     if provider == "triton":
         fn = lambda: flash_attention(q, k, v, causal=causal)  # noqa: E731
     elif provider == "sdpa":
         def fn():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            with sdpa_kernel(sdpa_backend(q.device, q.dtype)):
                 return torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     elif provider == "naive":

@@ -10,7 +10,7 @@ One program computes a BLOCK_M x BLOCK_N tile of y and walks K in BLOCK_K steps.
 code of at most 127 in magnitude is exact in fp16 and bf16, so the product sees the codes themselves and the
 accumulator (fp32) holds sum_k x[m, k] q[n, k] with no rounding of the weights at all. The row's scale is applied
 once, to the finished sum: y[m, n] = scale[n] * sum_k x[m, k] q[n, k]. Decode (M = 1) reads 8 bits per weight
-instead of 16, the whole of the speedup on a memory-bound step; the weight is read once per BLOCK_M rows of x.
+instead of 16, which is what a memory-bound step can gain from; the weight is read once per BLOCK_M rows of x.
 
 Laid out like quant_matmul.py (the W4A16 kernel): the kernel, its torch reference, the launch configuration and
 wrapper, then `aot_specs` for compiling it ahead of time (aot.py). CPU tensors run in Triton's interpreter
@@ -87,21 +87,23 @@ def launch_config(m: int, dtype: torch.dtype, gpu: GPUSpec | None) -> LaunchConf
 
     Interpreter: 16 x 32 output tiles and 32 columns a step, so the tests' small shapes cross several tiles and
     steps (the masks) in seconds.
-    GPU: the W4A16 kernel's reasoning (quant_matmul.launch_config), with a step of 64 columns, 64 bytes a row of
-    codes. Decode-sized calls (m <= 16) take the smallest row tile tl.dot allows (16) and wide column tiles, so
-    many programs stream the weight at once; larger m takes 64-row tiles, which reuse each widened weight tile 64
-    times. Tensor-core GPUs (sm_80 on) pipeline 3 steps deep; a T4, where Triton's products are FMAs, 2 steps with
-    smaller tiles; fp32 inputs on sm_80 and later (exact "ieee" FMA products) take 16 x 64 tiles with 8 warps, as
-    the W4A16 kernel does. tests/kernels/test_aot.py compiles these for each GPU the course names and checks
-    that none spills registers or overflows shared memory."""
+    GPU: the W4A16 kernel's reasoning (quant_matmul.launch_config). Decode-sized calls (m <= 16) take the
+    smallest row tile tl.dot allows (16) and wide column tiles, so many programs stream the weight at once; larger
+    m takes 64-row tiles, which reuse each widened weight tile 64 times. Tensor-core GPUs (sm_80 on) walk K 64
+    columns a step (64 bytes a row of codes) and pipeline 3 steps deep. Where the products are FMAs (a T4, where
+    Triton has no tensor-core path, and fp32 "ieee" inputs) the operands sit in registers: a T4 at 64 columns a
+    step spilled (248 and 280 bytes a thread at 4 warps, compiled with aot.py), so FMA products take 32, the
+    W4A16 kernel's width per product, and 2 stages; fp32 on sm_80 and later takes 16 x 64 tiles with 8 warps, as
+    the W4A16 kernel does. tests/kernels/test_aot.py compiles the course's launches for each GPU it names and
+    checks that none spills registers or overflows shared memory."""
     if gpu is None:
         return LaunchConfig(16, 32, 32, 1, 1)
     if dtype == torch.float32 and gpu.tensor_core_dot:
-        return LaunchConfig(16, 64, 64, 8, 2)
+        return LaunchConfig(16, 64, 32, 8, 2)
     fma = not gpu.tensor_core_dot or dtype == torch.float32
     if m <= 16:
-        return LaunchConfig(16, 64 if fma else 128, 64, 4, 2 if fma else 3)
-    return LaunchConfig(32 if fma else 64, 64 if fma else 128, 64, 4, 2 if fma else 3)
+        return LaunchConfig(16, 64 if fma else 128, 32 if fma else 64, 4, 2 if fma else 3)
+    return LaunchConfig(32 if fma else 64, 64 if fma else 128, 32 if fma else 64, 4, 2 if fma else 3)
 
 
 def _compile_time_args(m: int, dtype: torch.dtype, gpu: GPUSpec | None) -> dict:

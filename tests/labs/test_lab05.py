@@ -152,9 +152,10 @@ def check_step(impl, acc, l_i, m_i, qk, v, situation):
     got = call("attention_tile_step", impl.run_tile_step, acc, l_i, m_i, qk, v)
     want = expected_step(acc, l_i, m_i, qk, v)
     for name, g, w, fix in zip(("acc", "l_i", "m_i"), got, want, (
-            "acc_new = acc * exp2(m_i - m_new)[:, None] + tl.dot(p, v) with p = exp2(qk - m_new[:, None])",
-            "l_new = l_i * exp2(m_i - m_new) + tl.sum(p, 1)",
-            "m_new = tl.maximum(m_i, tl.max(qk, 1)), the larger of the old max and this tile's row max")):
+            "the old acc rescaled to the new max, plus this tile's softmax weights (exp2, against the new max) "
+            "times v",
+            "the old l_i rescaled to the new max, plus the row sums of this tile's weights",
+            "the larger of the old max and this tile's row max")):
         assert torch.isfinite(g).all(), f"{situation}: {name} has NaN/inf; expected {fix}"
         torch.testing.assert_close(g, w, **TOL, msg=lambda m: f"{situation}: wrong {name}, expected {fix}.\n{m}")
 
