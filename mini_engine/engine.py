@@ -267,8 +267,8 @@ class LLMEngine:
 
     def request_samples(self, request_id: int) -> list[Request]:
         """The n samples of an unfinished request, as the scheduler's Requests (sample i at index i): their
-        `output_ids` grow step by step and `finish_reason` is set when each one ends, which is what a
-        streaming server reads between steps. Read them; do not change them."""
+        `output_ids` (and `logprobs`, when asked for) grow step by step and `finish_reason` is set when each
+        one ends: what a streaming server reads between steps. Read them; do not change them."""
         return list(self._samples[request_id])
 
     def has_unfinished(self) -> bool:

@@ -114,19 +114,23 @@ def _summary(results: list[_Result], rate: float, duration: float) -> dict:
     return summary
 
 
-def run_loadtest(url: str, rate: float, num_requests: int, prompts: list[str] | None = None, **kwargs) -> dict:
-    """Send `num_requests` streamed chat requests at Poisson arrivals of `rate` per second (float('inf'): all at
-    once) to the server at `url`; wait for all of them. Returns rate, requests, completed, errors (and
-    error_messages), duration_s, output_tokens, output_tok_s, requests_s, and ttft/tpot/e2e p50 and p99 in
-    seconds. Keyword arguments: max_tokens (64), api_key, model (the server's first), ignore_eos (True, so every
-    request generates max_tokens), seed, progress. Works from a notebook too (its event loop is left alone)."""
-    work = loadtest(url, rate, num_requests, prompts, **kwargs)
+def run_to_end(work):
+    """Run the coroutine `work` to its end from plain code, in a notebook too (its event loop is left alone)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(work)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # inside a running loop (Jupyter): run beside it
         return pool.submit(asyncio.run, work).result()
+
+
+def run_loadtest(url: str, rate: float, num_requests: int, prompts: list[str] | None = None, **kwargs) -> dict:
+    """Send `num_requests` streamed chat requests at Poisson arrivals of `rate` per second (float('inf'): all at
+    once) to the server at `url`; wait for all of them. Returns rate, requests, completed, errors (and
+    error_messages), duration_s, output_tokens, output_tok_s, requests_s, and ttft/tpot/e2e p50 and p99 in
+    seconds. Keyword arguments: max_tokens (64), api_key, model (the server's first), ignore_eos (True, so every
+    request generates max_tokens), seed, progress. Works from a notebook too (its event loop is left alone)."""
+    return run_to_end(loadtest(url, rate, num_requests, prompts, **kwargs))
 
 
 def sweep(url: str, rates: list[float], num_requests: int, **kwargs) -> list[dict]:
@@ -301,13 +305,7 @@ def run_hostile_loadtest(url: str, honest: int = 4, hostile: int = 3, max_tokens
     (each refused request got its 4xx), "health_max_s" (the slowest /health during the attack), and, once the
     server is idle again, "kv_blocks_held" (0: every block came back) and "aborted". Keyword arguments: api_key,
     model, oversized_bytes (20 MiB), idle_timeout (60 s)."""
-    work = hostile_loadtest(url, honest, hostile, max_tokens, **kwargs)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(work)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # inside a running loop (Jupyter): run beside it
-        return pool.submit(asyncio.run, work).result()
+    return run_to_end(hostile_loadtest(url, honest, hostile, max_tokens, **kwargs))
 
 
 def format_hostile(result: dict, max_ratio: float = 1.5) -> str:
