@@ -9,7 +9,7 @@ import torch
 
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0          # 0 means greedy (argmax)
+    temperature: float = 0.0          # 0 (or below 1e-5, see greedy) means greedy (argmax)
     top_k: int = 0                    # 0 disables
     top_p: float = 1.0                # 1 disables
     max_tokens: int = 64
@@ -24,8 +24,8 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an int >= 1 (completions per prompt), got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -40,8 +40,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None or an int in [0, {self.MAX_LOGPROBS}], got {k!r}")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    def greedy(self) -> bool:  # as vLLM: dividing by a temperature below 1e-5 can overflow fp32 logits to inf
+        return self.temperature < 1e-5
 
 
 def _seed64(text: str) -> int:

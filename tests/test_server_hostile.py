@@ -90,6 +90,34 @@ def test_unsupported_fields_and_out_of_range_values_get_a_400_naming_them(server
     wait_idle(url)
 
 
+def test_a_tiny_temperature_is_greedy_and_harms_no_other_request(server):
+    # 1e-40 once overflowed the logits to inf inside the engine's step: a 500 for it and for every request
+    # sharing that step. Now it samples greedily, as vLLM does below 1e-5.
+    url, _ = server
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "ignore_eos": True}
+    greedy = httpx.post(url + "/v1/completions", json={**body, "temperature": 0}, timeout=60).json()
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 24, "stream": True},
+                      timeout=60) as beside:
+        lines = beside.iter_lines()
+        assert next(lines)  # another request is in the engine's steps meanwhile
+        tiny = httpx.post(url + "/v1/completions", json={**body, "temperature": 1e-40, "seed": 7}, timeout=60)
+        assert tiny.status_code == 200, tiny.text
+        assert tiny.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+        assert [line for line in lines if line][-1] == "data: [DONE]", "the request beside it ran to its end"
+    wait_idle(url)
+
+
+def test_a_batch_the_queue_can_never_take_is_refused_before_tokenizing(real):
+    with serving(real, ServerConfig(MODEL, max_waiting=4)) as (url, _):
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 5, "max_tokens": 1},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "max_waiting=4" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 4, "max_tokens": 1},
+                       timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+
+
 def test_fields_at_their_default_value_are_accepted(server):
     url, _ = server
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "best_of": 1, "logit_bias": {}, "suffix": None,

@@ -220,7 +220,7 @@ def test_lm_eval_multiple_choice_through_the_server_equals_offline(server, real,
     url, _ = server
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))  # read when `datasets` is first imported, below
-    lm_eval = pytest.importorskip("lm_eval")  # the [dev] extra: lm-eval[api]
+    import lm_eval  # the [dev] extra, lm-eval[api]: imported here, after the environment above is set
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(TASK)  # the task's data file is named relative to it

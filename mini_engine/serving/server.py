@@ -394,9 +394,21 @@ def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = 
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "mini_engine", "max_model_len": max_len}]}
 
+    def check_room(prompts: int) -> None:
+        """A request of `prompts` prompts refused before any work when the queue cannot take it: 400 when it
+        never could (more prompts than max_waiting), 503 when it could later."""
+        if prompts > config.max_waiting:
+            raise APIError(400, f"prompt: a batch of {prompts} prompts, more than this server queues at once "
+                                f"(max_waiting={config.max_waiting})", "prompt")
+        if loop.num_waiting + prompts > config.max_waiting:
+            raise APIError(503, f"the server is busy: {loop.num_waiting} requests are waiting and this one brings "
+                                f"{prompts} more (max_waiting={config.max_waiting}); retry later", code="overloaded",
+                           type="server_error")
+
     @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request):
         body, pool = await read(request, CompletionBody)
+        check_room(len(body.prompts))  # before tokenizing: a batch the queue cannot take costs nothing
         k, echo = body.logprobs, body.echo
         drop = echo and body.max_tokens == 0  # score the prompt only: one token is generated and dropped
         sampling = {**_sampling(body), "logprobs": None if drop else k, "prompt_logprobs": k if echo else None}
@@ -417,10 +429,7 @@ def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = 
     async def respond(request: Request, body, prepared: list, chat: bool, top: int | None, echo: bool = False,
                       drop_output: bool = False):
         """Hand the prompts to the engine thread; answer whole, or stream."""
-        if loop.num_waiting + len(prepared) > config.max_waiting:
-            raise APIError(503, f"the server is busy: {loop.num_waiting} requests are waiting "
-                                f"(max_waiting={config.max_waiting}); retry later", code="overloaded",
-                           type="server_error")
+        check_room(len(prepared))  # again: others may have queued while these were tokenized
         events: asyncio.Queue = asyncio.Queue()
         streams = [Stream(prompt.ids, params, asyncio.get_running_loop(), events, i)
                    for i, (prompt, params) in enumerate(prepared)]

@@ -7,10 +7,21 @@ from mini_engine.sampling import SamplingParams, apply_top_k, apply_top_p, make_
 @pytest.mark.parametrize("kwargs,name", [
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
 ])
 def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    # logits / 1e-40 overflows fp32 to inf and softmax to NaN: multinomial would raise inside the engine's step,
+    # failing every request in it. As vLLM does, such a temperature is greedy.
+    logits = torch.randn(3, 50) * 10
+    for t in (1e-40, 1e-20, 5e-6):
+        p = SamplingParams(temperature=t, seed=0)
+        assert p.greedy and sample(logits, [p] * 3, [make_generator(p)] * 3) == logits.argmax(-1).tolist()
+    assert not SamplingParams(temperature=1e-4).greedy
 
 
 def test_greedy_is_argmax():
