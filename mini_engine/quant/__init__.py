@@ -15,43 +15,15 @@ is the largest single speedup left. Only the weights are quantized; activations 
   |q - 8| |d - bf16(d)| + |zero - bf16(zero)|, about 1/64 of one quantization step (measured below).
 
 Layouts. `pack_int4` keeps two codes per byte along a row (low nibble: even column), the portable layout the
-Triton kernel reads (`kernels/quant_matmul.py`). On a CPU an `Int4Linear` holds its codes in the layout torch's
-packed kernel wants instead (`torch.ops.aten._convert_weight_to_int4pack_for_cpu`: blocks of 64 rows with
-AVX-512, 32 with AVX2), and nothing else, so the model keeps one copy of its codes; `CPUInt4Layout` reads that
-layout back. Which layout this torch build writes is found by packing a probe once (`cpu_int4_layout`), not
-assumed. int8 weights are a plain row-major int8 matrix, which is what `torch.ops.aten._weight_int8pack_mm`
-reads, so their pack and unpack are the identity.
+Triton kernel reads (`kernels/quant_matmul.py`). int8 weights are a plain row-major int8 matrix.
 
-Products, chosen by measurement. Each quantized layer has several equal forms of its product (the same sums
-to rounding), timed on this machine per weight shape, row bucket and dtype by the autotuner (`autotune.TUNER`,
-ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack" pins one), as
-`products.Linear` does for float weights:
-- `dequant`: dequantize the weight in the activations' dtype, then F.linear (the plain form);
-- `int4pack`: torch's packed int4 kernel, `_weight_int4pack_mm_for_cpu`, on bf16 activations (an fp32 model's
-  activations are cast to bf16 and the result back to fp32; the kernel's fp32-activation variant is a scalar
-  reference loop, 40x slower here, so it is not a candidate). What the casts cost, measured: 4.3 ms against
-  3.95 ms for the 120 chained products at one row (bf16 activations in and out), and in quality nothing
-  visible: the int4 decoder with the fp32 head agreed with the fp32 model on 98.0% of greedy positions at
-  perplexity 53.73 against 53.84 (the table below);
-- `int8pack` / `int8pack_bf16`: torch's `_weight_int8pack_mm` on the activations as they are / cast to bf16
-  (its fp32 path was 10x slower than its bf16 one here);
-- `dequant_bf16`: dequantize to bf16 and F.linear in bf16 (for many rows, where a bf16 GEMM beats the int4
-  kernel);
-- `c_int4`: this project's C kernel (`cpu_kernels.int4_gemm`, csrc/int4_gemm.c) on the same packed codes, with
-  fp32 activations (exact products of the int4 weights, where `int4pack` rounds x to bf16; bf16 activations are
-  widened to fp32 for it), on x86 CPUs with AVX2 (16 lanes wide where the CPU has AVX-512). Per group of 32
-  columns it sums q x over the codes converted to floats, then applies the scale and zero once:
-  y += s * sum(q x) + (z - 8 s) * sum(x). A graph reaches it through the C++ operator
-  `mini_engine_cpp::int4_gemm` (csrc/torch_ops.cpp), or `mini_engine::int4_gemm` where that cannot be built.
-- `c_int8`: the same for int8 weights (`cpu_kernels.int8_gemm`, csrc/int8_gemm.c), fp32 activations, each row's
-  scale applied once to its sum; a graph reaches it as `c_int4` does (`int8_gemm`). For the int4 model's head
-  at one row, on an AVX2-only AMD EPYC (Zen 3): 2.3-2.7 ms against 3.1-3.5 ms for `int8pack_bf16`.
-- `amx_int4` / `amx_int8`: the same products on Intel AMX (`cpu_kernels.int4_gemm(..., amx=True)`,
-  csrc/int4_gemm_amx.c and int8_gemm_amx.c), on CPUs that have it (Xeon, Sapphire Rapids and later). x is
-  rounded to bf16 as in `int4pack`; the tiles hold the codes themselves (small integers, exact in bf16), so each
-  weight becomes bf16 once per call and then serves 16 rows of x per tile instruction, and the scales are applied
-  in fp32 (int4: per group, as `c_int4` does; int8: per row, once). That is what the forms above lack past a few
-  rows: they dequantize again for every row or every 4 rows.
+Products. A quantized layer here computes in plain PyTorch: on a CPU it dequantizes its weight in the
+activations' dtype and calls F.linear (`dequantize_state`). The optional CPU backend (`backends/cpu/quant_forms.py`)
+adopts these layers after loading, as it does float ones: there an int4 layer keeps its codes in torch's packed CPU
+layout, and each layer takes, per row bucket and dtype, the fastest of several equal forms of its product (torch's
+packed kernels, the project's C and AMX kernels), measured on the machine; its docstring gives the forms and
+what they measured. `MINI_ENGINE_CPU_BACKEND=0` leaves the plain form.
+
 On a GPU the products go through Triton kernels that dequantize inside the product, never a whole weight per
 call: int4 layers through the W4A16 kernel (`kernels.quant_matmul`) on the portable layout, int8 layers through
 the W8A16 one (`kernels.int8_matmul`: the codes enter the product exactly, the row's scale is applied once to its
@@ -59,36 +31,6 @@ sum). What a kernel reads (`QuantLinear.kernel_operands`) is made once, when the
 until it moves again. For int4 and int8 it is the stored codes and scales themselves; for `int4_compact` it is
 the 8-bit d and m expanded once to fp32 scales and zeros (w = (q - 8) * d + (m + 8 d), exact), 8 bytes a group
 beside the 2 stored: 6.5 bits a weight held on the GPU where `weight_bytes` counts the 4.5 stored.
-
-Measured on a 2-core Intel Xeon with AMX-BF16 (2026-12-02, torch 2.13, 2 threads), the 120 int4 products of the
-layers chained, best of 5 (ms):
-    rows   int4pack   c_int4   dequant_bf16   amx_int4
-      1       4.7       12.9       164            8.8
-     16      23.5       44.8       166           12.3
-    128     161        311         181           42.4
-    512     645       1228         233          143
-and the int8 head (49,152 x 576) at 1 / 16 / 128 rows: `int8pack_bf16` 0.88 / 6.3 / 50.3 ms, `amx_int8` 1.5 / 1.7 /
-7.8 ms. With both, the serving workload (batch 16) ran int4 at 1.72x fp32 on that Xeon (1.12x with torch's
-kernels alone; `benchmarks/RESULTS.md`). The `c_int4` column above is its 8-lane kernel: its AVX-512 path,
-added later, ran the 120 products at one row in 3.6-3.8 ms warm (5.6-5.9 ms with the caches flushed, against
-6.4-7.2 for `int4pack`), and the tuner now picks it at one row for most shapes there. The AMX forms are not
-picked at one row: a call's fixed cost (the conversion of every code, the tile set-up) is not repaid by one row.
-
-Measured on the 2-core AMD EPYC (AVX-512, AVX-512 BF16) of this project's CI, torch 2.13, one thread (the
-machine was shared, so these are best-of-5; ratios are what matters), the model's 120 weight products of
-the layers chained (no LM head):
-    rows   fp32 F.linear   bf16 F.linear   int4pack (fp32 x cast to bf16)   int8pack_bf16   int8pack (fp32 x)
-      1       25.4 ms         15.2 ms                4.3 ms                      7.0 ms           69.8 ms
-      4       34.6 ms         15.2 ms                6.5 ms                     11.3 ms          437 ms
-     16       88.3 ms         29.0 ms               21.6 ms                     24.7 ms         1155 ms
-     64      150 ms           40.4 ms               81.9 ms                     88.7 ms         4603 ms
-so at one row int4 runs the products 6x faster than fp32 (at about the memory bandwidth of one core: 66 MB
-of codes and scales in 4 ms), and past a few dozen rows a bf16 GEMM on weights dequantized on the fly can
-win: the tuner decides per row bucket. Past a few rows torch's int4 kernel is compute-bound: it dequantizes
-each weight tile again for every 4 rows of x. The decoder's products for 16 / 64 / 256 rows took 21.0 / 79.8 /
-319 ms in int4 against 16.4 / 54.9 / 215 ms in fp32 with oneDNN's packed GEMM (one thread, one layer's
-weights timed 30 times), so a batch-16 serving step gains nothing from int4 on this CPU (the serving bench
-measured 0.99x fp32); the Triton kernel dequantizes a tile once for 16 to 64 rows.
 
 The tied embedding / LM head (SmolLM2 ties them; the GGUF stores the table as Q8_0: blocks of 32 int8 with an
 fp16 scale, verified with gguf.GGUFReader: every decoder product is Q4_1, the embedding Q8_0, the norms F32).
@@ -109,7 +51,7 @@ Under 30% would take larger groups (re-quantizing the checkpoint) or a 4-bit hea
 
 "int4_compact" gets under 30% without touching a code. (1) `compact_scales`: each row keeps two fp32 factors,
 and each group an 8-bit code of Q4_1's d (unsigned) and of m (signed), 16 bits a group instead of 32 (QLoRA's
-"double quantization", applied to Q4_1's scale and minimum): 4.5 bits a weight plus 8 bytes a row. The kernels
+"double quantization", applied to Q4_1's scale and minimum): 4.5 bits a weight plus 8 bytes a row. The CPU kernels
 (`c_int4`, `amx_int4`) apply d and m once per group, y += d * sum(q x) + m * sum(x); torch's int4pack takes bf16
 scales only and is not a candidate. (2) `SplitHead`: the head's rows for token ids below `SPLIT_HEAD_ROWS`
 (a BPE vocabulary is numbered roughly by frequency) in int8, the rest in int4 with compact scales. Measured
@@ -124,16 +66,13 @@ An fp32-weight simulation of the parts apart (int8 heads): the 8-bit scales alon
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..backends import cpu as cpu_backend
-from ..backends.cpu import cpu_kernels
-from ..backends.cpu.autotune import TUNER, Autotuner, Walk, counting_mode_active, row_bucket
 from ..engine_config import QUANTIZATIONS  # ("int4", "int4_compact", "int8")
 
 GROUP_SIZE = 32
@@ -340,98 +279,7 @@ def split_q8_0(raw, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]
     return q, d
 
 
-# ---------------------------------------------------------------- torch's CPU int4 layout
-
-
-@dataclass(frozen=True)
-class CPUInt4Layout:
-    """How `_convert_weight_to_int4pack_for_cpu` lays out codes: rows in blocks of `block_n`, each block stored
-    as [K, block_n / 2] bytes. In a full block, byte j holds rows j and j + block_n / 2 (`halves`) or rows 2j
-    and 2j + 1 (not `halves`), low nibble first; a last, partial block always holds pairs."""
-    block_n: int
-    halves: bool
-
-    def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """The packed bytes -> codes uint8 [n, k]."""
-        flat, bn = packed.reshape(-1), self.block_n
-        full = n // bn * bn
-        parts = []
-        if full:
-            b = flat[:full * k // 2].view(full // bn, k, bn // 2)
-            pair = (b & 15, b >> 4)
-            codes = torch.cat(pair, dim=-1) if self.halves else torch.stack(pair, dim=-1).flatten(-2)
-            parts.append(codes.transpose(1, 2).reshape(full, k))
-        if n > full:
-            t = flat[full * k // 2:].view(k, (n - full) // 2)
-            parts.append(torch.stack([t & 15, t >> 4], dim=-1).view(k, n - full).t())
-        return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-
-    def _rows_in_blocks(self, flat: torch.Tensor, full: int, k: int, ids: torch.Tensor) -> torch.Tensor:
-        bn = self.block_n
-        j = ids % bn
-        byte = j % (bn // 2) if self.halves else j // 2
-        shift = (j // (bn // 2) if self.halves else j % 2) * 4
-        blocks = flat[:full * k // 2].view(full // bn, k, bn // 2)[ids // bn]   # [T, k, bn / 2]
-        b = blocks.gather(2, byte.view(-1, 1, 1).expand(-1, k, 1)).squeeze(2)
-        return (b >> shift.to(torch.uint8)[:, None]) & 15
-
-    def rows(self, packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
-        """Codes of rows `ids` only, uint8 [len(ids), k] (an embedding lookup reads a few rows of the table)."""
-        flat, bn = packed.reshape(-1), self.block_n
-        full = n // bn * bn
-        ids = ids.long()
-        if full == n:  # whole blocks only: no data-dependent branch, so a compiled graph takes it as it is
-            return self._rows_in_blocks(flat, n, k, ids)
-        out = torch.empty(ids.shape[0], k, dtype=torch.uint8, device=packed.device)
-        in_full = ids < full
-        if full and bool(in_full.any()):
-            out[in_full] = self._rows_in_blocks(flat, full, k, ids[in_full])
-        if n > full and not bool(in_full.all()):
-            j = ids[~in_full] - full
-            t = flat[full * k // 2:].view(k, (n - full) // 2)
-            out[~in_full] = (t[:, j // 2].t() >> ((j % 2) * 4).to(torch.uint8)[:, None]) & 15
-        return out
-
-
-def int4_kernels_available() -> bool:
-    """Whether this torch build has the packed CPU int4 kernel (torch >= 2.5)."""
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
-        hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
-
-
-def int8_kernel_available() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
-
-
-@functools.cache
-def cpu_int4_layout() -> CPUInt4Layout | None:
-    """The layout this build's CPU packing writes, found by packing random codes (full blocks and a partial
-    one for either block size) and reading them back with each candidate; None when none fits or there is no
-    kernel (then int4 layers keep the portable layout and the packed kernel is not used)."""
-    if not int4_kernels_available():
-        return None
-    n, k = 2 * 64 + 16, 64
-    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
-    try:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    except RuntimeError:
-        return None
-    for layout in (CPUInt4Layout(64, True), CPUInt4Layout(32, True), CPUInt4Layout(32, False),
-                   CPUInt4Layout(64, False), CPUInt4Layout(16, False)):
-        try:
-            if torch.equal(layout.unpack(packed, n, k), codes.to(torch.uint8)):
-                return layout
-        except RuntimeError:
-            continue
-    return None
-
-
-def cpu_pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] -> torch's packed CPU layout (N divisible by 16)."""
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-
-
-# ---------------------------------------------------------------- the product forms
+# ---------------------------------------------------------------- the plain product
 
 
 @dataclass(frozen=True)
@@ -441,7 +289,8 @@ class QuantMeta:
     out_features: int
     in_features: int
     group_size: int = 0                  # int4
-    layout: CPUInt4Layout | None = None  # int4: torch's CPU layout; None: the portable `pack_int4` layout
+    layout: object | None = None         # int4: a packed CPU layout (the CPU backend's, with unpack and rows);
+                                         # None: the portable `pack_int4` layout
     compact: bool = False                # int4: `compact_scales` (8-bit d and m), not bf16 scales and zeros
 
 
@@ -466,168 +315,6 @@ def _dequant(x, qweight, scales, meta):
     return F.linear(x, dequantize_state(qweight, scales, meta, x.dtype))
 
 
-def _dequant_bf16(x, qweight, scales, meta):
-    return F.linear(x.to(torch.bfloat16), dequantize_state(qweight, scales, meta, torch.bfloat16)).to(x.dtype)
-
-
-def _int4pack(x, qweight, scales, meta):
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), qweight, meta.group_size,
-                                                     scales).to(x.dtype)
-
-
-def _int8pack(x, qweight, scales, meta):
-    return torch.ops.aten._weight_int8pack_mm(x, qweight, scales.to(x.dtype))
-
-
-def _int8pack_bf16(x, qweight, scales, meta):
-    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scales).to(x.dtype)
-
-
-@torch._dynamo.assume_constant_result
-def _cpp_ops() -> bool:
-    """Run (not traced) while a graph is compiled: whether the C++ operators are loaded (built on first use)."""
-    return cpu_kernels.load_torch_ops()
-
-
-def _c_int4(x, qweight, scales, meta):
-    x32 = x.float()  # bf16 activations go in as fp32 (exact) and come out rounded back
-    if torch.compiler.is_compiling():  # a graph calls the kernel through an operator it cannot look into
-        ops = torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine
-        y = ops.int4_gemm(x32, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
-    else:
-        y = cpu_kernels.int4_gemm(x32, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
-    return y.to(x.dtype)
-
-
-def _amx_int4(x, qweight, scales, meta):
-    # bf16 activations go in as fp32 (exact) and come out rounded back: the kernel rounds x to bf16 itself
-    x32 = x.float()
-    if torch.compiler.is_compiling():
-        ops = torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine
-        y = ops.int4_gemm_amx(x32, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n)
-    else:
-        y = cpu_kernels.int4_gemm(x32, qweight, scales, meta.out_features, meta.group_size, meta.layout.block_n,
-                                  amx=True)
-    return y.to(x.dtype)
-
-
-def _c_int8(x, qweight, scales, meta):
-    if torch.compiler.is_compiling():
-        return (torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine).int8_gemm(x, qweight, scales)
-    return cpu_kernels.int8_gemm(x, qweight, scales)
-
-
-def _amx_int8(x, qweight, scales, meta):
-    x32 = x.float()  # as in _amx_int4
-    if torch.compiler.is_compiling():
-        y = (torch.ops.mini_engine_cpp if _cpp_ops() else torch.ops.mini_engine).int8_gemm_amx(x32, qweight, scales)
-    else:
-        y = cpu_kernels.int8_gemm(x32, qweight, scales, amx=True)
-    return y.to(x.dtype)
-
-
-def _register_op(schema: str, impl, fake):
-    """`torch.ops.mini_engine.<name>` from its schema: a C kernel inside a torch.compile graph, opaque to the
-    compiler, which only needs `fake` (the output's shape)."""
-    try:
-        lib = torch.library.Library("mini_engine", "FRAGMENT")
-        lib.define(schema)
-        name = schema.split("(")[0]
-        lib.impl(name, impl, "CPU")
-        torch.library.register_fake(f"mini_engine::{name}", lib=lib)(fake)
-    except (RuntimeError, AttributeError):  # an older torch, or defined twice (a reloaded module)
-        return None
-    return lib
-
-
-_INT4_OP = _register_op("int4_gemm(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) "
-                        "-> Tensor", cpu_kernels.int4_gemm,
-                        lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
-_INT4_AMX_OP = _register_op(
-    "int4_gemm_amx(Tensor x, Tensor packed, Tensor scales, int n, int group_size, int block_n) -> Tensor",
-    functools.partial(cpu_kernels.int4_gemm, amx=True),
-    lambda x, packed, scales, n, group_size, block_n: x.new_empty(x.shape[0], n))
-_INT8_OP = _register_op("int8_gemm(Tensor x, Tensor q, Tensor scales) -> Tensor", cpu_kernels.int8_gemm,
-                        lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
-
-_INT8_AMX_OP = _register_op("int8_gemm_amx(Tensor x, Tensor q, Tensor scales) -> Tensor",
-                            functools.partial(cpu_kernels.int8_gemm, amx=True),
-                            lambda x, q, scales: x.new_empty(x.shape[0], q.shape[0]))
-
-FORMS = {"dequant": _dequant, "dequant_bf16": _dequant_bf16, "int4pack": _int4pack, "int8pack": _int8pack,
-         "int8pack_bf16": _int8pack_bf16, "c_int4": _c_int4, "amx_int4": _amx_int4,
-         "c_int8": _c_int8, "amx_int8": _amx_int8}
-
-
-def candidate_forms(meta: QuantMeta, dtype: torch.dtype) -> list[str]:
-    """The forms that apply to a layer stored as `meta` with activations of `dtype`, the plain one first."""
-    names = ["dequant"]
-    if dtype != torch.bfloat16:
-        names.append("dequant_bf16")
-    if meta.kind == "int4" and meta.layout is not None:
-        if not meta.compact:  # torch's kernel takes bf16 scales and zeros only
-            names.append("int4pack")
-        if (dtype in (torch.float32, torch.bfloat16) and _INT4_OP is not None and cpu_kernels.int4_gemm_supported(
-                meta.out_features, meta.in_features, meta.group_size, meta.layout.block_n, meta.layout.halves)):
-            names.append("c_int4")
-        if (dtype in (torch.float32, torch.bfloat16) and _INT4_AMX_OP is not None and cpu_kernels.int4_gemm_supported(
-                meta.out_features, meta.in_features, meta.group_size, meta.layout.block_n, meta.layout.halves,
-                amx=True)):
-            names.append("amx_int4")
-    if meta.kind == "int8" and int8_kernel_available():
-        names += ["int8pack"] + (["int8pack_bf16"] if dtype != torch.bfloat16 else [])
-    if (meta.kind == "int8" and dtype == torch.float32 and _INT8_OP is not None
-            and cpu_kernels.int8_gemm_supported(meta.out_features, meta.in_features)):
-        names.append("c_int8")
-    if (meta.kind == "int8" and dtype in (torch.float32, torch.bfloat16) and _INT8_AMX_OP is not None
-            and cpu_kernels.int8_gemm_supported(meta.out_features, meta.in_features, amx=True)):
-        names.append("amx_int8")
-    return names
-
-
-def _timing_states(layer: "QuantLinear", rows: int, dtype: torch.dtype):
-    """x of `rows` rows and `products.timing_copies` copies of the layer's tensors (a decode step streams each
-    weight from memory once)."""
-    from ..backends.cpu.products import timing_copies
-    copies = timing_copies(layer.qweight.nbytes + layer.scales.nbytes, rows,
-                           layer.in_features * layer.out_features)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, layer.in_features, generator=gen).to(dtype)
-    return x, [(layer.qweight.clone(), layer.scales.clone()) for _ in range(copies)]
-
-
-def choose_form(layer: "QuantLinear", rows: int, dtype: torch.dtype, tuner: Autotuner | None = None) -> str:
-    """The tuned form for `rows` rows of `dtype` against this layer's shape and storage (timed on first use);
-    the plain form where the CPU backend is off (MINI_ENGINE_CPU_BACKEND=0)."""
-    if not cpu_backend.enabled():
-        return "dequant"
-    bucket, meta = row_bucket(rows), layer.meta
-    key = (meta.out_features, meta.in_features, meta.group_size, bucket, str(dtype), "cpu") + \
-        (("compact",) if meta.compact else ())  # compact scales have forms of their own (no int4pack)
-
-    def candidates():
-        x, states = _timing_states(layer, bucket, dtype)
-        forms = {}
-        for name in candidate_forms(meta, dtype):
-            try:
-                FORMS[name](x, *states[0], meta)  # a build that cannot run it says so now
-            except RuntimeError:
-                continue
-            forms[name] = Walk(functools.partial(_call, FORMS[name], x, meta), states)
-        return forms
-    return (tuner or layer.tuner).choose(f"{meta.kind}_product", key, candidates)
-
-
-def _call(form, x, meta, state):
-    form(x, *state, meta)
-
-
-@torch._dynamo.assume_constant_result
-def _traced_form(layer: "QuantLinear", rows: int, dtype: torch.dtype) -> str:
-    """Run (not traced) when torch.compile meets a quantized layer: the form is tuned, or looked up, eagerly."""
-    return choose_form(layer, rows, dtype)
-
-
 # ---------------------------------------------------------------- layers
 
 
@@ -637,10 +324,10 @@ class QuantLinear(nn.Module):
     int16 buffer, so `model.to(dtype)` moves them with the model but never rounds them again."""
     kind = ""
 
-    def __init__(self, in_features: int, out_features: int, tuner: Autotuner = TUNER):
+    def __init__(self, in_features: int, out_features: int, tuner=None):
         super().__init__()
+        # tuner: the CPU backend's autotuner its tuned forms ask, once it adopts the layer (None: the process's)
         self.in_features, self.out_features, self.tuner = in_features, out_features, tuner
-        self._forms: dict[tuple[int, torch.dtype], callable] = {}
         self._kernel: tuple[torch.Tensor, torch.Tensor] | None = None  # see kernel_operands
 
     @property
@@ -664,29 +351,16 @@ class QuantLinear(nn.Module):
         return dequantize_state(self.qweight, self.scales, self.meta, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The common case first, in as few Python operations as possible (a decode step makes 121 products).
-        if x.dim() == 2 and not torch.compiler.is_compiling():
-            form = self._forms.get((x.shape[0], x.dtype))
-            if form is not None and not counting_mode_active():
-                return form(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.device.type != "cpu":
-            y = self.device_product(x2, x2.device.type)
-        elif torch.compiler.is_compiling():  # the choice is a fact about the machine: a constant in the graph
-            y = FORMS[_traced_form(self, x2.shape[0], x2.dtype)](x2, self.qweight, self.scales, self.meta)
-        elif counting_mode_active():  # a FLOP counter sees the product the model means
-            y = _dequant(x2, self.qweight, self.scales, self.meta)
-        else:
-            y = self.form_for(x2.shape[0], x2.dtype)(x2)
-        return y.reshape(*shape[:-1], self.out_features)
+        return self.device_product(x2, x2.device.type).reshape(*shape[:-1], self.out_features)
 
     def device_product(self, x: torch.Tensor, device_type: str) -> torch.Tensor:
-        """The product x [M, K] -> [M, N] off the CPU, on a device of type `device_type`: on a GPU ("cuda") this
-        layer's Triton kernel (`kernel_forward`), elsewhere the weight dequantized and F.linear. The device type
+        """The product x [M, K] -> [M, N] on a device of type `device_type`: on a GPU ("cuda") this layer's
+        Triton kernel (`kernel_forward`), elsewhere (a CPU too) the weight dequantized and F.linear. The device type
         is an argument so that a test can take the GPU's path on CPU tensors, in Triton's interpreter."""
         # A FLOP counter sees the product the model means: a Triton launch is invisible to it.
-        if device_type == "cuda" and (torch.compiler.is_compiling() or not counting_mode_active()):
+        if device_type == "cuda" and (torch.compiler.is_compiling() or _get_current_dispatch_mode() is None):
             return self.kernel_forward(x)
         return _dequant(x, self.qweight, self.scales, self.meta)
 
@@ -718,20 +392,7 @@ class QuantLinear(nn.Module):
         if self.qweight.device.type == "cuda":
             self.kernel_operands()
 
-    def form_for(self, rows: int, dtype: torch.dtype = torch.float32):
-        """The product function x -> y tuned for `rows` rows of `dtype` (timed on first use)."""
-        form = self._forms.get((rows, dtype))
-        if form is None:
-            name = choose_form(self, rows, dtype)
-            fn, qweight, scales, meta = FORMS[name], self.qweight, self.scales, self.meta
-            form = self._forms[(rows, dtype)] = lambda x: fn(x, qweight, scales, meta)
-        return form
-
-    def __getstate__(self):
-        return {**self.__dict__, "_forms": {}}  # a copy binds its own tensors
-
     def _apply(self, fn, *args, **kwargs):
-        self._forms.clear()
         super()._apply(fn, *args, **kwargs)
         self._reset_kernel()
         return self
@@ -745,20 +406,20 @@ class Int8Linear(QuantLinear):
     """int8 weights, one scale per output channel."""
     kind = "int8"
 
-    def __init__(self, in_features: int, out_features: int, tuner: Autotuner = TUNER):
+    def __init__(self, in_features: int, out_features: int, tuner=None):
         super().__init__(in_features, out_features, tuner)
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale_bits", torch.zeros(out_features, dtype=torch.int16))
 
     @classmethod
-    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, tuner: Autotuner = TUNER) -> "Int8Linear":
+    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, tuner=None) -> "Int8Linear":
         layer = cls(q.shape[1], q.shape[0], tuner)
         layer.qweight = pack_int8(q).to(layer.qweight.device)
         layer.scale_bits = scale.to(SCALE_DTYPE).contiguous().view(torch.int16)
         return layer
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, tuner: Autotuner = TUNER) -> "Int8Linear":
+    def from_float(cls, weight: torch.Tensor, tuner=None) -> "Int8Linear":
         return cls.from_codes(*quantize_int8(weight), tuner=tuner)
 
     @property
@@ -777,12 +438,12 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
-    """int4 weights in groups of `group_size` along each row, with a bf16 scale and zero per group. On a CPU
-    the codes are kept in torch's packed kernel layout (`cpu_int4_layout`), elsewhere in `pack_int4`'s."""
+    """int4 weights in groups of `group_size` along each row, with a bf16 scale and zero per group, the codes in
+    `pack_int4`'s layout (the CPU backend's adopted layer keeps them in torch's packed CPU layout instead)."""
     kind = "int4"
 
     def __init__(self, in_features: int, out_features: int, group_size: int = GROUP_SIZE,
-                 tuner: Autotuner = TUNER, compact: bool = False):
+                 tuner=None, compact: bool = False):
         super().__init__(in_features, out_features, tuner)
         check_group_size(in_features, group_size)
         if group_size not in KERNEL_GROUP_SIZES:
@@ -791,7 +452,7 @@ class Int4Linear(QuantLinear):
         if out_features % 16:
             raise ValueError(f"out_features ({out_features}) must be a multiple of 16 for the packed int4 layout")
         self.group_size, self.compact = group_size, compact
-        self.layout: CPUInt4Layout | None = None  # None: the portable layout
+        self.layout = None  # None: the portable layout (the CPU backend sets its packed one)
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         groups = in_features // group_size
         self.register_buffer("scale_bits", torch.zeros(groups * out_features + 4 * out_features, dtype=torch.int16)
@@ -803,7 +464,7 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = GROUP_SIZE,
-                   tuner: Autotuner = TUNER) -> "Int4Linear":
+                   tuner=None) -> "Int4Linear":
         """From codes [N, K] in [0, 15] and [N, K / group_size] scales and zeros (rounded to bf16 here)."""
         layer = cls(q.shape[1], q.shape[0], group_size, tuner)
         sz = to_scales_and_zeros(scales.to(SCALE_DTYPE), zeros.to(SCALE_DTYPE))
@@ -811,7 +472,7 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def from_compact(cls, q: torch.Tensor, scales: torch.Tensor, group_size: int = GROUP_SIZE,
-                     tuner: Autotuner = TUNER) -> "Int4Linear":
+                     tuner=None) -> "Int4Linear":
         """From codes [N, K] in [0, 15] and `compact_scales` (w = d * q + m, 8-bit d and m)."""
         layer = cls(q.shape[1], q.shape[0], group_size, tuner, compact=True)
         if scales.shape != layer.scale_bits.shape or scales.dtype != torch.int16:
@@ -822,12 +483,10 @@ class Int4Linear(QuantLinear):
     def _set_codes(self, q: torch.Tensor, scale_bits: torch.Tensor) -> "Int4Linear":
         self.scale_bits = scale_bits.contiguous().to(q.device)
         self.qweight = pack_int4(q)
-        if q.device.type == "cpu":
-            self._to_cpu_layout()
         return self
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, group_size: int = GROUP_SIZE, tuner: Autotuner = TUNER,
+    def from_float(cls, weight: torch.Tensor, group_size: int = GROUP_SIZE, tuner=None,
                    compact: bool = False) -> "Int4Linear":
         if compact:
             return cls.from_compact(*quantize_int4_compact(weight, group_size), group_size=group_size, tuner=tuner)
@@ -888,20 +547,6 @@ class Int4Linear(QuantLinear):
         s, z = (t[ids].to(dtype).contiguous()[..., None] for t in from_scales_and_zeros(self.scales))
         return torch.addcmul(z, groups - 8, s).view(len(ids), -1)
 
-    def _to_cpu_layout(self) -> None:
-        layout = cpu_int4_layout()
-        if self.layout is None and layout is not None and self.qweight.device.type == "cpu":
-            self.qweight = cpu_pack_int4(unpack_int4(self.qweight))
-            self.layout = layout
-
-    def _apply(self, fn, *args, **kwargs):
-        if self.layout is not None:  # moves in the portable layout, then repacks if it lands on a CPU
-            self.qweight = pack_int4(self.codes())
-            self.layout = None
-        super()._apply(fn, *args, **kwargs)
-        self._to_cpu_layout()
-        return self
-
 
 class SplitHead(nn.Module):
     """An LM head stored in two precisions by token id: rows [0, split) in int8 per row, the rest in int4 with
@@ -911,7 +556,7 @@ class SplitHead(nn.Module):
     keep 8-bit logits and the rare three quarters cost 4.6 bits a weight. `forward` runs both products (each
     tuned as any quantized layer is) and joins their logits; `dequantize_rows` serves the tied embedding."""
 
-    def __init__(self, weight: torch.Tensor, split: int, group_size: int = GROUP_SIZE, tuner: Autotuner = TUNER):
+    def __init__(self, weight: torch.Tensor, split: int, group_size: int = GROUP_SIZE, tuner=None):
         super().__init__()
         n = weight.shape[0]
         if not (0 < split < n) or (n - split) % 16:
@@ -976,7 +621,7 @@ SPLIT_HEAD_ROWS = 12288  # the split head's int8 rows (ids below it): see SplitH
 
 
 def quantize_model(model, quantization: str, group_size: int = GROUP_SIZE, head: str | None = None,
-                   q4_1: dict | None = None, tuner: Autotuner = TUNER):
+                   q4_1: dict | None = None, tuner=None):
     """Replace `model`'s weight products by quantized ones, in place; returns the model.
 
     quantization: "int4" (group-wise, `group_size`, bf16 scales and zeros), "int4_compact" (the same codes with

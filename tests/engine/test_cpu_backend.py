@@ -26,6 +26,19 @@ def test_the_backend_plugs_in_after_loading_and_stays_out_when_off(monkeypatch):
     assert on.lm_head.weight is on.embed_tokens.weight, "the tied head still shares the embedding"
 
 
+def test_quantized_layers_take_the_backends_forms_only_when_on(monkeypatch):
+    """On, a quantized model's layers are adopted (`quant_forms`: torch's packed int4 layout where this torch
+    writes one, tuned forms); off, they stay the plain layers of `mini_engine.quant`."""
+    from mini_engine import quant
+    from mini_engine.backends.cpu.quant_forms import CpuInt4Linear, CpuInt8Linear, cpu_int4_layout
+    on, _ = load(monkeypatch, True, quantization="int4")
+    off, _ = load(monkeypatch, False, quantization="int4")
+    assert isinstance(on.layers[0].mlp.down_proj, CpuInt4Linear) and isinstance(on.lm_head, CpuInt8Linear)
+    assert on.layers[0].mlp.down_proj.layout == cpu_int4_layout() and on.embed_tokens.table is on.lm_head
+    assert type(off.layers[0].mlp.down_proj) is quant.Int4Linear and type(off.lm_head) is quant.Int8Linear
+    assert off.layers[0].mlp.down_proj.layout is None
+
+
 @pytest.fixture(scope="module")
 def prompts(real):
     _, tok = real

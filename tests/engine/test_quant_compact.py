@@ -1,7 +1,7 @@
 """The "int4_compact" quantization (quant.py): the GGUF's own Q4_1 codes with their scale d and minimum m stored
 in 8 bits each (`compact_scales`), and an LM head split by token id (`SplitHead`: frequent tokens int8, the rest
-int4). It exists for chapter 10's memory target: the model's weights at 30% of bf16's or less. Each kernel reads
-the compact scales against its dequantized reference; the whole model keeps the quality bar of issue 15 (greedy
+int4). It exists for chapter 10's memory target: the model's weights at 30% of bf16's or less. The scales round
+trip, the split head computes its rows (the CPU kernels on compact scales: test_cpu_quant_forms.py); the whole model keeps the quality bar of issue 15 (greedy
 agreement >= 90%, perplexity within 2% of the fp32 model) and runs in the engine."""
 from __future__ import annotations
 
@@ -12,23 +12,14 @@ import torch
 
 import mini_engine as me
 from mini_engine import quant
-from mini_engine.backends.cpu.autotune import Autotuner, Choice
+from mini_engine.backends.cpu import cpu_kernels
+from mini_engine.backends.cpu.autotune import Autotuner
 from mini_engine.sampling import SamplingParams
 
-from test_quant import (AMX, C_INT4, check_quality, needs_int4_kernel, pack_halves, pin_forms,  # noqa: F401
-                        quality_prompts, reference)
+from test_cpu_quant_forms import AMX, needs_int4_kernel
+from test_quant import check_quality, pin_forms, quality_prompts, reference  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def random_compact(n: int, k: int, seed: int):
-    """Random codes [n, k] and compact scales, and the weight they stand for (fp32 [n, k])."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scales = quant.compact_scales(torch.rand(n, k // 32, generator=gen) * 0.02,
-                                  -torch.rand(n, k // 32, generator=gen) * 0.15)
-    weight = quant.dequantize_state(quant.pack_int4(q), scales, quant.QuantMeta("int4", n, k, 32, None, compact=True))
-    return q, scales, weight
 
 
 def test_compact_scales_round_trip_within_half_a_code():
@@ -46,49 +37,6 @@ def test_compact_scales_round_trip_within_half_a_code():
     assert torch.equal(d3, d2[ids]) and torch.equal(m3, m2[ids])
     with pytest.raises(ValueError, match="d must be >= 0"):
         quant.compact_scales(-d, m)
-
-
-@C_INT4
-@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=AMX)], ids=["c_int4", "amx_int4"])
-@pytest.mark.parametrize("block_n", [32, 64])
-@pytest.mark.parametrize("rows", [1, 5, 17])
-def test_the_int4_kernels_read_compact_scales(rows, block_n, amx):
-    """The C and AMX kernels on compact scales against float64 products with the weight they stand for (the AMX
-    kernel on x rounded to bf16, as it rounds it)."""
-    n, k = 192, 576
-    q, scales, weight = random_compact(n, k, rows + block_n)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    expected = (x.bfloat16() if amx else x).double() @ weight.double().t()
-    got = quant.cpu_kernels.int4_gemm(x, pack_halves(q, block_n), scales, n, 32, block_n, amx=amx)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5,
-                               msg=lambda m: f"block_n {block_n}, {rows} rows, amx={amx}: {m}")
-    with pytest.raises(ValueError, match="compact int16"):
-        quant.cpu_kernels.int4_gemm(x, pack_halves(q, block_n), scales[:-2], n, 32, block_n, amx=amx)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 33])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_each_form_of_a_compact_layer_equals_its_dequantized_weight(rows, dtype):
-    """Every form the tuner may pick for a compact layer (never torch's int4pack: it takes bf16 scales only)."""
-    gen = torch.Generator().manual_seed(rows)
-    layer = quant.Int4Linear.from_float(torch.randn(48, 64, generator=gen) * 0.1, 32, compact=True)
-    assert layer.compact and "8-bit d and m" in repr(layer)
-    assert layer.nbytes == 48 * 64 // 2 + 48 * 2 * 2 + 48 * 8  # codes, 2 bytes a group, 8 bytes a row
-    forms = quant.candidate_forms(layer.meta, dtype)
-    assert "int4pack" not in forms and "dequant" in forms
-    x = torch.randn(rows, 64, generator=gen).to(dtype)
-    expected = x.double() @ layer.dequantize().double().t()
-    for form in forms:
-        got = quant.FORMS[form](x, layer.qweight, layer.scales, layer.meta)
-        exact = dtype == torch.float32 and form in ("dequant", "c_int4")
-        tol = 1e-5 if exact else 1.6e-2 * expected.abs().max().item()
-        torch.testing.assert_close(got.double(), expected, rtol=0, atol=tol, msg=lambda m: f"{form}: {m}")
-    # quantized at load: the codes are the nearest for the stored (8-bit) d and m
-    w = torch.randn(16, 64, generator=gen)
-    q, scales = quant.quantize_int4_compact(w)
-    d, m = quant.expand_compact_scales(scales, 16, 2)
-    err = (quant.dequantize_state(quant.pack_int4(q), scales, quant.QuantMeta("int4", 16, 64, 32, None, True)) - w)
-    assert (err.abs().view(16, 2, 32) <= d[..., None] / 2 + 1e-6).all()
 
 
 def test_split_head_products_and_rows():
@@ -117,8 +65,8 @@ def exact_forms() -> Autotuner:
     """fp32 products whatever the row count, so that two runs of other row counts give the same logits: the C
     kernels where they build, else dequantize-then-multiply. (Pinned, too, so that the tests do not spend half a
     minute tuning the split head's forms; the AMX test below runs the other kernels.)"""
-    exact = (quant.cpu_kernels.int4_gemm_supported(64, 64, 32, 32, True)
-             and quant.cpu_kernels.int8_gemm_supported(64, 64))
+    exact = (cpu_kernels.int4_gemm_supported(64, 64, 32, 32, True)
+             and cpu_kernels.int8_gemm_supported(64, 64))
     return Autotuner(forced={"int4_product": "c_int4", "int8_product": "c_int8"} if exact else
                      {"int4_product": "dequant", "int8_product": "dequant"})
 
@@ -175,20 +123,3 @@ def test_compact_model_in_the_engine_equals_generate_cached(compact, real, chat_
     for _ in range(2):
         for prompt, out, ref in zip(chat_prompts, llm.generate(chat_prompts, params, use_tqdm=False), expected):
             assert_greedy_match(model, prompt, out.token_ids, ref, tol=1e-3)
-
-
-def test_a_compact_layer_is_tuned_apart_from_a_bf16_scaled_one_of_its_shape():
-    """The tuner's choice for a layer with bf16 scales (torch's int4pack among its candidates) is not reused for
-    a compact layer of the same shape, whose scales int4pack cannot read."""
-    needs_int4_kernel()
-    tuner = Autotuner()
-    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(5)) * 0.1
-    plain = quant.Int4Linear.from_float(w, 32, tuner)
-    small = quant.Int4Linear.from_float(w, 32, tuner, compact=True)
-    # as if int4pack had won the timing for the bf16-scaled layer's shape
-    tuner.choices[("int4_product", 64, 96, 32, 1, str(torch.bfloat16), "cpu")] = Choice("int4pack", {})
-    x = torch.randn(1, 96).bfloat16()
-    assert quant.choose_form(plain, 1, torch.bfloat16) == "int4pack"
-    assert quant.choose_form(small, 1, torch.bfloat16) in quant.candidate_forms(small.meta, torch.bfloat16)
-    torch.testing.assert_close(small(x).float(), (x.double() @ small.dequantize().double().t()).float(),
-                               rtol=0, atol=2e-2)

@@ -18,17 +18,21 @@ def enabled() -> bool:
 def install(model):
     """Plug the backend into `model`, a model on the CPU, in place (returns it): each bias-free nn.Linear takes the
     product form measured fastest here (`products.Linear`), RMSNorm, RoPE and SwiGLU their fused operators
-    (`layers`), and the "torch" attention backend the forms that read the caches in place (`attention`). Nothing happens where the backend is off or the model is not on a CPU."""
+    (`layers`), each quantized layer of `mini_engine.quant` its tuned forms (`quant_forms`), and the "torch"
+    attention backend the forms that read the caches in place (`attention`). Nothing happens where the backend is
+    off or the model is not on a CPU."""
     if not enabled() or model.device.type != "cpu":
         return model
     from .attention import CpuAttention, register_decode_op
     from .layers import FUSED
     from .products import Linear
+    from .quant_forms import adopt_all
     for module in model.modules():
         if type(module) is nn.Linear and module.bias is None:
             Linear.adopt(module)
         elif type(module) in FUSED:
             module.__class__ = FUSED[type(module)]
+    adopt_all(model)
     register_decode_op()
     model.attention_backends["torch"] = CpuAttention()
     return model
@@ -58,14 +62,18 @@ def format_tuned_forms(tuner=None, rows: int | None = None) -> str:
 
 def warm_up(model, rows=(1,)) -> None:
     """Decide the product form of every weight of `model` for each row count in `rows` now, so that the
-    timing runs stay out of later measurements (as a benchmark's warm-up does)."""
+    timing runs stay out of later measurements (as a benchmark's warm-up does). Quantized layers not yet adopted
+    (a model quantized after it loaded) are adopted first; nothing happens where the backend is off."""
+    if not enabled():
+        return
     from .products import Linear
-    from ...quant import QuantLinear
+    from .quant_forms import TunedQuantLinear, adopt_all
+    adopt_all(model)
     with torch.inference_mode():
         for layer in model.modules():
             if isinstance(layer, Linear) and layer.weight.device.type == "cpu":
                 for n in rows:
                     layer.form_for(n)
-            elif isinstance(layer, QuantLinear) and layer.qweight.device.type == "cpu":
+            elif isinstance(layer, TunedQuantLinear) and layer.qweight.device.type == "cpu":
                 for n in rows:
                     layer.form_for(n, model.dtype)

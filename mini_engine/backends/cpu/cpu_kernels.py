@@ -21,7 +21,7 @@ csrc/layer_ops.c, a layer's small operations fused into one operator each for ea
 steps call the fp32 product through it too (`f32_gemm`).
 Whether they run is measured, like every other form (`attention.paged_decode_form`,
 `CpuAttention.contiguous_decode_form`, the "paged_prefill" and "paged_verify" choices of `CpuAttention`, the "int4_product" and
-"int8_product" ops of `quant.choose_form`): on a machine where they lose, or
+"int8_product" ops of `quant_forms.choose_form`): on a machine where they lose, or
 without a C compiler, the PyTorch forms run.
 
 The build:
