@@ -3,7 +3,9 @@ kernel reads made once, when the layer lands on the GPU, and never again until i
 
 Everything but the device runs on a CPU too: `QuantLinear.device_product(x, "cuda")` takes the GPU's path on
 CPU tensors, whose kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where there
-is no GPU). The tests marked for a GPU run a quantized model there, eager and compiled."""
+is no GPU). A machine runs the kernels one way only, so the tests of that path build their layers and inputs on
+`device`: the GPU where there is one (the layer's operands then made as it lands there), else the CPU. The
+tests marked for a GPU run a quantized model there, eager and compiled."""
 from __future__ import annotations
 
 import copy
@@ -23,15 +25,24 @@ REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def make(kind: str, seed: int = 0, n: int = 48, k: int = 96) -> quant.QuantLinear:
+@pytest.fixture
+def device() -> str:
+    """Where the GPU path's kernels run natively: the GPU, or the CPU in Triton's interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make(kind: str, device: str | None = "cpu", seed: int = 0, n: int = 48, k: int = 96) -> quant.QuantLinear:
+    """A layer quantized on the CPU, then moved to `device` (None: left unmoved)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     if kind == "int8":
-        return quant.Int8Linear.from_float(w)
-    return quant.Int4Linear.from_float(w, 32, compact=kind == "int4_compact")
+        layer = quant.Int8Linear.from_float(w)
+    else:
+        layer = quant.Int4Linear.from_float(w, 32, compact=kind == "int4_compact")
+    return layer if device is None else layer.to(device)
 
 
-def rows(m: int = 5, k: int = 96, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+def rows(device: str = "cpu", m: int = 5, k: int = 96, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(device, dtype)
 
 
 def count_launches(monkeypatch) -> list[str]:
@@ -59,8 +70,8 @@ def count_expansions(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_gpu_path_computes_the_layers_product(kind, dtype):
-    layer, x = make(kind), rows(dtype=dtype)
+def test_the_gpu_path_computes_the_layers_product(kind, dtype, device):
+    layer, x = make(kind, device), rows(device, dtype=dtype)
     got = layer.device_product(x, "cuda")
     expected = F.linear(x.float(), layer.dequantize()).to(dtype)
     assert got.shape == (5, 48) and got.dtype == dtype
@@ -69,24 +80,25 @@ def test_the_gpu_path_computes_the_layers_product(kind, dtype):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_gpu_launches_the_layers_kernel_on_its_prepared_operands(kind, monkeypatch):
+def test_a_gpu_launches_the_layers_kernel_on_its_prepared_operands(kind, monkeypatch, device):
     launched = count_launches(monkeypatch)
-    layer, x = make(kind), rows()
+    layer, x = make(kind, device), rows(device)
     layer.device_product(x, "cuda")
     assert launched == ["w8a16_matmul" if kind == "int8" else "w4a16_matmul"]
     qweight, scales = layer.kernel_operands()
     if kind == "int8":  # the stored codes and scales as they are
         assert qweight is layer.qweight and torch.equal(scales, layer.scales)
-    else:  # the portable layout (a CPU layer stores torch's packed one), scales and zeros [G, N, 2]
+    else:  # the portable layout (a CPU layer stores torch's packed one; a GPU layer, this), scales and zeros [G, N, 2]
         assert torch.equal(qweight, quant.pack_int4(layer.codes())) and scales.shape == (3, 48, 2)
     # Another accelerator dequantizes and calls F.linear: no kernel.
     torch.testing.assert_close(layer.device_product(x, "mps"), F.linear(x, layer.dequantize()))
     assert len(launched) == 1
 
 
-def test_compact_scales_are_expanded_once_until_the_layer_moves(monkeypatch):
-    layer, x = make("int4_compact"), rows()
+def test_compact_scales_are_expanded_once_until_the_layer_moves(monkeypatch, device):
+    layer, x = make("int4_compact", None), rows(device)
     expanded = count_expansions(monkeypatch)
+    layer.to(device)  # on a GPU the scales are expanded here, as the layer lands; on a CPU at the first product
     first = layer.device_product(x, "cuda")
     for _ in range(3):
         torch.testing.assert_close(layer.device_product(x, "cuda"), first, rtol=0, atol=0)
@@ -96,22 +108,23 @@ def test_compact_scales_are_expanded_once_until_the_layer_moves(monkeypatch):
     assert len(expanded) == 2
 
 
-def test_new_tensors_loaded_into_a_layer_reach_its_kernel():
-    layer, other, x = make("int4_compact", seed=0), make("int4_compact", seed=1), rows()
+def test_new_tensors_loaded_into_a_layer_reach_its_kernel(device):
+    layer, other, x = make("int4_compact", device, seed=0), make("int4_compact", device, seed=1), rows(device)
     layer.device_product(x, "cuda")
     layer.load_state_dict(other.state_dict())
     torch.testing.assert_close(layer.device_product(x, "cuda"), other.device_product(x, "cuda"), rtol=0, atol=0)
 
 
-def test_a_flop_counter_sees_the_product_on_the_gpu_path(monkeypatch):
+def test_a_flop_counter_sees_the_product_on_the_gpu_path(monkeypatch, device):
     launched = count_launches(monkeypatch)
-    layer, x = make("int4"), rows()
+    layer, x = make("int4", device), rows(device)
     with FlopCounterMode(display=False) as counter:
         layer.device_product(x, "cuda")
     assert counter.get_total_flops() == 2 * 5 * 48 * 96 and not launched  # a Triton launch would count nothing
 
 
 def test_a_graph_that_finds_no_operands_makes_its_own_and_stores_nothing(monkeypatch):
+    # A CPU layer on every machine: one on a GPU made its operands as it landed. Nothing here is launched.
     layer = make("int4_compact")
     expanded = count_expansions(monkeypatch)
     compiled = torch.compile(lambda: layer.kernel_operands()[1] * 1, fullgraph=True, backend="eager")
