@@ -10,7 +10,8 @@ counts; the exit status is 1 if any failed:
     paged: a prefill in two chunks, a decode step, a verify step of speculative decoding; logits and the cache's
     contents), in fp16 and, where the GPU has it, bf16; then whole requests through LLM, n-gram speculation on;
   - host syncs per engine step: counted, and no more of them with more layers or with more sampled rows;
-  - LLM(compile=True) against the eager engine on the serving workload, request by request.
+  - LLM(compile=True) against the eager engine on the serving workload, request by request, and on a GPU its
+    decode steps replayed as CUDA graphs: none skipped, by Inductor's counter (with the reasons it logged).
 Then one table: FlashAttention against SDPA (the fused kernel this GPU has) at N = 1k-16k, paged decode
 attention's bandwidth against the GPU's peak, the serving workload eager against compiled, and vLLM on the same
 workload and weights where vLLM is installed. Parts the time budget cannot fit are skipped, with a line saying so.
@@ -25,6 +26,7 @@ import argparse
 import copy
 import importlib.util
 import json
+import logging
 import os
 import platform
 import signal
@@ -291,8 +293,31 @@ def check_host_syncs(report: Report, sizes: Sizes, device: str, dtype: torch.dty
 # ---------------------------------------------------------------- the compiled engine and the serving workload
 
 
+class CudagraphSkips(logging.Handler):
+    """While inside: Inductor's count of the graphs it meant to run as CUDA graphs and ran without them
+    (`torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]`), and the reasons it logged ("skipping
+    cudagraphs due to ...", which TORCH_LOGS=cudagraphs prints too)."""
+
+    def __enter__(self):
+        from torch._inductor.cudagraph_utils import cudagraphs_log
+
+        self.log, self.reasons, self.count = cudagraphs_log, [], 0
+        self.log.addHandler(self)
+        self.before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+        return self
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reasons.append(record.getMessage())
+
+    def __exit__(self, *exc):
+        self.log.removeHandler(self)
+        self.count = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - self.before
+        return False
+
+
 def check_compiled(report: Report, sizes: Sizes, device: str, dtype: torch.dtype, budget_s: float) -> dict:
-    """The serving workload on the eager engine and on LLM(compile=True): the same tokens, and both rows timed."""
+    """The serving workload on the eager engine and on LLM(compile=True): the same tokens, both rows timed, and
+    on a GPU every compiled step replayed as a CUDA graph (none skipped, by Inductor's counter)."""
     report.section("LLM(compile=True) against the eager engine, on the serving workload")
     model = random_model(sizes.config, device, dtype)
     work = ServingWorkload.uniform(sizes.requests, *sizes.lengths, vocab=sizes.config.vocab_size)
@@ -303,11 +328,18 @@ def check_compiled(report: Report, sizes: Sizes, device: str, dtype: torch.dtype
         print(f"  skipped: {budget_s:.0f} s left in the time budget, too few to compile")
         return {"model": model, "work": work, **rows}
     try:
-        rows["compiled"] = run_serving_rung(model, None, "compiled-engine", work, sizes.batch,
-                                            name="compiled engine", print_fn=lambda m: print(f"  {m}"))
+        with CudagraphSkips() as skips:  # compiling (the warm-up) and the timed run
+            rows["compiled"] = run_serving_rung(model, None, "compiled-engine", work, sizes.batch,
+                                                name="compiled engine", print_fn=lambda m: print(f"  {m}"))
     except RuntimeError as e:  # a graph compiled inside the timed run
         report.check(False, "compiled engine", str(e))
         return {"model": model, "work": work, **rows}
+    print(f"  CUDA graphs skipped (Inductor's counters['inductor']['cudagraph_skips']): {skips.count}")
+    if device == "cuda":
+        report.check(skips.count == 0, "LLM(compile=True) replays its decode steps as CUDA graphs",
+                     "; ".join(dict.fromkeys(skips.reasons)) or f"{skips.count} graph(s) skipped")
+    else:
+        print("  (a CPU has no CUDA graphs: not checked)")
     ok, detail = compare_outputs(model, work.prompts, rows["compiled"].token_ids, rows["eager"].token_ids,
                                  TIE_TOLERANCE[dtype])
     report.check(ok, "LLM(compile=True) against eager, greedy", detail)

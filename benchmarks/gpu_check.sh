@@ -6,7 +6,7 @@
 #   - the kernel tests (tests/kernels) natively on the GPU, real sizes included;
 #   - the Triton attention backend against the torch one through the engine (contiguous and paged caches;
 #     prefill, decode, verify; fp16 and, from compute capability 8.0, bf16); host syncs per step;
-#     LLM(compile=True) against eager;
+#     LLM(compile=True) against eager, its decode steps replayed as CUDA graphs (none skipped, Inductor counts);
 # then prints one table: FlashAttention against SDPA at N = 1k-16k, paged decode bandwidth against the GPU's
 # peak, the serving workload eager against compiled (and vLLM, where it is installed).
 # Record that table in benchmarks/RESULTS.md with the GPU's name.

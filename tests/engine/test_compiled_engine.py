@@ -8,10 +8,14 @@ real model gets one module-scoped engine on the contiguous cache (chapter 04's) 
 by its tests: two graphs, compiled once. compile="max-autotune" (Inductor's own weight products, about twice as
 long to compile) gets one bucket of the real model: the bucket logic is the same code. (The ladder's smoke test,
 tests/test_bench_ladder.py, runs the real model on the paged cache with compile=True, one bucket, against the
-other rungs.)"""
+other rungs.) On a GPU, the tiny model also runs on the paged cache with the Triton backend, its graphs replayed
+as CUDA graphs: none of them may be skipped."""
+import copy
+
 import pytest
 import torch
 
+import mini_engine as me
 from mini_engine.compiled_decode import decode_buckets
 from mini_engine.engine import LLM, EngineConfig
 from mini_engine.sampling import SamplingParams
@@ -101,6 +105,29 @@ def test_tiny_model_tokens_equal_the_eager_engine_through_every_bucket(tiny_engi
     runner = compiled.engine.runner
     assert runner.compiled.num_steps > len(runner.compiled.buckets)  # steps ran through the graphs, not only warm-up
     assert compiled.engine.num_free_blocks == compiled.engine.num_kv_blocks  # the scratch block is apart
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="CUDA graphs: reduce-overhead mode replays the compiled steps as CUDA graphs only on a GPU")
+@pytest.mark.parametrize("dtype", ["float32", "course"], ids=["float32", "course-dtype"])
+def test_on_a_gpu_the_paged_triton_engine_replays_cuda_graphs(tiny_model, dtype):
+    """LLM(compile=True) on CUDA, paged cache, Triton kernels: every bucket's graph is a CUDA graph (Inductor
+    counts each graph it declines to capture, with the reason in its log: "skipping cudagraphs due to ..."),
+    and the tokens are the eager engine's."""
+    dtype = me.default_dtype("cuda") if dtype == "course" else dtype
+    model = copy.deepcopy(tiny_model(2)).to("cuda", getattr(torch, dtype))
+    kwargs = dict(kv_cache="paged", attention_backend="triton", max_num_seqs=4, max_model_len=64, block_size=16)
+    eager = LLM.from_model(model, **kwargs)
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    compiled = LLM.from_model(model, compile=True, **kwargs)
+    assert compiled.warmup() > 0 and compiled.engine.runner.compiled.compiled_buckets == {1, 2, 4}
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [23, 24, 25], [1, 2]]
+    got, want, sizes = _compare(eager, compiled, prompts, _params(TINY_TOKENS), late_step=5)
+    skipped = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips
+    assert skipped == 0, f"{skipped} graph(s) ran without CUDA graphs (the reasons: TORCH_LOGS=cudagraphs)"
+    assert {4, 3, 2, 1} <= set(sizes), f"the batch should pass through every bucket (and a padded 3): {sizes}"
+    assert got == want  # the tiny model's sharp logits leave no near-ties, in bf16 and fp16 too
+    assert compiled.engine.runner.compiled.num_steps > len(compiled.engine.runner.compiled.buckets)
 
 
 # ---------------------------------------------------------------- the real model, contiguous: two buckets
