@@ -112,24 +112,16 @@ class AttentionMetadata:
     #                                           or with a paged cache a pool row: block * block_size + offset)
     logits_indices: torch.Tensor | None = None  # packed rows whose logits are wanted (None: all)
     decode: DecodeGroup | None = None  # the single-token sequences (cached steps only)
-    block_tables: torch.Tensor | None = None  # paged cache: [S, longest table] int32, padded with block 0
+    block_tables: torch.Tensor | None = None  # paged cache: [S, W] int32, the tables padded to one width (build)
     # What an attention backend derives once per step and every layer reuses (its own keys; empty in the core).
     extras: dict = field(default_factory=dict)
 
     @classmethod
-    def decode_only(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, group: DecodeGroup,
-                    logits_indices: torch.Tensor | None = None) -> "AttentionMetadata":
-        """Tensors only, for a compiled decode step: one new token per row at `positions` [S], its keys and
-        values written at `slot_mapping` [S], attention as `group` says (`DecodeGroup.from_tensors`), logits of
-        the rows `logits_indices` (None: every row). The Python lists stay empty: `LlamaModel.forward` checks
-        them, and its checks run before a compiled step, outside it."""
-        return cls([], [], positions, None, slot_mapping, logits_indices, group, group.block_tables)
-
-    @classmethod
     def build(cls, query_lens, context_lens=None, slots=None, device="cpu", last_only=False,
-              block_tables: list[list[int]] | None = None, block_size: int | None = None):
+              block_tables: list[list[int]] | None = None, block_size: int | None = None, static_len=None, fill=0):
         """`slots` for the contiguous cache, or `block_tables` (each covering its context) and `block_size`
-        for the paged one; neither for a step without a cache."""
+        for the paged one; neither for a step without a cache. `static_len`, a compiled decode step's: every row
+        reads that many key positions (`DecodeGroup.from_tensors`), its block table padded to them with `fill`."""
         context_lens = list(query_lens) if context_lens is None else list(context_lens)
         if len(context_lens) != len(query_lens):
             raise ValueError("context_lens and query_lens must have one entry per sequence")
@@ -143,15 +135,21 @@ class AttentionMetadata:
         slot_mapping = decode = tables = None
         if slots is not None:
             slot_mapping = torch.tensor([s for s, q in zip(slots, query_lens) for _ in range(q)], device=device)
-            decode = DecodeGroup.build(query_lens, context_lens, slots, device)
         if block_tables is not None:
             if len(block_tables) != len(query_lens):
                 raise ValueError("block_tables must have one table per sequence")
             slot_mapping = torch.tensor([s for t, q, c in zip(block_tables, query_lens, context_lens)
                                          for s in block_slot_mapping(t, c - q, c, block_size)],
                                         dtype=torch.int32, device=device)  # int32: the KV-store kernel's type
+            width = static_len // block_size if static_len else max(len(t) for t in block_tables)
+            tables = pad_tables(block_tables, width, device, fill)
+        if static_len:  # a compiled step: the group its graph builds (compiled_decode.decode_graph)
+            decode = DecodeGroup.from_tensors(torch.tensor(context_lens, dtype=torch.int32, device=device),
+                                              static_len, None if tables is not None else slot_mapping, tables)
+        elif slots is not None:
+            decode = DecodeGroup.build(query_lens, context_lens, slots, device)
+        elif tables is not None:
             decode = DecodeGroup.build_paged(query_lens, context_lens, block_tables, block_size, device)
-            tables = pad_tables(block_tables, max(len(t) for t in block_tables), device)
         logits_indices = None
         if last_only:
             logits_indices = torch.tensor(list(itertools.accumulate(query_lens)), device=device) - 1

@@ -5,7 +5,7 @@ RoPE, the cache write, residual adds, SwiGLU), each paying dispatch and Python c
 graph as a CUDA graph, one launch for the whole step.
 
 What is traced is the model's own code (`LlamaModel.run`) given a step described by tensors alone
-(`AttentionMetadata.decode_only`): a mask over the key positions each row may read replaces the Python lists,
+(`decode_graph`): a mask over the key positions each row may read replaces the Python lists,
 so one graph serves every context length. `CompiledDecode` builds such steps for the plain loops
 (`generate_cached(..., compile=True)`: one graph per batch size) and the serving engine (`LLM(compile=True)`:
 steps padded up to a batch-size bucket, the padded rows writing a scratch row no sequence reads). The graphs live
@@ -19,7 +19,8 @@ import types
 
 import torch
 
-from .attention import AttentionMetadata, DecodeGroup, pad_tables
+from .attention import AttentionMetadata, DecodeGroup
+from .kv_cache import ContiguousKVCache
 
 
 def decode_graph(model, kv_cache, backend: str, tokens, positions, slot_mapping, context_lens, slots=None,
@@ -28,12 +29,11 @@ def decode_graph(model, kv_cache, backend: str, tokens, positions, slot_mapping,
     from tensors alone. tokens, positions, slot_mapping, context_lens: [S]; the contiguous cache's slots [S] or
     the paged cache's block_tables [S, W] int32 (see `DecodeGroup.from_tensors`). Logits [S, vocab], of the rows
     in `logits_order` [S] when given (a permutation). Run uncompiled, it is an ordinary eager decode step."""
-    if block_tables is not None:
-        length = block_tables.shape[1] * kv_cache.block_size
-    else:
-        length = kv_cache.data.shape[4]  # the cache's positions: a size of the graph (see cache_length)
+    # Every row reads the same key positions, a size of the graph: the cache's length (see cache_length), or W blocks.
+    length = kv_cache.data.shape[4] if block_tables is None else block_tables.shape[1] * kv_cache.block_size
     group = DecodeGroup.from_tensors(context_lens, length, slots, block_tables)
-    meta = AttentionMetadata.decode_only(positions, slot_mapping, group, logits_order)
+    # Tensors only: the Python lists stay empty (LlamaModel.forward checks them, before a compiled step, outside it).
+    meta = AttentionMetadata([], [], positions, None, slot_mapping, logits_order, group, block_tables)
     return model.run(tokens, meta, kv_cache, backend)
 
 
@@ -50,6 +50,10 @@ class DecodeGraphs(dict):
     """A model's compiled decode steps (`model.decode_graphs`), one per (mode, device type, dtype), each on its own
     copy of `decode_graph`'s code (Dynamo keeps graphs per code object: no graph is offered to another model or
     mode). A deep copy of the model starts with none: a "cpp" graph skips its guards on the model's modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.caches: dict[tuple, ContiguousKVCache] = {}  # the compiled plain loop's, by shape (`plain_cache`)
 
     def __deepcopy__(self, memo):
         return DecodeGraphs()
@@ -93,6 +97,17 @@ def cache_length(n: int, limit: int) -> int:
     return min(limit, max(256, 1 << (n - 1).bit_length()))
 
 
+def plain_cache(model, num_slots: int, n: int) -> ContiguousKVCache:
+    """The compiled plain loop's cache for n positions (`cache_length`), one per shape kept on the model and zeroed
+    for each run: a CUDA graph replays the address it recorded, so a new cache would record the graph anew."""
+    caches = model.__dict__.setdefault("decode_graphs", DecodeGraphs()).caches
+    key = (num_slots, cache_length(n, model.config.max_position_embeddings), model.device, model.dtype)
+    if key not in caches:
+        caches[key] = ContiguousKVCache(model.config, *key)
+    caches[key].data.zero_()  # as a new one: nothing of the last run is left
+    return caches[key]
+
+
 def decode_buckets(max_num_seqs: int) -> list[int]:
     """The batch sizes that get a graph: powers of two below max_num_seqs, and max_num_seqs itself."""
     return [b for b in (1 << i for i in range(max_num_seqs.bit_length())) if b < max_num_seqs] + [max_num_seqs]
@@ -100,8 +115,8 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 class CompiledDecode:
     """Decode-only steps through compiled graphs, one per batch-size bucket (`decode_buckets`). Every size in a
-    graph is fixed: the batch and the key positions a row may read (the contiguous cache's length, or `max_blocks`
-    blocks of the paged tables). `scratch`: a cache slot or block no sequence owns, for padded rows. The paged
+    graph is fixed: the batch and the key positions a row may read (`static_len`: the contiguous cache's length, or
+    `max_model_len` in whole blocks). `scratch`: a cache slot or block no sequence owns, for padded rows. The paged
     cache's rows go longest context first, so an attention that copies a few sequences' blocks at a time (the CPU
     backend's) reads about each one's own context. `compile_seconds`: the first call of each bucket, apart."""
 
@@ -113,9 +128,10 @@ class CompiledDecode:
         if model.device.type == "cuda":  # CUDA graphs replay fixed addresses: the cache must never move
             torch._dynamo.mark_static_address(kv_cache.data)
         self.buckets = decode_buckets(max_num_seqs)
-        self.scratch, self.block_size, self.device = scratch, block_size, model.device
-        self.paged = block_size is not None
-        self.max_blocks = -(-(max_model_len or kv_cache.max_len) // block_size) if self.paged else None
+        self.scratch, self.block_size, self.paged = scratch, block_size, block_size is not None
+        # The key positions every row reads: the contiguous cache's length, or max_model_len in whole blocks.
+        self.static_len = block_size * -(-(max_model_len or kv_cache.max_len) // block_size) if self.paged else \
+            kv_cache.max_len
         self.compile_seconds = 0.0
         self.compiled_buckets: set[int] = set()
         self.num_steps = 0  # steps run through a graph (warm-up included)
@@ -133,32 +149,20 @@ class CompiledDecode:
             raise ValueError("tokens, positions and rows need one entry per sequence")
         self.model.check_last_position(max(positions), self.kv_cache)
         size = size or self.bucket(n)
-        pad, device = size - n, self.device
-        order = list(range(size))
+        pad, order = size - n, list(range(size))
         if self.paged:  # longest context first; the graph hands the logits back in the callers' order
             order[:n] = sorted(range(n), key=positions.__getitem__, reverse=True)
             tokens, positions, rows = ([x[i] for i in order[:n]] for x in (tokens, positions, rows))
-            back = [0] * size
-            for place, i in enumerate(order):
-                back[i] = place
-            kwargs = {"logits_order": torch.tensor(back, device=device)}
-        else:
-            kwargs = {}
-        ids = torch.tensor(list(tokens) + [0] * pad, device=device)
-        pos = torch.tensor(list(positions) + [0] * pad, device=device)
-        lens = torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32, device=device)
-        if self.paged:  # a padded row reads and writes position 0 of the scratch block
-            bs, width = self.block_size, self.max_blocks
-            slot_mapping = [t[p // bs] * bs + p % bs for t, p in zip(rows, positions)] + [self.scratch * bs] * pad
-            where = torch.tensor(slot_mapping, dtype=torch.int32, device=device)
-            kwargs["block_tables"] = pad_tables(list(rows) + [[]] * pad, width, device, fill=self.scratch)
-        else:  # a padded row reads and writes position 0 of the scratch slot
-            where = torch.tensor(list(rows) + [self.scratch] * pad, device=device)
-            kwargs["slots"] = where
-        first = size not in self.compiled_buckets
-        t0 = time.perf_counter()
-        logits = _run_graph(self.model, self.kv_cache, self.backend, ids, pos, where, lens, mode=self.mode,
-                            **kwargs)
+        # A padded row reads and writes position 0 of the scratch slot or block, which no sequence owns.
+        rows, lens = list(rows) + [[self.scratch] if self.paged else self.scratch] * pad, [p + 1 for p in positions]
+        meta = AttentionMetadata.build([1] * size, lens + [1] * pad, None if self.paged else rows, self.model.device,
+                                       block_tables=rows if self.paged else None, block_size=self.block_size,
+                                       static_len=self.static_len, fill=self.scratch)
+        ids = torch.tensor(list(tokens) + [0] * pad, device=self.model.device)
+        back = torch.tensor(sorted(range(size), key=order.__getitem__), device=ids.device) if self.paged else None
+        first, t0 = size not in self.compiled_buckets, time.perf_counter()
+        logits = _run_graph(self.model, self.kv_cache, self.backend, ids, meta.positions, meta.slot_mapping,
+                            meta.decode.context_lens, meta.decode.slots, meta.block_tables, back, mode=self.mode)
         if first:
             self.compiled_buckets.add(size)
             self.compile_seconds += time.perf_counter() - t0
@@ -170,7 +174,6 @@ class CompiledDecode:
         (nothing outside the scratch row is written); returns the seconds it took. `progress`: a bar over
         the buckets (each can take a minute on a CPU with a cold Inductor cache)."""
         from tqdm.auto import tqdm
-
         t0 = time.perf_counter()
         todo = [size for size in self.buckets if size not in self.compiled_buckets]
         for size in tqdm(todo, desc="compiling decode graphs (batch buckets)", disable=not progress):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import AttentionMetadata
-from .compiled_decode import COMPILE_MODES, CompiledDecode, cache_length
+from .compiled_decode import COMPILE_MODES, CompiledDecode, plain_cache
 from .kv_cache import ContiguousKVCache
 from .sampling import SamplingParams, make_generator, sample, stop_tokens
 from .speculative import _check_k, verify
@@ -83,9 +83,9 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 32, pa
     if compile not in (False, *COMPILE_MODES):
         raise ValueError(f"compile must be False or one of {COMPILE_MODES}, got {compile!r}")
     longest = max(len(p) for p in prompts) + max_new_tokens
-    if kv_cache is None:
-        length = cache_length(longest, model.config.max_position_embeddings) if compile else longest
-        kv_cache = ContiguousKVCache(model.config, len(prompts), length, model.device, model.dtype)
+    if kv_cache is None:  # compiled: the model's own cache of this shape, whose address its CUDA graph replays
+        kv_cache = plain_cache(model, len(prompts), longest) if compile else \
+            ContiguousKVCache(model.config, len(prompts), longest, model.device, model.dtype)
     elif kv_cache.num_slots < len(prompts) or kv_cache.max_len < longest:
         raise ValueError(f"kv_cache too small: need {len(prompts)} slots of {longest} positions")
     # compiled: one graph per batch size met (size=len(tokens): no padding, so no scratch slot)

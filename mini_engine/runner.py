@@ -26,8 +26,8 @@ class ModelRunner:
 
     def execute(self, chunks: list[Chunk], block_copies: list[tuple[int, int]] = ()) -> torch.Tensor:
         """Logits [rows, vocab]: `num_logits` rows per chunk, in chunk order (one per sampling chunk, 1 + k for
-        a speculative one). `block_copies`: the step's copy-on-write
-        (src, dst) blocks, copied before the step writes into them."""
+        a speculative one). `block_copies`: the step's copy-on-write (src, dst) blocks, copied before the step
+        writes into them."""
         if block_copies:
             self.kv_cache.copy_blocks(block_copies)
         scored = [_prompt_rows(c) for c in chunks]
@@ -40,12 +40,10 @@ class ModelRunner:
             query_lens.append(c.num_tokens)
             context_lens.append(c.start + c.num_tokens)
             rows += range(len(ids) - c.num_logits, len(ids))  # the last row, or every row of a speculative chunk
-        device = self.model.device
-        if self.blocks is None:
-            meta = AttentionMetadata.build(query_lens, context_lens, [c.request.slot for c in chunks], device=device)
-        else:
-            meta = AttentionMetadata.build(query_lens, context_lens, device=device, block_size=self.blocks.block_size,
-                                           block_tables=[self.blocks.block_table(c.request.request_id) for c in chunks])
+        device, where = self.model.device, self._cache_rows(chunks)
+        layout = {"block_tables": where, "block_size": self.blocks.block_size} if self.blocks is not None else \
+            {"slots": where}
+        meta = AttentionMetadata.build(query_lens, context_lens, device=device, **layout)
         meta.logits_indices = torch.tensor(rows + prompt_rows, dtype=torch.long, device=device)
         logits = self.model(torch.tensor(ids, device=device), meta, self.kv_cache, backend=self.backend)
         if prompt_rows:  # row p scores prompt token p + 1 (SamplingParams.prompt_logprobs)
@@ -65,14 +63,15 @@ class ModelRunner:
                 tokens = [got] if isinstance(got, int) else list(got)
                 r.logprobs += logprobs_of(logits[starts[row]:starts[row] + len(tokens)], tokens, r.params.logprobs)
 
+    def _cache_rows(self, chunks: list[Chunk]) -> list:
+        """Where each chunk's sequence lives in the cache: its slot, or with a paged cache its block table."""
+        if self.blocks is None:
+            return [c.request.slot for c in chunks]
+        return [self.blocks.block_table(c.request.request_id) for c in chunks]
+
     def _execute_compiled(self, chunks: list[Chunk]) -> torch.Tensor:
         """A decode-only step (one token per chunk) through the compiled graph of its batch-size bucket."""
-        positions = [c.start for c in chunks]
-        if self.blocks is None:
-            rows = [c.request.slot for c in chunks]
-        else:
-            rows = [self.blocks.block_table(c.request.request_id) for c in chunks]
-        logits = self.compiled([c.token_ids[0] for c in chunks], positions, rows)
+        logits = self.compiled([c.token_ids[0] for c in chunks], [c.start for c in chunks], self._cache_rows(chunks))
         if all(c.num_logits == 1 for c in chunks):
             return logits
         # A one-token chunk inside a prompt (a chunked prefill's budget can leave one token) samples nothing:
