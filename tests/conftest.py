@@ -52,3 +52,20 @@ def pytest_collection_modifyitems(items):
     # The slow files first: pytest-xdist hands out files in this order (`make test` turns off its own order, most
     # tests first), and a minutes-long file started last would leave the other worker idle at the end.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_memory_after_each_file():
+    """What a test file compiled or loaded is let go when it ends: Dynamo's caches keep every compiled graph, and
+    through its guards the models it was traced with, for the life of the process, and glibc keeps freed pages.
+    A worker runs half the suite, so without this it grew past 13 GB and was killed for memory."""
+    yield
+    import ctypes
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        pass
