@@ -45,13 +45,7 @@ ops "int4_product" and "int8_product": MINI_ENGINE_FORMS="int4_product=int4pack"
   weight becomes bf16 once per call and then serves 16 rows of x per tile instruction, and the scales are applied
   in fp32 (int4: per group, as `c_int4` does; int8: per row, once). That is what the forms above lack past a few
   rows: they dequantize again for every row or every 4 rows.
-On a GPU the products go through Triton kernels that dequantize inside the product, never a whole weight per
-call: int4 layers through the W4A16 kernel (`kernels.quant_matmul`) on the portable layout, int8 layers through
-the W8A16 one (`kernels.int8_matmul`: the codes enter the product exactly, the row's scale is applied once to its
-sum). What a kernel reads (`QuantLinear.kernel_operands`) is made once, when the layer lands on the GPU, and kept
-until it moves again. For int4 and int8 it is the stored codes and scales themselves; for `int4_compact` it is
-the 8-bit d and m expanded once to fp32 scales and zeros (w = (q - 8) * d + (m + 8 d), exact), 8 bytes a group
-beside the 2 stored: 6.5 bits a weight held on the GPU where `weight_bytes` counts the 4.5 stored.
+On a GPU none of this applies: the layers use the Triton kernels (`mini_engine.quant`'s docstring).
 
 Measured on a 2-core Intel Xeon with AMX-BF16 (2026-12-02, torch 2.13, 2 threads), the 120 int4 products of the
 layers chained, best of 5 (ms):
