@@ -264,22 +264,31 @@ def _contiguous_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Ten
 
 
 # A compiled step on the contiguous cache serves every cache length, so `_graph_reads_in_place` times the two
-# forms at one length: the middle of the lengths it was measured at (48-256 positions on a Zen 3 EPYC, where the
-# C kernel won at each by 1.4-1.7x).
+# operators at one length, a middle one of the lengths the chapters decode at.
 GRAPH_CONTEXT = 128
 
 
 @torch._dynamo.assume_constant_result
 def _graph_reads_in_place(rows: int, heads: int, kv_heads: int, head_dim: int, dtype: str) -> bool:
     """Run (not traced) while a decode step on the contiguous cache is compiled: whether the graph attends
-    through the C++ operator that reads the cache in place, timed on `rows` sequences of GRAPH_CONTEXT positions."""
+    through the C++ operator that reads the cache in place, or through `mini_engine::decode_attention`. The two
+    operators themselves are timed, on `rows` sequences of GRAPH_CONTEXT positions: the second pays for
+    Python on every layer (the step's metadata, the form's lookup) besides its attention, so timing only the
+    eager attention forms, which often tie within noise, picked it where it ran each layer 4x slower."""
     if dtype != str(torch.float32) or not load_torch_ops():
         return False
+    register_decode_op()
     q = torch.randn(rows, heads, head_dim)
     k_cache, v_cache = torch.randn(2, rows, kv_heads, GRAPH_CONTEXT, head_dim).unbind(0)
-    meta = AttentionMetadata.build([1] * rows, [GRAPH_CONTEXT] * rows, list(range(rows)))
-    inputs = _contiguous_inputs(meta)
-    return CpuAttention().contiguous_decode_form(q, k_cache, v_cache, meta.decode, meta, inputs) == IN_PLACE
+    slots = torch.arange(rows)
+    group = DecodeGroup.from_tensors(torch.full((rows,), GRAPH_CONTEXT), GRAPH_CONTEXT, slots)
+    slots32 = slots.to(torch.int32)
+    key = (dtype, row_bucket(rows), heads, k_cache.shape[1:])
+    return TUNER.choose("graph_contiguous_decode", key, lambda: {
+        "operator": lambda: torch.ops.mini_engine.decode_attention(q, k_cache, v_cache, group.mask,
+                                                                   group.context_lens, slots, None),
+        IN_PLACE: lambda: torch.ops.mini_engine_cpp.contiguous_decode(q, k_cache, v_cache, slots32,
+                                                                      group.context_lens)}) == IN_PLACE
 
 
 # ---------------------------------------------------------------- decode attention inside a compiled graph
