@@ -392,3 +392,23 @@ def test_a_compiled_contiguous_step_gives_the_eager_logits_through_either_graph_
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         called = {e.key for e in prof.key_averages()}
         assert ("mini_engine_cpp::contiguous_decode" if form == IN_PLACE else "mini_engine::decode_attention") in called
+
+
+def test_a_step_hands_its_kernels_tensors_whose_checks_are_remembered(real, chat_prompts, force_forms, monkeypatch):
+    """The kernels' input checks remember a checked tensor by identity and version, once per step. A tensor
+    made in inference mode keeps no version, so it would be checked again at every layer: every table, length
+    and visibility tensor a step hands the paged kernels (decodes, verify chunks, prefill chunks) has one."""
+    import mini_engine.backends.cpu.attention as attention
+
+    model, tok = real
+    seen = []
+    for name in ("paged_chunk", "paged_decode"):
+        kernel = getattr(cpu_kernels, name)
+        monkeypatch.setattr(attention, name, lambda q, k, v, tables, lens, kernel=kernel, name=name: seen.append(
+            (name, tables.is_inference(), lens.is_inference())) or kernel(q, k, v, tables, lens))
+    force_forms(**KERNELS)
+    llm = LLM.from_model(model, tok, block_size=16, max_num_seqs=3, max_model_len=256, chunked_prefill_tokens=20,
+                         speculative={"method": "ngram", "k": 4})
+    llm.generate(chat_prompts, me.SamplingParams(max_tokens=16), use_tqdm=False)
+    assert {name for name, *_ in seen} == {"paged_chunk", "paged_decode"}
+    assert not [s for s in seen if s[1] or s[2]], "a kernel was handed an inference-mode tensor"

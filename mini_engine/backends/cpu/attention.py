@@ -105,6 +105,15 @@ def _memo(meta: AttentionMetadata, key, decide):
     return meta.extras[key]
 
 
+def _step_tensors(meta: AttentionMetadata, key, build):
+    """`_memo` for the tensors a step's C kernel calls share, built outside inference mode: a tensor made inside
+    it keeps no version counter, so the kernels' input checks (`cpu_kernels._check_tables`), which remember a
+    checked tensor by identity and version, checked it again at every layer (30 checks a step, each a few small
+    ops and host reads: 4% of the n-gram rung's time)."""
+    with torch.inference_mode(False):
+        return _memo(meta, key, build)
+
+
 class CpuAttention(TorchAttention):
     def __init__(self, tuner: Autotuner = TUNER):
         super().__init__()
@@ -131,7 +140,7 @@ class CpuAttention(TorchAttention):
         if group.block_tables is not None:
             form = _memo(meta, "paged decode", lambda: self.paged_decode_form(qs, k_cache, v_cache, group))
             return self.paged_decode(qs, k_cache, v_cache, group, form)
-        inputs = _memo(meta, "contiguous decode inputs", lambda: _contiguous_inputs(meta))
+        inputs = _step_tensors(meta, "contiguous decode inputs", lambda: _contiguous_inputs(meta))
         form = _memo(meta, "contiguous decode", lambda: self.contiguous_decode_form(q, k_cache, v_cache, group,
                                                                                      meta, inputs))
         if form == IN_PLACE:
@@ -203,7 +212,7 @@ class CpuAttention(TorchAttention):
     # ------------------------------------------------------------------ chunks on the paged cache
 
     def chunks(self, q, k_cache, v_cache, meta: AttentionMetadata, chunks: list[int], out) -> None:
-        group = _memo(meta, "verify group", lambda: VerifyGroup.build(meta, q.device))
+        group = _step_tensors(meta, "verify group", lambda: VerifyGroup.build(meta, q.device))
         if group is not None:
             out[group.packed] = self.verify(q, k_cache, v_cache, group, meta)
             chunks = [i for i in chunks if i not in group.seqs]
@@ -244,8 +253,9 @@ class CpuAttention(TorchAttention):
         if form != IN_PLACE:
             return super().prefill_chunk(q, k_cache, v_cache, meta, i)
         n, ctx = meta.query_lens[i], meta.context_lens[i]  # query j sees ctx - n + 1 + j positions: once a step
-        visible = _memo(meta, ("visible", i), lambda: torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int32)[None])
-        return paged_chunk(q.unsqueeze(0), k_cache, v_cache, meta.block_tables[i:i + 1], visible)[0]
+        table, visible = _step_tensors(meta, ("chunk", i), lambda: (
+            meta.block_tables[i:i + 1], torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int32)[None]))
+        return paged_chunk(q.unsqueeze(0), k_cache, v_cache, table, visible)[0]
 
     def _copy_or_in_place(self, op: str, key: tuple, q, k_cache, v_cache, run) -> str:
         """"copy" (the core's form) or IN_PLACE, timed per (dtype, *key, pool shape) with `run(form)`; "copy"
