@@ -364,10 +364,11 @@ def test_the_cpp_operator_reads_the_contiguous_cache_as_the_ctypes_kernel_does()
         torch.ops.mini_engine_cpp.contiguous_decode(q, k_cache, v_cache, slots + 6, lens)
 
 
-@pytest.mark.parametrize("form", [IN_PLACE, "operator"])
+@pytest.mark.parametrize("form", [IN_PLACE, "operator", None], ids=["in place", "operator", "timed"])
 def test_a_compiled_contiguous_step_gives_the_eager_logits_through_either_graph_operator(force_forms, form):
     """Compiling a decode step on the contiguous cache times the two operators its graph could call (the C++
-    kernel's, or `mini_engine::decode_attention`); forced to either, the graph gives the eager step's logits."""
+    kernel's, or `mini_engine::decode_attention`), while Dynamo traces; forced to either, or timed afresh, the
+    graph gives the eager step's logits."""
     if not cpu_kernels.load_torch_ops():
         pytest.skip("the C++ operators could not be built here (no C++ compiler or PyTorch headers)")
     from test_compiled_decode import _two_caches
@@ -378,8 +379,13 @@ def test_a_compiled_contiguous_step_gives_the_eager_logits_through_either_graph_
     from mini_engine.generate import decode_step
     from test_cached_equivalence import tiny_model
 
-    force_forms(graph_contiguous_decode=form)
-    assert _graph_reads_in_place(2, 4, 2, 16, str(torch.float32)) == (form == IN_PLACE)
+    if form is None:  # nothing decided: the graph's trace times both operators
+        force_forms()
+        for case in [c for c in TUNER.choices if c[0] == "graph_contiguous_decode"]:
+            del TUNER.choices[case]
+    else:
+        force_forms(graph_contiguous_decode=form)
+        assert _graph_reads_in_place(2, 4, 2, 16, str(torch.float32)) == (form == IN_PLACE)
     model = install(tiny_model(4, 2))
     prompts, slots = [[5, 6, 7, 8, 9], [10, 11]], [2, 0]
     eager_cache, compiled_cache = _two_caches(model, prompts, slots, max_len=12)
@@ -391,7 +397,9 @@ def test_a_compiled_contiguous_step_gives_the_eager_logits_through_either_graph_
             got = graphs(tokens, [n - 1 for n in lens], slots)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         called = {e.key for e in prof.key_averages()}
-        assert ("mini_engine_cpp::contiguous_decode" if form == IN_PLACE else "mini_engine::decode_attention") in called
+        ops = {IN_PLACE: "mini_engine_cpp::contiguous_decode", "operator": "mini_engine::decode_attention"}
+        form = form or TUNER.choices[("graph_contiguous_decode", str(torch.float32), 2, 4, (2, 128, 16))].form
+        assert ops[form] in called
 
 
 def test_a_step_hands_its_kernels_tensors_whose_checks_are_remembered(real, chat_prompts, force_forms, monkeypatch):

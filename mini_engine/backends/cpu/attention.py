@@ -136,6 +136,11 @@ class CpuAttention(TorchAttention):
     def decode(self, q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata):
         if torch.compiler.is_compiling():
             return self._decode_in_graph(q, k_cache, v_cache, group)
+        return self.decode_eagerly(q, k_cache, v_cache, group, meta)
+
+    def decode_eagerly(self, q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata):
+        """`decode` outside a graph; also what `mini_engine::decode_attention` runs, which is timed while a
+        graph is being traced (`_graph_reads_in_place`), where `decode` would take the graph's branch again."""
         qs = q[group.tokens]
         if group.block_tables is not None:
             form = _memo(meta, "paged decode", lambda: self.paged_decode_form(qs, k_cache, v_cache, group))
@@ -312,7 +317,7 @@ def _decode_attention_op(q, k_cache, v_cache, mask, context_lens, slots, block_t
     attention = CpuAttention()
     if block_tables is None:
         meta = _contiguous_meta(slots, context_lens, lens)
-        return attention.decode(q, k_cache, v_cache, meta.decode, meta)
+        return attention.decode_eagerly(q, k_cache, v_cache, meta.decode, meta)
     group = DecodeGroup(slice(None), None, max(lens), mask, block_tables, context_lens)
     return attention.paged_decode(q, k_cache, v_cache, group,
                                   attention.paged_decode_form(q, k_cache, v_cache, group, lens), lens)
