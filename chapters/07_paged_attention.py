@@ -73,7 +73,7 @@ import mini_engine as me
 from mini_engine import formulas, simulate
 from mini_engine.bench.runs import ServingWorkload, run_engine
 from mini_engine.bench.paging import time_decode_steps
-from mini_engine.course.devices import default_device, pick
+from mini_engine.course.devices import default_device, fitting, pick
 from mini_engine.engine import LLM, LLMEngine
 from mini_engine.course.hardware import describe_machine
 from mini_engine.backends.cpu import warm_up
@@ -240,8 +240,10 @@ plt.show()
 # long as their blocks fit.
 
 # %%
-slots = pick(cpu=4, gpu=16, device=device)
 max_len = pick(cpu=512, gpu=2048, device=device)
+# The most slots whose cache fits this device's free memory (`fitting` prints any size it leaves out).
+slots = fitting(pick(cpu=[4], gpu=[16, 8, 4], device=device),
+                lambda s: formulas.kv_cache_bytes_for(model, max_len, s, model.dtype.itemsize), device, "slots")[0]
 work = ServingWorkload.uniform(pick(cpu=16, gpu=256, device=device), 8, pick(cpu=56, gpu=256, device=device),
                                vocab=model.config.vocab_size)
 num_blocks = slots * max_len // 16
@@ -328,7 +330,9 @@ sweep_tokens = slots * max_len // 4
 sweep = {b: run_engine(model, tok, "continuous", work, None, name=f"block {b}", num_kv_blocks=sweep_tokens // b,
                        block_size=b, max_model_len=max_len, enable_prefix_caching=False)
          for b in tqdm(sizes, desc="block sizes")}
-batch, context = pick(cpu=8, gpu=32, device=device), pick(cpu=512, gpu=2048, device=device)
+context = pick(cpu=512, gpu=2048, device=device)
+batch = fitting(pick(cpu=[8], gpu=[32, 16, 8], device=device),  # a contiguous cache and a paged pool at once
+                lambda b: 2 * formulas.kv_cache_bytes_for(model, context, b, model.dtype.itemsize), device, "batch")[0]
 step_s = time_decode_steps(model, batch, context, block_sizes=sizes)
 block_rows = [(b, float(formulas.paged_waste_tokens(lengths, b).mean()), sweep[b].peak_running, sweep[b].tok_s,
                step_s[b] / step_s["contiguous"]) for b in sizes]
