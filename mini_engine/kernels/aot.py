@@ -98,22 +98,15 @@ class Build:
 
 
 def jobs(gpus=TARGETS, spec_fns=None) -> list[tuple[KernelSpec, GPUSpec, str]]:
-    """Every (spec, gpu, dtype) that the course launches on these GPUs. A kernel runs in the dtype a model runs
-    in there (`GPUSpec.model_dtype`: fp16 on a T4, bf16 from sm_80), or in fp32 when that is the only dtype
-    it takes (the rejection sampler's probabilities): its aot_specs has nothing for the model's dtype.
+    """Every (spec, gpu, dtype) that the course launches on these GPUs: each module's aot_specs answers for
+    every dtype, with all its variants in the dtype a model runs in there (`GPUSpec.model_dtype`: fp16 on a
+    T4, bf16 from sm_80) and those few that run in another (gpu_check.sh's fp16 pass on a bf16 GPU, chapter
+    06's fp32 target, fp32 probabilities), or none.
     spec_fns: aot_specs-like functions; by default those of every module in KERNEL_MODULES."""
     if spec_fns is None:
         spec_fns = [importlib.import_module(module).aot_specs for module in KERNEL_MODULES]
-    found = []
-    for specs_of in spec_fns:
-        for gpu in gpus:
-            dtype = gpu.model_dtype
-            specs = specs_of(gpu, dtype)
-            if not specs:
-                dtype = torch.float32
-                specs = specs_of(gpu, dtype)
-            found += [(spec, gpu, TRITON_DTYPES[dtype]) for spec in specs]
-    return found
+    return [(spec, gpu, name) for specs_of in spec_fns for gpu in gpus for dtype, name in TRITON_DTYPES.items()
+            for spec in specs_of(gpu, dtype)]
 
 
 def compile_kernel(spec: KernelSpec, gpu: GPUSpec, dtype: str) -> Build:

@@ -459,11 +459,16 @@ def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
     (flash_attention_varlen, the engine's prefill) at the course models' head sizes: 64 (SmolLM2) and 128
     (Llama-style checkpoints). Dense attention (flash_attention: chapter 05 and benchmarks/bench_attention.py),
     causal and not, at those sizes and at the 32 of chapter 05's checks. Lengths, batch and the GQA group are
-    runtime values, so these cover every model with these head sizes.
+    runtime values, so these cover every model with these head sizes. In another dtype than the model's: fp16
+    SmolLM2 (gpu_check.sh's fp16 pass on a bf16 GPU: prefill, and its dense check) and fp32 SmolLM2 prefill
+    (chapter 06's fp32 target).
     """
     ptr = f"*{TRITON_DTYPES[dtype]}:16"  # torch allocations are 16-byte aligned
     variants = [(False, True, 64), (False, True, 128), (True, True, 64), (True, True, 128),
                 (False, False, 64), (False, False, 128), (False, True, 32), (False, False, 32)]
+    if dtype != gpu.model_dtype:
+        variants = {torch.float16: [(False, True, 64), (True, True, 64)], torch.float32: [(True, True, 64)]}.get(
+            dtype, [])
     specs = []
     for varlen, causal, head_dim in variants:
         args = _compile_time_args(head_dim, dtype, causal, varlen, gpu)

@@ -153,7 +153,10 @@ def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
     """The launches of `_w8a16_matmul` on `gpu` for `dtype` that the course makes: decode-sized calls (16 rows or
     fewer) and prefill-sized ones (more), scales in bf16 as the layers store them, contiguous operands. SmolLM2's
     int8 products (the head, 49,152 x 576, and the "int8" model's layers: 960, 576, 3,072 x 576 and 576 x 1,536)
-    have strides that are multiples of 16, which the signature states; their sizes are runtime values."""
+    have strides that are multiples of 16, which the signature states; their sizes are runtime values. Quantized
+    models run in the GPU's model dtype only."""
+    if dtype != gpu.model_dtype:
+        return []
     ptr = f"*{TRITON_DTYPES[dtype]}:16"
     signature = dict(X=ptr, W="*i8:16", S="*bf16:16", Out=ptr, M="i32", N="i32", K="i32", stride_xm="i32:16",
                      stride_wn="i32:16", stride_om="i32:16")

@@ -138,12 +138,15 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
     """The launches of `_store_kv` on `gpu` for `dtype` that the course makes: SmolLM2's 3 KV heads of 64 at
     every block size the engine runs with in the chapters (16 by default, 8 in chapter 07's pool picture, and
-    chapter 07's sweep of 1 to 256), and Llama-style 8 heads of 128 at block size 16."""
+    chapter 07's sweep of 1 to 256), and Llama-style 8 heads of 128 at block size 16. In fp16 on a bf16 GPU
+    (gpu_check.sh's fp16 pass), SmolLM2 at block size 16 only; nothing in fp32."""
     # torch allocations, and views of a fused QKV projection cut at whole heads, are 16-byte aligned
     ptr = f"*{TRITON_DTYPES[dtype]}:16"
     signature = {name: "i32:16" for name in _store_kv.arg_names if name.startswith("stride_")}
     signature |= dict(K=ptr, V=ptr, K_cache=ptr, V_cache=ptr, slot_mapping="*i32:16", num_kv_heads="i32")
     variants = [(3, 64, block_size) for block_size in (1, 4, 8, 16, 64, 256)] + [(8, 128, 16)]
+    if dtype != gpu.model_dtype:
+        variants = variants[3:4] if dtype == torch.float16 else []
     specs = []
     for num_kv_heads, head_dim, block_size in variants:
         args = _compile_time_args(head_dim, block_size, num_kv_heads, dtype, gpu)

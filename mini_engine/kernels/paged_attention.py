@@ -312,13 +312,16 @@ def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
     heads on 3 KV heads of 64) at every block size the engine runs with in the chapters (16 by default, 8 in
     chapter 07's pool picture, and chapter 07's sweep of 1 to 256), and benchmarks/bench_paged_attention.py's
     Llama-style 32 on 8 heads of 128 at block size 16. The larger SmolLM2 models (15 on 5, 32 on 32) compile to
-    the same code as the 135M: a GQA group of up to 16 pads to BLOCK_G = 16."""
+    the same code as the 135M: a GQA group of up to 16 pads to BLOCK_G = 16. In fp16 on a bf16 GPU (gpu_check.sh's
+    fp16 pass), SmolLM2 at block size 16 only; nothing in fp32."""
     ptr = f"*{TRITON_DTYPES[dtype]}:16"  # torch allocations are 16-byte aligned
     signature = {name: "i32:16" for name in _paged_decode_fwd.arg_names if name.startswith("stride_")}
     signature |= dict(Q=ptr, K_cache=ptr, V_cache=ptr, Out=ptr, block_tables="*i32:16", context_lens="*i32:16",
                       stride_bts="i32", group_size="i32", qk_scale="fp32")
     variants = [("SmolLM2-135M", 9, 3, 64, block_size) for block_size in (1, 4, 8, 16, 64, 256)]
     variants += [("SmolLM2-360M", 15, 5, 64, 16), ("SmolLM2-1.7B", 32, 32, 64, 16), ("Llama-3-8B", 32, 8, 128, 16)]
+    if dtype != gpu.model_dtype:
+        variants = variants[3:4] if dtype == torch.float16 else []
     specs = []
     for model, heads_q, heads_kv, head_dim, block_size in variants:
         args = _compile_time_args(head_dim, block_size, heads_q // heads_kv, dtype, gpu)

@@ -2,14 +2,15 @@
 and an H100 (sm_90), with no GPU here.
 
 For each registered kernel (aot.KERNEL_MODULES, plus lab 05's solution), every variant the course launches
-on each GPU (`aot.jobs`: the model's dtype there, fp16 on a T4 and bf16 from sm_80; SmolLM2's shapes; the
-chapters' sweeps of block sizes, head sizes, causal and not, group sizes, draft counts), in the launch
+on each GPU (`aot.jobs`: the model's dtype there, fp16 on a T4 and bf16 from sm_80, and the few launches in
+another: gpu_check.sh's fp16 pass, chapter 06's fp32 target, fp32 probabilities and compact scales; SmolLM2's
+shapes; the chapters' sweeps of block sizes, head sizes, causal and not, group sizes, draft counts), in the launch
 configuration the wrapper picks for that GPU, is compiled ahead of time to PTX and a cubin
 (mini_engine/kernels/aot.py) and checked against that GPU: the shared memory it needs per block, and no
 registers spilled to local memory. Each variant is a test named by kernel, GPU, dtype and variant; variants
-that compile to the same code are compiled once. About 160 s of CPU time, under two minutes on an idle 2-core
-CPU; Triton's cache (~/.triton/cache, or TRITON_CACHE_DIR), which the worker processes share, makes a rerun
-take seconds.
+that compile to the same code are compiled once. About two CPU-minutes, about a minute on an idle 2-core CPU;
+Triton's cache (~/.triton/cache, or TRITON_CACHE_DIR), which the worker processes share, makes a rerun take
+seconds.
 """
 import importlib
 import pathlib
