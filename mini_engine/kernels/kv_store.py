@@ -146,7 +146,7 @@ def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
     signature |= dict(K=ptr, V=ptr, K_cache=ptr, V_cache=ptr, slot_mapping="*i32:16", num_kv_heads="i32")
     variants = [(3, 64, block_size) for block_size in (1, 4, 8, 16, 64, 256)] + [(8, 128, 16)]
     if dtype != gpu.model_dtype:
-        variants = variants[3:4] if dtype == torch.float16 else []
+        variants = [(3, 64, 16)] if dtype == torch.float16 else []
     specs = []
     for num_kv_heads, head_dim, block_size in variants:
         args = _compile_time_args(head_dim, block_size, num_kv_heads, dtype, gpu)

@@ -321,7 +321,7 @@ def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
     variants = [("SmolLM2-135M", 9, 3, 64, block_size) for block_size in (1, 4, 8, 16, 64, 256)]
     variants += [("SmolLM2-360M", 15, 5, 64, 16), ("SmolLM2-1.7B", 32, 32, 64, 16), ("Llama-3-8B", 32, 8, 128, 16)]
     if dtype != gpu.model_dtype:
-        variants = variants[3:4] if dtype == torch.float16 else []
+        variants = [("SmolLM2-135M", 9, 3, 64, 16)] if dtype == torch.float16 else []
     specs = []
     for model, heads_q, heads_kv, head_dim, block_size in variants:
         args = _compile_time_args(head_dim, block_size, heads_q // heads_kv, dtype, gpu)
