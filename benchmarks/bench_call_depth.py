@@ -27,12 +27,16 @@ import time
 import torch
 
 
-def _load(device: str, dtype: str):
-    try:  # an older checkout, with the loader at the top level (tried first: the editable install finds new paths)
+def _engine_parts():
+    """load_model and describe_machine: an older checkout keeps them at the top level (tried first, since the
+    editable install also finds the new paths)."""
+    try:
+        from mini_engine.hardware import describe_machine
         from mini_engine.loader import load_model
     except ImportError:
+        from mini_engine.course.hardware import describe_machine
         from mini_engine.loading.loader import load_model
-    return load_model("smollm2-135m", device=device, dtype=dtype)
+    return load_model, describe_machine
 
 
 def nest(depth: int, fn):
@@ -48,7 +52,8 @@ def main(argv=None) -> None:
 
     import mini_engine as me
     from tqdm.auto import tqdm
-    model, tok = _load("cpu", "float32")
+    load_model, describe_machine = _engine_parts()
+    model, tok = load_model("smollm2-135m", device="cpu", dtype="float32")
     prompt = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "Explain, step by step, how a bicycle stays upright while moving."}]))
     params = me.SamplingParams(max_tokens=args.tokens, ignore_eos=True)
@@ -65,14 +70,17 @@ def main(argv=None) -> None:
         return statistics.median(gaps) * 1e3, faults / len(stamps)
 
     rows = [(d, *nest(d, stream)) for d in tqdm(range(args.depths), desc="call depths")]
-    print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads; {args.tokens} tokens a stream")
+    print(describe_machine("cpu"))
+    print(f"Python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{args.tokens} tokens a stream")
     print(f"{'depth':>5} {'TPOT p50':>9} {'faults/token':>13}")
     for depth, tpot, faults in rows:
         print(f"{depth:>5} {tpot:>7.1f}ms {faults:>13.1f}")
-    crossing = [r for r in rows if r[2] > 10]
-    clear = [r for r in rows if r[2] <= 10]
-    for name, part in (("no chunk crossing", clear), ("crossing a chunk's end", crossing)):
+    bands = (("no crossing (<= 5 faults/token)", lambda f: f <= 5),
+             ("some calls crossing (5-100)", lambda f: 5 < f < 100),
+             ("crossing at every product (>= 100)", lambda f: f >= 100))
+    for name, inside in bands:
+        part = [r for r in rows if inside(r[2])]
         if part:
             tpots = sorted(r[1] for r in part)
             print(f"{name}: {len(part)} of {len(rows)} depths, TPOT median {statistics.median(tpots):.1f} ms "
