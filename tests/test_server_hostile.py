@@ -146,10 +146,12 @@ def test_a_body_over_the_limit_gets_413_declared_or_not(real):
 
 
 class HealthProbe:
-    """Asks /health every 50 ms on a thread of its own; `.slowest` seconds, `.failures`."""
+    """Asks /health every 50 ms on a thread of its own; `.slowest` seconds, `.failures`. Entering waits for the
+    first answer, so that a request refused in milliseconds is still made while the probe runs."""
 
     def __init__(self, url: str):
         self.url, self.times, self.failures, self.stop = url, [], [], threading.Event()
+        self.answered = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
@@ -160,10 +162,13 @@ class HealthProbe:
                 self.times.append(time.perf_counter() - t0)
                 if status != 200:
                     self.failures.append(status)
+                self.answered.set()
                 time.sleep(0.05)
 
     def __enter__(self) -> "HealthProbe":
         self.thread.start()
+        if not self.answered.wait(30):
+            raise TimeoutError("/health did not answer within 30 s")
         return self
 
     def __exit__(self, *exc) -> None:
