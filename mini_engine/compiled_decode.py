@@ -56,7 +56,7 @@ class DecodeGraphs(dict):
         self.caches: dict[tuple, ContiguousKVCache] = {}  # the compiled plain loop's, by shape (`plain_cache`)
 
     def __deepcopy__(self, memo):
-        return DecodeGraphs()
+        return type(self)()
 
     def step(self, model, mode: bool | str):
         key = (mode, model.device.type, model.dtype)
@@ -73,17 +73,16 @@ class DecodeGraphs(dict):
             self[key] = torch.compile(code, fullgraph=True, dynamic=False, **options)
         return self[key]
 
-
-def _run_graph(model, kv_cache, backend: str, *args, mode: bool | str = True, **kwargs) -> torch.Tensor:
-    """decode_graph(...), compiled: mode "cpp" with the C++ wrapper, "max-autotune" with Inductor's products."""
-    step = model.__dict__.setdefault("decode_graphs", DecodeGraphs()).step(model, mode)
-    limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-    settings = contextlib.nullcontext()
-    if mode == "max-autotune" and model.device.type == "cpu":
-        from torch._inductor import config as inductor_config
-        settings = inductor_config.patch(_MAX_AUTOTUNE_CPU)
-    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit), settings:
-        return step(model, kv_cache, backend, *args, **kwargs)
+    def run(self, model, mode: bool | str, *args, **kwargs) -> torch.Tensor:
+        """decode_graph(model, *args, **kwargs) through the step compiled in `mode` (see COMPILE_MODES)."""
+        step = self.step(model, mode)
+        limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+        settings = contextlib.nullcontext()
+        if mode == "max-autotune" and model.device.type == "cpu":
+            from torch._inductor import config as inductor_config
+            settings = inductor_config.patch(_MAX_AUTOTUNE_CPU)
+        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit), settings:
+            return step(model, *args, **kwargs)
 
 
 def graphs_compiled() -> int:
@@ -161,8 +160,9 @@ class CompiledDecode:
         ids = torch.tensor(list(tokens) + [0] * pad, device=self.model.device)
         back = torch.tensor(sorted(range(size), key=order.__getitem__), device=ids.device) if self.paged else None
         first, t0 = size not in self.compiled_buckets, time.perf_counter()
-        logits = _run_graph(self.model, self.kv_cache, self.backend, ids, meta.positions, meta.slot_mapping,
-                            meta.decode.context_lens, meta.decode.slots, meta.block_tables, back, mode=self.mode)
+        graphs = self.model.__dict__.setdefault("decode_graphs", DecodeGraphs())
+        logits = graphs.run(self.model, self.mode, self.kv_cache, self.backend, ids, meta.positions,
+                            meta.slot_mapping, meta.decode.context_lens, meta.decode.slots, meta.block_tables, back)
         if first:
             self.compiled_buckets.add(size)
             self.compile_seconds += time.perf_counter() - t0

@@ -18,12 +18,14 @@ def enabled() -> bool:
 def install(model):
     """Plug the backend into `model`, a model on the CPU, in place (returns it): each bias-free nn.Linear takes the
     product form measured fastest here (`products.Linear`), RMSNorm, RoPE and SwiGLU their fused operators
-    (`layers`), each quantized layer of `mini_engine.quant` its tuned forms (`quant_forms`), and the "torch"
-    attention backend the forms that read the caches in place (`attention`). Nothing happens where the backend is
+    (`layers`), each quantized layer of `mini_engine.quant` its tuned forms (`quant_forms`), the "torch"
+    attention backend the forms that read the caches in place (`attention`), and its compiled decode steps the
+    same place in CPython's frame stack from any caller (`fresh_chunk`). Nothing happens where the backend is
     off or the model is not on a CPU."""
     if not enabled() or model.device.type != "cpu":
         return model
     from .attention import CpuAttention, register_decode_op
+    from .fresh_chunk import FreshChunkDecodeGraphs
     from .layers import FUSED
     from .products import Linear
     from .quant_forms import adopt_all
@@ -35,6 +37,8 @@ def install(model):
     adopt_all(model)
     register_decode_op()
     model.attention_backends["torch"] = CpuAttention()
+    if not isinstance(model.__dict__.get("decode_graphs"), FreshChunkDecodeGraphs):
+        model.decode_graphs = FreshChunkDecodeGraphs()
     return model
 
 def tuned_forms(tuner=None) -> list[dict]:
