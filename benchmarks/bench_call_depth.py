@@ -9,9 +9,11 @@ backend is Python), all from one frame. Whether they cross a chunk's end depends
 sits, which depends on every caller above it. Two commits whose call paths differ by a frame can then measure
 very differently for no reason in the step itself.
 
-This runs the same timed stream (greedy, EOS ignored) under 0, 1, ... `--depths - 1` extra frames, and prints
-per depth the time per output token and the minor page faults per token. The page faults show which rows crossed a
-chunk's end. It also runs on an older checkout that keeps the engine's modules at the top level.
+The CPU backend starts each compiled step on a chunk of its own (`backends/cpu/fresh_chunk.py`). This runs the
+same timed stream (greedy, EOS ignored) under 0, 1, ... `--depths - 1` extra frames, at each depth once that way
+and once with the step called from where its caller is (the graphs are shared), and prints per depth the time per
+output token and the minor page faults per token. The page faults show which rows crossed a chunk's end. On an
+older checkout, without `fresh_chunk`, it runs the second way only.
 
     python benchmarks/bench_call_depth.py [--depths 160] [--tokens 24]
 """
@@ -69,23 +71,46 @@ def main(argv=None) -> None:
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         return statistics.median(gaps) * 1e3, faults / len(stamps)
 
-    rows = [(d, *nest(d, stream)) for d in tqdm(range(args.depths), desc="call depths")]
+    ways = _ways(model)
+    rows = {way: [] for way in ways}
+    for depth in tqdm(range(args.depths), desc="call depths"):
+        for way, graphs in ways.items():  # alternated at each depth: the machine's drift falls on both alike
+            if graphs is not None:
+                model.decode_graphs = graphs
+            rows[way].append((depth, *nest(depth, stream)))
     print(describe_machine("cpu"))
     print(f"Python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.tokens} tokens a stream")
-    print(f"{'depth':>5} {'TPOT p50':>9} {'faults/token':>13}")
-    for depth, tpot, faults in rows:
-        print(f"{depth:>5} {tpot:>7.1f}ms {faults:>13.1f}")
+    print(f"{'depth':>5} " + " ".join(f"{way + ': TPOT p50, faults/token':>36}" for way in rows))
+    for depth in range(args.depths):
+        print(f"{depth:>5} " + " ".join(f"{r[depth][1]:>24.1f}ms {r[depth][2]:>9.1f}" for r in rows.values()))
     bands = (("no crossing (<= 5 faults/token)", lambda f: f <= 5),
              ("some calls crossing (5-100)", lambda f: 5 < f < 100),
              ("crossing at every product (>= 100)", lambda f: f >= 100))
-    for name, inside in bands:
-        part = [r for r in rows if inside(r[2])]
-        if part:
-            tpots = sorted(r[1] for r in part)
-            print(f"{name}: {len(part)} of {len(rows)} depths, TPOT median {statistics.median(tpots):.1f} ms "
-                  f"(min {tpots[0]:.1f}, max {tpots[-1]:.1f})")
+    for way, way_rows in rows.items():
+        for name, inside in bands:
+            part = [r for r in way_rows if inside(r[2])]
+            if part:
+                tpots = sorted(r[1] for r in part)
+                print(f"{way}, {name}: {len(part)} of {len(way_rows)} depths, TPOT median "
+                      f"{statistics.median(tpots):.1f} ms (min {tpots[0]:.1f}, max {tpots[-1]:.1f})")
 
+
+def _ways(model) -> dict:
+    """The model's compiled steps two ways: the CPU backend's (`FreshChunkDecodeGraphs`), and a plain
+    `DecodeGraphs` holding the same graphs, whose steps run where their caller's frames leave them. An older
+    checkout or a model without the backend has only the second ({"as called": None}: left as it is)."""
+    graphs = model.__dict__.get("decode_graphs")
+    try:
+        from mini_engine.compiled_decode import DecodeGraphs
+    except ImportError:
+        return {"as called": None}
+    if graphs is None or type(graphs) is DecodeGraphs:
+        return {"as called": None}
+    plain = DecodeGraphs()
+    plain.update(graphs)
+    plain.caches = graphs.caches
+    return {"fresh chunk": graphs, "as called": plain}
 
 if __name__ == "__main__":
     sys.exit(main())
