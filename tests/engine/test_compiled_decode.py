@@ -1,6 +1,8 @@
 """The compiled decode step is the eager one, fused: same logits (to rounding), same cache contents, same
 greedy tokens on the real model, in fp32 and bf16, for cache lengths that share a graph. (Compiling takes seconds for a
 tiny model and about a minute for SmolLM2: these tests are the slowest in the suite.)"""
+import functools
+
 import pytest
 import torch
 
@@ -23,6 +25,24 @@ def _two_caches(model, prompts, slots, max_len):
     return caches
 
 
+PROMPTS, SLOTS = [[5, 6, 7, 8, 9], [10, 11]], [2, 0]  # unequal contexts, slots out of order, slot 1 unused
+
+
+def twin_steps(model, steps: int):
+    """PROMPTS prefilled into twin caches, and `steps` decode steps after them: the eager steps run now, on the
+    first cache; each (logits, run) pair holds an eager step's logits and a function that runs the same step
+    compiled (`CompiledDecode`) on the second cache. Call the runs in order: each step reads what the one before
+    wrote. Returns (eager cache, compiled cache, pairs)."""
+    eager_cache, compiled_cache = _two_caches(model, PROMPTS, SLOTS, max_len=12)
+    graphs = CompiledDecode(model, compiled_cache, "torch", max_num_seqs=2)
+    pairs = []
+    for step in range(steps):
+        tokens, lens = [20 + step, 30 + step], [len(p) + 1 + step for p in PROMPTS]
+        pairs.append((decode_step(model, eager_cache, tokens, lens, SLOTS),
+                      functools.partial(graphs, tokens, [n - 1 for n in lens], SLOTS)))
+    return eager_cache, compiled_cache, pairs
+
+
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Inductor emits Triton there)")
 
 
@@ -30,14 +50,9 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_compiled_step_matches_eager_step_on_a_tiny_model(kv_heads, device):
     model = tiny_model(4, kv_heads).to(device)
-    prompts, slots = [[5, 6, 7, 8, 9], [10, 11]], [2, 0]  # unequal contexts, slots out of order, slot 1 unused
-    eager_cache, compiled_cache = _two_caches(model, prompts, slots, max_len=12)
-    graphs = CompiledDecode(model, compiled_cache, "torch", max_num_seqs=2)
-    for step in range(3):  # three steps: each reads what the previous one wrote
-        tokens, lens = [20 + step, 30 + step], [len(p) + 1 + step for p in prompts]
-        want = decode_step(model, eager_cache, tokens, lens, slots)
-        got = graphs(tokens, [n - 1 for n in lens], slots)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
+    eager_cache, compiled_cache, pairs = twin_steps(model, 3)  # three steps: each reads what the one before wrote
+    for step, (want, run) in enumerate(pairs):
+        torch.testing.assert_close(run(), want, rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"step {step}: compiled logits differ from eager: {m}")
     torch.testing.assert_close(compiled_cache.data, eager_cache.data, rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"the compiled step left different keys/values in the cache: {m}")

@@ -7,6 +7,7 @@ import torch
 import mini_engine as me
 from mini_engine.attention import TorchAttention
 from mini_engine.backends.cpu.attention import CpuAttention
+from mini_engine.backends.cpu.fresh_chunk import FreshChunkDecodeGraphs
 from mini_engine.backends.cpu.layers import FusedMLP
 from mini_engine.backends.cpu.products import Linear as TunedLinear
 
@@ -23,6 +24,7 @@ def test_the_backend_plugs_in_after_loading_and_stays_out_when_off(monkeypatch):
     assert isinstance(on.attention_backends["torch"], CpuAttention)
     assert type(off.layers[0].mlp).__module__ == "mini_engine.model" and type(off.lm_head) is torch.nn.Linear
     assert type(off.attention_backends["torch"]) is TorchAttention
+    assert isinstance(on.decode_graphs, FreshChunkDecodeGraphs) and "decode_graphs" not in vars(off)
     assert on.lm_head.weight is on.embed_tokens.weight, "the tied head still shares the embedding"
 
 

@@ -371,12 +371,10 @@ def test_a_compiled_contiguous_step_gives_the_eager_logits_through_either_graph_
     graph gives the eager step's logits."""
     if not cpu_kernels.load_torch_ops():
         pytest.skip("the C++ operators could not be built here (no C++ compiler or PyTorch headers)")
-    from test_compiled_decode import _two_caches
+    from test_compiled_decode import twin_steps
 
     from mini_engine.backends.cpu import install
     from mini_engine.backends.cpu.attention import _graph_reads_in_place
-    from mini_engine.compiled_decode import CompiledDecode
-    from mini_engine.generate import decode_step
     from test_cached_equivalence import tiny_model
 
     if form is None:  # nothing decided: the graph's trace times both operators
@@ -387,14 +385,9 @@ def test_a_compiled_contiguous_step_gives_the_eager_logits_through_either_graph_
         force_forms(graph_contiguous_decode=form)
         assert _graph_reads_in_place(2, 4, 2, 16, str(torch.float32)) == (form == IN_PLACE)
     model = install(tiny_model(4, 2))
-    prompts, slots = [[5, 6, 7, 8, 9], [10, 11]], [2, 0]
-    eager_cache, compiled_cache = _two_caches(model, prompts, slots, max_len=12)
-    graphs = CompiledDecode(model, compiled_cache, "torch", max_num_seqs=2)
-    for step in range(2):
-        tokens, lens = [20 + step, 30 + step], [len(p) + 1 + step for p in prompts]
-        want = decode_step(model, eager_cache, tokens, lens, slots)
+    for want, run in twin_steps(model, 2)[2]:
         with torch.profiler.profile() as prof:
-            got = graphs(tokens, [n - 1 for n in lens], slots)
+            got = run()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         called = {e.key for e in prof.key_averages()}
         ops = {IN_PLACE: "mini_engine_cpp::contiguous_decode", "operator": "mini_engine::decode_attention"}

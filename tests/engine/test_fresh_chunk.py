@@ -10,11 +10,10 @@ import torch
 
 from mini_engine.backends.cpu import install
 from mini_engine.backends.cpu.fresh_chunk import FreshChunkDecodeGraphs, on_fresh_chunk
-from mini_engine.compiled_decode import CompiledDecode, DecodeGraphs
-from mini_engine.generate import decode_step
+from mini_engine.compiled_decode import DecodeGraphs
 
 from test_cached_equivalence import tiny_model
-from test_compiled_decode import _two_caches
+from test_compiled_decode import twin_steps
 
 CALLS = 2000
 
@@ -56,15 +55,10 @@ def test_an_installed_models_compiled_step_runs_on_a_fresh_chunk_with_the_eager_
     model = install(tiny_model(4, 2))
     assert isinstance(model.decode_graphs, FreshChunkDecodeGraphs)
     assert type(copy.deepcopy(model).decode_graphs) is FreshChunkDecodeGraphs
-    callers, run = [], DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda *a, **k: callers.append(sys._getframe(1).f_code) or run(*a, **k))
-    prompts, slots = [[5, 6, 7, 8, 9], [10, 11]], [2, 0]
-    eager_cache, compiled_cache = _two_caches(model, prompts, slots, max_len=12)
-    graphs = CompiledDecode(model, compiled_cache, "torch", max_num_seqs=2)
-    for step in range(2):
-        tokens, lens = [20 + step, 30 + step], [len(p) + 1 + step for p in prompts]
-        want = decode_step(model, eager_cache, tokens, lens, slots)
-        got = graphs(tokens, [n - 1 for n in lens], slots)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    callers, plain_run = [], DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run",
+                        lambda *a, **k: callers.append(sys._getframe(1).f_code) or plain_run(*a, **k))
+    for want, run in twin_steps(model, 2)[2]:
+        torch.testing.assert_close(run(), want, rtol=1e-4, atol=1e-4)
     assert [c.co_name for c in callers] == ["_call", "_call"], "each step called from the one-chunk frame"
     assert callers[0].co_stacksize * 8 > 16 * 1024
