@@ -13,8 +13,8 @@ only on its callers.
 `on_fresh_chunk` calls through a frame larger than a whole chunk: it never fits in the current one, so CPython
 maps a chunk for it (32 KiB), and everything the step calls lies in that chunk at the same place on every call,
 from any caller. That costs one map and unmap a step instead of a lottery. (A thread of its own would also start
-the step at a chunk's beginning, but the step then runs its OpenMP regions from a second thread: measured slower
-on 2 cores, see benchmarks/RESULTS.md.)
+the step at a chunk's beginning, but OpenMP regions run from a second thread slowed every step of the process on
+2 cores: see benchmarks/RESULTS.md.)
 """
 from __future__ import annotations
 
