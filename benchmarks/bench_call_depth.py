@@ -112,5 +112,6 @@ def _ways(model) -> dict:
     plain.caches = graphs.caches
     return {"fresh chunk": graphs, "as called": plain}
 
+
 if __name__ == "__main__":
     sys.exit(main())
