@@ -124,6 +124,7 @@ class CompiledDecode:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile must be False or one of {COMPILE_MODES}, got {mode!r}")
         self.model, self.kv_cache, self.backend, self.mode = model, kv_cache, backend, mode
+        self.graphs = model.__dict__.setdefault("decode_graphs", DecodeGraphs())  # the CPU backend installs its own
         if model.device.type == "cuda":  # CUDA graphs replay fixed addresses: the cache must never move
             torch._dynamo.mark_static_address(kv_cache.data)
         self.buckets = decode_buckets(max_num_seqs)
@@ -160,9 +161,8 @@ class CompiledDecode:
         ids = torch.tensor(list(tokens) + [0] * pad, device=self.model.device)
         back = torch.tensor(sorted(range(size), key=order.__getitem__), device=ids.device) if self.paged else None
         first, t0 = size not in self.compiled_buckets, time.perf_counter()
-        graphs = self.model.__dict__.setdefault("decode_graphs", DecodeGraphs())
-        logits = graphs.run(self.model, self.mode, self.kv_cache, self.backend, ids, meta.positions,
-                            meta.slot_mapping, meta.decode.context_lens, meta.decode.slots, meta.block_tables, back)
+        logits = self.graphs.run(self.model, self.mode, self.kv_cache, self.backend, ids, meta.positions,
+                                 meta.slot_mapping, meta.decode.context_lens, meta.decode.slots, meta.block_tables, back)
         if first:
             self.compiled_buckets.add(size)
             self.compile_seconds += time.perf_counter() - t0

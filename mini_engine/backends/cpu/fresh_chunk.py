@@ -29,15 +29,10 @@ def _call(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-def _with_a_frame_over_one_chunk(function):
-    """`function` with a frame more than a chunk long: its value stack reserved larger than it needs (unused
-    slots cost nothing but the address space)."""
-    code = function.__code__
-    return types.FunctionType(code.replace(co_stacksize=code.co_stacksize + _CHUNK_BYTES // 8),
-                              function.__globals__, function.__name__)
-
-
-_call_from_a_chunk_of_its_own = _with_a_frame_over_one_chunk(_call)
+# `_call` with a frame more than a chunk long: its value stack reserved larger than it needs (the unused slots cost
+# only address space).
+_call_from_a_chunk_of_its_own = types.FunctionType(
+    _call.__code__.replace(co_stacksize=_call.__code__.co_stacksize + _CHUNK_BYTES // 8), globals(), "_call")
 
 
 def on_fresh_chunk(fn, *args, **kwargs):
