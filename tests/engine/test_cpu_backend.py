@@ -41,6 +41,21 @@ def test_quantized_layers_take_the_backends_forms_only_when_on(monkeypatch):
     assert off.layers[0].mlp.down_proj.layout is None
 
 
+def test_a_copied_layer_is_numbered_anew_for_the_compiled_graphs_lookup(monkeypatch):
+    """A compiled graph names a tuned layer by number (`autotune.number_layer`): Dynamo before torch 2.13 takes
+    no module where the graph asks for the layer's form. A deep copy gets a number of its own."""
+    import copy
+
+    from mini_engine.backends.cpu.autotune import numbered_layer
+    for quantization in (None, "int4"):
+        model, _ = load(monkeypatch, True, quantization=quantization)
+        twin = copy.deepcopy(model)
+        for layer, copied in ((model.lm_head, twin.lm_head), (model.layers[0].mlp.down_proj,
+                                                               twin.layers[0].mlp.down_proj)):
+            assert copied.number != layer.number
+            assert numbered_layer(layer.number) is layer and numbered_layer(copied.number) is copied
+
+
 @pytest.fixture(scope="module")
 def prompts(real):
     _, tok = real

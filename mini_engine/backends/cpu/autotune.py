@@ -27,10 +27,12 @@ MINI_ENGINE_TUNE_CACHE=0 to time every case in every process, or delete the file
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -195,6 +197,23 @@ class Autotuner:
 def row_bucket(rows: int, cap: int = 256) -> int:
     """Counts share a decision within powers of two (1, 2, 4, ..., cap; cap stands for every count above)."""
     return min(1 << (rows - 1).bit_length(), cap)
+
+
+# Layers by number, for the functions torch.compile runs instead of tracing them (`assume_constant_result`): their
+# arguments must be constants, and Dynamo before torch 2.13 refuses a module there.
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count()
+
+
+def number_layer(layer) -> None:
+    """Give `layer` a number of its own, `layer.number`, that `numbered_layer` turns back into it. A copy of a
+    layer must be numbered anew (its `__setstate__` does it), or its number would name the original."""
+    layer.number = next(_NUMBERS)
+    _LAYERS[layer.number] = layer
+
+
+def numbered_layer(number: int):
+    return _LAYERS[number]
 
 
 def counting_mode_active() -> bool:

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .autotune import TUNER, Autotuner, Walk, counting_mode_active, row_bucket
+from .autotune import (TUNER, Autotuner, Walk, counting_mode_active, number_layer, numbered_layer,
+                       row_bucket)
 
 
 def _transposed(x, w):
@@ -207,6 +208,7 @@ class Linear(nn.Linear):
 
     def _init_forms(self, tuner: Autotuner) -> None:
         self.tuner = tuner
+        number_layer(self)  # how a compiled graph's `_traced_form` names it
         # (rows, dtype) -> form: the tuner's answer, kept here because a decode step makes 121 products and
         # each lookup through the tuner costs microseconds.
         self._forms: dict[tuple[int, torch.dtype], callable] = {}
@@ -225,7 +227,7 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling():  # the choice is a fact about the machine: a constant in the graph
             if _inductor_writes_products():
                 return F.linear(x, w)
-            name = _traced_form(self, x.shape[0])
+            name = _traced_form(self.number, x.shape[0])
             if name in PACKERS:
                 return torch.ops.mini_engine.packed_product(x, w, name)
             return FORMS[name](x, w)
@@ -237,6 +239,10 @@ class Linear(nn.Linear):
         # A copy (copy.deepcopy, pickle) decides its forms anew: the cached forms of a packed weight are bound
         # to this layer, and a oneDNN packed tensor cannot be copied.
         return {**self.__dict__, "_forms": {}, "_packed": {}}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        number_layer(self)
 
     def _apply(self, fn, *args, **kwargs):
         self._forms.clear()  # moved to another device or dtype: the forms are decided anew
@@ -284,9 +290,11 @@ def _inductor_writes_products() -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def _traced_form(layer: Linear, rows: int) -> str:
-    """Run (not traced) when torch.compile meets a Linear: the form is tuned, or looked up, eagerly, among
-    the forms the compiler can trace. A packed form registers the layer, for `packed_product` to find."""
+def _traced_form(number: int, rows: int) -> str:
+    """Run (not traced) when torch.compile meets a Linear (`number`: its `number_layer`): the form is tuned, or
+    looked up, eagerly, among the forms the compiler can trace. A packed form registers the layer, for
+    `packed_product` to find."""
+    layer = numbered_layer(number)
     name = choose_form(layer.weight, rows, layer.tuner, packed=False)
     if name in PACKERS:
         _OWNERS[layer.weight.data_ptr()] = weakref.ref(layer)

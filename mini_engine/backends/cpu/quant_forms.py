@@ -87,7 +87,8 @@ import torch.nn.functional as F
 
 from ...quant import Int4Linear, Int8Linear, QuantLinear, QuantMeta, _dequant, dequantize_state, pack_int4, unpack_int4
 from . import cpu_kernels
-from .autotune import TUNER, Autotuner, Walk, counting_mode_active, row_bucket
+from .autotune import (TUNER, Autotuner, Walk, counting_mode_active, number_layer, numbered_layer,
+                       row_bucket)
 
 # ---------------------------------------------------------------- torch's CPU int4 layout
 
@@ -344,9 +345,10 @@ def _call(form, x, meta, state):
 
 
 @torch._dynamo.assume_constant_result
-def _traced_form(layer: QuantLinear, rows: int, dtype: torch.dtype) -> str:
-    """Run (not traced) when torch.compile meets a quantized layer: the form is tuned, or looked up, eagerly."""
-    return choose_form(layer, rows, dtype)
+def _traced_form(number: int, rows: int, dtype: torch.dtype) -> str:
+    """Run (not traced) when torch.compile meets a quantized layer (`number`: its `number_layer`): the form is
+    tuned, or looked up, eagerly."""
+    return choose_form(numbered_layer(number), rows, dtype)
 
 
 # ---------------------------------------------------------------- the adopted layers
@@ -368,7 +370,7 @@ class TunedQuantLinear:
         if x2.device.type != "cpu":
             y = self.device_product(x2, x2.device.type)
         elif torch.compiler.is_compiling():  # the choice is a fact about the machine: a constant in the graph
-            y = FORMS[_traced_form(self, x2.shape[0], x2.dtype)](x2, self.qweight, self.scales, self.meta)
+            y = FORMS[_traced_form(self.number, x2.shape[0], x2.dtype)](x2, self.qweight, self.scales, self.meta)
         elif counting_mode_active():  # a FLOP counter sees the product the model means
             y = _dequant(x2, self.qweight, self.scales, self.meta)
         else:
@@ -386,6 +388,10 @@ class TunedQuantLinear:
 
     def __getstate__(self):
         return {**self.__dict__, "_forms": {}}  # a copy binds its own tensors
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        number_layer(self)
 
     def _apply(self, fn, *args, **kwargs):
         self._forms.clear()  # moved to another device or dtype: the forms are decided anew
@@ -431,6 +437,7 @@ def adopt(layer: QuantLinear, tuner: Autotuner | None = None) -> QuantLinear:
     if type(layer) in ADOPTED:
         layer.__class__ = ADOPTED[type(layer)]
         layer._forms = {}
+        number_layer(layer)
         register_ops()
     if tuner is not None:
         layer.tuner = tuner
