@@ -6,15 +6,20 @@ It needs torch, triton and transformers, nothing else: no network, no `gguf`, no
 SmolLM2-135M's shape (30 layers, 9 query and 3 KV heads of 64) with random weights: whether two paths of the
 engine agree, and how fast they run, does not depend on the weights' values. Every check prints a line and
 counts; the exit status is 1 if any failed:
+  - the kernel tests (tests/kernels) and the engine's tests of its kernels on a GPU (the quantized layers' Triton
+    products, the Triton attention backend), natively;
   - the Triton attention backend against the torch one, step by step through the engine's caches (contiguous and
     paged: a prefill in two chunks, a decode step, a verify step of speculative decoding; logits and the cache's
     contents), in fp16 and, where the GPU has it, bf16; then whole requests through LLM, n-gram speculation on;
   - host syncs per engine step: counted, and no more of them with more layers or with more sampled rows;
-  - LLM(compile=True) against the eager engine on the serving workload, request by request, and on a GPU its
-    decode steps replayed as CUDA graphs: none skipped, by Inductor's counter (with the reasons it logged).
+  - LLM(compile=True) against the eager engine on the serving workload, request by request; its timed run's
+    decode steps through the compiled graphs, and on a GPU replayed as CUDA graphs: none skipped, by Inductor's
+    counter (with the reasons it logged).
 Then one table: FlashAttention against SDPA (the fused kernel this GPU has) at N = 1k-16k, paged decode
 attention's bandwidth against the GPU's peak, the serving workload eager against compiled, and vLLM on the same
-workload and weights where vLLM is installed. Parts the time budget cannot fit are skipped, with a line saying so.
+workload and weights where vLLM is installed. Parts the time budget cannot fit are skipped, with a line saying so;
+a part that raises (a kernel that does not compile, an out-of-memory) is a failed check with its traceback, and
+the parts after it still run, so that one run on a lent GPU reports all it can.
 
 --dry runs all of it on the CPU at tiny sizes, the kernels in Triton's interpreter, so that CI keeps this script
 working (tests/test_gpu_check.py); its timings measure nothing. Greedy tokens are compared with a tie tolerance:
@@ -34,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -127,13 +133,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_kernel_tests(report: Report, dry: bool, timeout_s: float) -> None:
-    """tests/kernels natively on the GPU, real sizes included. Left out: the ahead-of-time compilation for a T4,
-    an A100 and an H100 (every `make test` checks it, with no GPU needed) and the online-softmax widget (not a
-    kernel; ipywidgets). A dry run keeps the GPU-sized tests (skipped on a CPU) and the interpreter check: it
-    proves that the tests still collect and import here."""
-    report.section("the kernel tests, tests/kernels")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/kernels",
-           "--ignore=tests/kernels/test_aot.py", "--ignore=tests/kernels/test_online_softmax.py"]
+    """tests/kernels natively on the GPU, real sizes included, and the engine's tests of its kernels on a GPU:
+    the quantized layers' Triton products (eager and in a compiled step) and the Triton attention backend. Left
+    out: the ahead-of-time compilation for a T4, an A100 and an H100 (every `make test` checks it, with no GPU
+    needed) and the online-softmax widget (not a kernel; ipywidgets). A dry run keeps the tests named for a GPU
+    (skipped on a CPU, or in the interpreter): it proves that they still collect and import here."""
+    report.section("the kernel tests: tests/kernels, and the engine's on a GPU")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "--durations=5", "-p", "no:cacheprovider", "tests/kernels",
+           "--ignore=tests/kernels/test_aot.py", "--ignore=tests/kernels/test_online_softmax.py",
+           "tests/engine/test_quant_gpu.py", "tests/engine/test_triton_backend.py"]
     try:
         rc = subprocess.run(cmd + (["-k", "gpu"] if dry else []), cwd=ROOT, timeout=timeout_s).returncode
     except subprocess.TimeoutExpired:
@@ -315,26 +323,31 @@ class CudagraphSkips(logging.Handler):
         return False
 
 
-def check_compiled(report: Report, sizes: Sizes, device: str, dtype: torch.dtype, budget_s: float) -> dict:
+def check_compiled(report: Report, sizes: Sizes, device: str, dtype: torch.dtype, left) -> dict:
     """The serving workload on the eager engine and on LLM(compile=True): the same tokens, both rows timed, and
-    on a GPU every compiled step replayed as a CUDA graph (none skipped, by Inductor's counter)."""
+    on a GPU every compiled step replayed as a CUDA graph (none skipped, by Inductor's counter). `left()`: the
+    seconds left for it."""
     report.section("LLM(compile=True) against the eager engine, on the serving workload")
     model = random_model(sizes.config, device, dtype)
     work = ServingWorkload.uniform(sizes.requests, *sizes.lengths, vocab=sizes.config.vocab_size)
     warm = ServingWorkload.uniform(2, 4, 8, vocab=sizes.config.vocab_size, seed=1)
     run_serving_rung(model, None, "continuous", warm, sizes.batch, print_fn=lambda *a: None)  # first-use costs
     rows = {"eager": run_serving_rung(model, None, "continuous", work, sizes.batch, name="eager engine")}
-    if budget_s < 60:
-        print(f"  skipped: {budget_s:.0f} s left in the time budget, too few to compile")
+    if left() < 60:
+        print(f"  skipped: {left():.0f} s left in the time budget, too few to compile")
         return {"model": model, "work": work, **rows}
     try:
         with CudagraphSkips() as skips:  # compiling (the warm-up) and the timed run
             rows["compiled"] = run_serving_rung(model, None, "compiled-engine", work, sizes.batch,
                                                 name="compiled engine", print_fn=lambda m: print(f"  {m}"))
-    except RuntimeError as e:  # a graph compiled inside the timed run
-        report.check(False, "compiled engine", str(e))
+    except Exception as e:  # a graph compiled inside the timed run, or one that failed to compile: eager stays
+        traceback.print_exc()
+        report.check(False, "compiled engine", f"{type(e).__name__}: {e}")
         return {"model": model, "work": work, **rows}
-    print(f"  CUDA graphs skipped (Inductor's counters['inductor']['cudagraph_skips']): {skips.count}")
+    graph_steps = rows["compiled"].graph_steps
+    print(f"  {graph_steps} steps of the timed run went through a compiled graph; CUDA graphs skipped "
+          f"(Inductor's counters['inductor']['cudagraph_skips']): {skips.count}")
+    report.check(graph_steps > 0, "LLM(compile=True) runs its decode steps through the compiled graphs")
     if device == "cuda":
         report.check(skips.count == 0, "LLM(compile=True) replays its decode steps as CUDA graphs",
                      "; ".join(dict.fromkeys(skips.reasons)) or f"{skips.count} graph(s) skipped")
@@ -452,8 +465,29 @@ def _out_of_time(signum, frame):
     raise OutOfTime
 
 
+def guarded(report: Report, what: str, part) -> list[tuple]:
+    """`part()`'s table rows. A part that raises (a kernel that does not compile on this GPU, an out-of-memory) is
+    a failed check, printed with its traceback, and the parts after it still run: one run on a lent GPU reports
+    all it can. OutOfTime is a BaseException: it still stops the run."""
+    try:
+        return part() or []
+    except Exception as e:
+        traceback.print_exc()
+        report.check(False, what, f"{type(e).__name__}: {e}")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what the failed part held (an out-of-memory's tensors) goes back to the GPU
+    return []
+
+
+def host_sync_rows(report: Report, sizes: Sizes, device: str, dtype: torch.dtype) -> list[tuple]:
+    syncs = check_host_syncs(report, sizes, device, dtype)
+    return [("host syncs per step", f"{sizes.config.num_layers} layers, {sizes.batch} requests",
+             f"{syncs['decode']:g} per decode step", f"{syncs['prefill']} in the prefill step", "-")]
+
+
 def attention_rows(report: Report, sizes: Sizes, device: str, dtypes: list[torch.dtype], left) -> list[tuple]:
     """FlashAttention against SDPA (the fused kernel this GPU has), causal, each size checked first."""
+    report.section(f"speed, {left():.0f} s of the budget left: FlashAttention against SDPA")
     rows = []
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
@@ -492,7 +526,7 @@ def bandwidth_rows(report: Report, sizes: Sizes, device: str, dtype: torch.dtype
 
 def serving_rows(report: Report, sizes: Sizes, device: str, dtype: torch.dtype, left) -> list[tuple]:
     """The compiled engine checked against eager on the serving workload, both timed; vLLM beside them."""
-    serving = check_compiled(report, sizes, device, dtype, left() - 60)
+    serving = check_compiled(report, sizes, device, dtype, lambda: left() - 60)  # a minute kept for vLLM
     work, eager, compiled = serving["work"], serving["eager"], serving.get("compiled")
     setting = f"{work.name}, batch {sizes.batch}"
     rows = [("serving: compiled / eager", setting, f"{compiled.tok_s:.3g} tok/s" if compiled else "skipped",
@@ -519,16 +553,15 @@ def main(argv=None) -> int:
     dtype = getattr(torch, default_dtype(device))  # the course's dtype here: float32 in a dry run
     signal.signal(signal.SIGTERM, _out_of_time)
     rows = []  # (measure, setting, ours, reference, ratio)
+    parts = [("kernel tests", lambda: run_kernel_tests(report, args.dry, min(210.0, left() - 200))),
+             ("the attention backends", lambda: check_backends(report, sizes, device, dtypes)),
+             ("host syncs", lambda: host_sync_rows(report, sizes, device, dtype)),
+             ("FlashAttention against SDPA", lambda: attention_rows(report, sizes, device, dtypes, left)),
+             ("paged decode bandwidth", lambda: bandwidth_rows(report, sizes, device, dtype, left)),
+             ("the serving workload", lambda: serving_rows(report, sizes, device, dtype, left))]
     try:
-        run_kernel_tests(report, args.dry, min(210.0, left() - 200))
-        check_backends(report, sizes, device, dtypes)
-        syncs = check_host_syncs(report, sizes, device, dtype)
-        rows.append(("host syncs per step", f"{sizes.config.num_layers} layers, {sizes.batch} requests",
-                     f"{syncs['decode']:g} per decode step", f"{syncs['prefill']} in the prefill step", "-"))
-        report.section(f"speed, {left():.0f} s of the budget left")
-        rows += attention_rows(report, sizes, device, dtypes, left)
-        rows += bandwidth_rows(report, sizes, device, dtype, left)
-        rows += serving_rows(report, sizes, device, dtype, left)
+        for what, part in parts:
+            rows += guarded(report, what, part)
     except OutOfTime:
         report.check(False, "the time budget", "stopped by the shell script's timeout; the table holds what was done")
     gpu = torch.cuda.get_device_name() if device == "cuda" else "no GPU (dry run)"

@@ -61,6 +61,7 @@ def test_the_dry_run_passes_with_only_what_the_gpu_machine_has(gpu_machine_env):
     for part in ("torch", "triton", "dry run on the CPU", "the kernel tests", "kernel tests: pytest exit status 0",
                  "against the torch backend", "paged verify", "contiguous LLM.generate, n-gram speculation",
                  "no sync inside a layer", "no sync per sampled row", "LLM(compile=True) against eager",
+                 "runs its decode steps through the compiled graphs",
                  "FlashAttention / SDPA", "paged decode / peak", "device copy / peak", "serving: compiled / eager",
                  "serving: ours / vLLM", "vLLM is not installed", "host syncs per step", "every check passed"):
         assert part in out, f"{part!r} missing from the dry run's output:\n{out[-6000:]}"
@@ -90,6 +91,25 @@ def test_a_wrong_attention_backend_fails_the_check(monkeypatch, capsys, device):
     assert report.failed == len(failed) > 0
     assert not any("prefill" in line for line in failed), failed  # the prefill steps use no decode kernel
     assert any("decode" in line for line in failed), failed
+
+
+def test_a_part_that_raises_is_a_failed_check_and_the_next_part_still_runs(capsys):
+    report, ran = gpu_check.Report(), []
+
+    def broken():
+        raise ValueError("no kernel for this GPU")
+
+    assert gpu_check.guarded(report, "a broken part", broken) == []
+    assert gpu_check.guarded(report, "the next part", lambda: ran.append(1) or [("row",)]) == [("row",)]
+    out = capsys.readouterr()
+    assert report.failed == 1 and ran == [1]
+    assert "FAIL a broken part: ValueError: no kernel for this GPU" in out.out and "Traceback" in out.err
+
+    def out_of_time():
+        raise gpu_check.OutOfTime
+
+    with pytest.raises(gpu_check.OutOfTime):  # the shell script's timeout still stops the run
+        gpu_check.guarded(report, "a part past the budget", out_of_time)
 
 
 def test_greedy_tokens_part_only_at_a_near_tie(device):

@@ -49,6 +49,7 @@ class Row:
     num_preemptions: int = 0          # serving, paged cache: requests sent back to recompute
     compile_s: float | None = None    # compiled rows: the one-time compile, before `seconds` started
     token_ids: list[list[int]] | None = field(default=None, repr=False)  # serving: each request's output
+    graph_steps: int | None = None    # compiled rows: steps of the timed run that went through a compiled graph
 
     @property
     def tok_s(self) -> float:
@@ -382,6 +383,8 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
     llm = LLM.from_model(model, tok, scheduling=policy, max_num_seqs=batch, chunked_prefill_tokens=chunk,
                          record_trace=True, **engine_kwargs)
     compile_s = llm.warmup(progress) if llm.config.compile else None
+    compiled = llm.engine.runner.compiled
+    graph_steps = compiled.num_steps if compiled else None
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
     t0 = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=progress)
@@ -391,7 +394,7 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
     return Row(name or f"mini_engine {policy}", work.name, sum(len(o.token_ids) for o in outs), seconds,
                [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs], llm.engine.kv_cache_bytes,
                max(r.num_running for r in llm.engine.trace), sum(o.metrics.num_preemptions for o in outs),
-               compile_s, [list(o.token_ids) for o in outs])
+               compile_s, [list(o.token_ids) for o in outs], compiled.num_steps - graph_steps if compiled else None)
 
 
 def run_serving_rung(model, tok, rung: str, work: ServingWorkload, batch: int, progress: bool = False,
