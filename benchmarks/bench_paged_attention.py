@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from mini_engine.course.devices import default_dtype  # noqa: E402
+from mini_engine.course.devices import default_dtype, fitting  # noqa: E402
 from mini_engine.kernels.paged_attention import (  # noqa: E402
     kv_bytes_read, paged_decode_attention, paged_decode_attention_reference, random_paged_inputs)
 
@@ -65,7 +65,12 @@ def copy_bandwidth(num_bytes: int) -> float:
 def gpu_table(workloads: dict[str, list[int]], dtype: torch.dtype) -> bool:
     rows, all_ok = [], True
     for heads_q, heads_kv, head_dim in HEADS:
-        for name, lengths in workloads.items():
+        def pool_and_copy_bytes(name: str) -> int:  # the K/V pool, then a copy's source and destination as large
+            blocks = sum(-(-n // BLOCK_SIZE) for n in workloads[name])
+            return 3 * 2 * blocks * BLOCK_SIZE * heads_kv * head_dim * dtype.itemsize
+
+        for name in fitting(workloads, pool_and_copy_bytes, "cuda", f"contexts ({heads_q}/{heads_kv} heads)"):
+            lengths = workloads[name]
             inputs = random_paged_inputs(lengths, heads_q, heads_kv, head_dim, BLOCK_SIZE, dtype, "cuda")
             error = max_error(inputs)
             ok = error <= TOLERANCE[dtype]

@@ -65,7 +65,7 @@ import mini_engine as me
 from mini_engine import formulas
 from mini_engine.bench.ladder import (LABELS, RUNGS, SEED_CLAIMS, SHORT_SYSTEM_PROMPT, SYSTEM_PROMPT, LadderWorkload,
                                       agreement, bench_ladder)
-from mini_engine.course.devices import default_device, pick
+from mini_engine.course.devices import default_device, fitting, pick
 from mini_engine.engine import LLM
 from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings
 from mini_engine.backends.cpu import warm_up
@@ -397,7 +397,10 @@ from IPython.display import display
 from mini_engine.course.serving_sim import capacity, simulate_load
 from mini_engine.course.widgets import load_widget
 
-step_batches = pick(cpu=(1, 2, 4, 8, 16), gpu=(1, 4, 16, 64), device=device)
+# The largest batch's engine holds a KV pool for every place at max_model_len: `fitting` drops a batch whose pool
+# would not fit this GPU's free memory, and says so.
+step_batches = fitting(pick(cpu=(1, 2, 4, 8, 16), gpu=(1, 4, 16, 64), device=device),
+                       lambda b: formulas.kv_cache_bytes_for(model, 512, b, model.dtype.itemsize), device, "batch")
 server_prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
 steps_llm = LLM.from_model(model, tok, max_num_seqs=max(step_batches), max_model_len=512)
 fixed = me.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
