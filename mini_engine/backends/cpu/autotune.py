@@ -200,7 +200,7 @@ def row_bucket(rows: int, cap: int = 256) -> int:
 
 
 # Layers by number, for the functions torch.compile runs instead of tracing them (`assume_constant_result`): their
-# arguments must be constants, and Dynamo before torch 2.13 refuses a module there.
+# arguments must be constants, and torch 2.11's Dynamo refuses a module there (2.13's takes one).
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count()
 
