@@ -3,10 +3,12 @@
 # It needs a Python with torch (CUDA), triton, pytest and transformers; no gguf, no ipywidgets, no model weights
 # (the engine runs SmolLM2-135M's shapes with random weights). benchmarks/gpu_check.py does the work: it prints
 # the environment (GPU, compute capability, torch, triton), then fails on any wrong answer:
-#   - the kernel tests (tests/kernels) natively on the GPU, real sizes included;
+#   - the kernel tests (tests/kernels, and the engine's tests of its kernels) natively on the GPU, real sizes
+#     included (run last, with what is left of the budget);
 #   - the Triton attention backend against the torch one through the engine (contiguous and paged caches;
 #     prefill, decode, verify; fp16 and, from compute capability 8.0, bf16); host syncs per step;
 #     LLM(compile=True) against eager, its decode steps replayed as CUDA graphs (none skipped, Inductor counts);
+#   a part that raises is a failed check, with its traceback, and the next part still runs;
 # then prints one table: FlashAttention against SDPA at N = 1k-16k, paged decode bandwidth against the GPU's
 # peak, the serving workload eager against compiled (and vLLM, where it is installed).
 # Record that table in benchmarks/RESULTS.md with the GPU's name.
