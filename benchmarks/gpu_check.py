@@ -1,6 +1,6 @@
 """The Python part of benchmarks/gpu_check.sh: the engine's answers checked on a GPU, then one table of speeds.
 
-    python benchmarks/gpu_check.py [--dry] [--budget SECONDS]
+    python benchmarks/gpu_check.py [--dry] [--budget SECONDS] [--parts PART ...]
 
 It needs torch, triton and transformers, nothing else: no network, no `gguf`, no model weights. The model is
 SmolLM2-135M's shape (30 layers, 9 query and 3 KV heads of 64) with random weights: whether two paths of the
@@ -541,10 +541,17 @@ def serving_rows(report: Report, sizes: Sizes, device: str, dtype: torch.dtype, 
     return rows
 
 
+# In the order they run. The kernel tests go last, with what is left of the budget (at most 210 s): the engine's
+# checks go through the same kernels, and the speeds can be measured nowhere but on the GPU.
+PARTS = ("backends", "syncs", "attention", "bandwidth", "serving", "kernel-tests")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry", action="store_true", help="on the CPU, at tiny sizes (what CI runs)")
     parser.add_argument("--budget", type=float, default=450, help="seconds this run may take (parts past it skip)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS,
+                        help="run only these parts (to finish on a second run what the budget cut from the first)")
     args = parser.parse_args(argv)
     if args.dry == torch.cuda.is_available():
         print("--dry runs on a CPU (CUDA_VISIBLE_DEVICES= hides the GPU); without it this needs a GPU")
@@ -556,17 +563,16 @@ def main(argv=None) -> int:
     dtype = getattr(torch, default_dtype(device))  # the course's dtype here: float32 in a dry run
     signal.signal(signal.SIGTERM, _out_of_time)
     rows = []  # (measure, setting, ours, reference, ratio)
-    # The kernel tests go last, with what is left of the budget (at most 210 s): the engine's checks go through the
-    # same kernels, and the speeds can be measured nowhere but on the GPU.
-    parts = [("the attention backends", lambda: check_backends(report, sizes, device, dtypes)),
-             ("host syncs", lambda: host_sync_rows(report, sizes, device, dtype)),
-             ("FlashAttention against SDPA", lambda: attention_rows(report, sizes, device, dtypes, left)),
-             ("paged decode bandwidth", lambda: bandwidth_rows(report, sizes, device, dtype, left)),
-             ("the serving workload", lambda: serving_rows(report, sizes, device, dtype, left)),
-             ("kernel tests", lambda: run_kernel_tests(report, args.dry, min(210.0, left() - 15)))]
+    parts = {"backends": lambda: check_backends(report, sizes, device, dtypes),
+             "syncs": lambda: host_sync_rows(report, sizes, device, dtype),
+             "attention": lambda: attention_rows(report, sizes, device, dtypes, left),
+             "bandwidth": lambda: bandwidth_rows(report, sizes, device, dtype, left),
+             "serving": lambda: serving_rows(report, sizes, device, dtype, left),
+             "kernel-tests": lambda: run_kernel_tests(report, args.dry, min(210.0, left() - 15))}
     try:
-        for what, part in parts:
-            rows += guarded(report, what, part)
+        for name in PARTS:
+            if name in args.parts:
+                rows += guarded(report, name, parts[name])
     except OutOfTime:
         report.check(False, "the time budget", "stopped by the shell script's timeout; the table holds what was done")
     gpu = torch.cuda.get_device_name() if device == "cuda" else "no GPU (dry run)"

@@ -16,6 +16,9 @@
 #   bash benchmarks/gpu_check.sh           # PYTHON=/path/to/python picks the interpreter
 #   bash benchmarks/gpu_check.sh --dry     # the same steps on the CPU at tiny sizes, kernels in Triton's
 #                                          # interpreter: what CI runs (tests/test_gpu_check.py); times mean nothing
+#   bash benchmarks/gpu_check.sh --parts serving kernel-tests   # only these parts: a second run finishes what the
+#                                          # budget cut from the first (parts: backends syncs attention bandwidth
+#                                          # serving kernel-tests)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -23,11 +26,14 @@ BUDGET=480  # seconds, for all of it
 start=$SECONDS
 
 dry=()
-case "${1:-}" in
-  --dry) dry=(--dry); export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 ;;
-  "") unset TRITON_INTERPRET ;;  # Triton compiles for the GPU
-  *) echo "usage: bash benchmarks/gpu_check.sh [--dry]" >&2; exit 2 ;;
-esac
+if [[ "${1:-}" == --dry ]]; then
+  dry=(--dry); shift; export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
+else
+  unset TRITON_INTERPRET  # Triton compiles for the GPU
+fi
+if [[ $# -gt 0 && "$1" != --parts ]]; then
+  echo "usage: bash benchmarks/gpu_check.sh [--dry] [--parts PART ...]" >&2; exit 2
+fi
 
 PY=""
 for candidate in "${PYTHON:-}" .venv/bin/python "$(command -v python3 || true)"; do
@@ -43,7 +49,7 @@ echo "== $PY"
 
 # Past its budget the Python part is sent SIGTERM: it stops, prints the table so far and fails.
 left=$(( BUDGET - (SECONDS - start) - 10 ))
-timeout -k 15 "$left" "$PY" benchmarks/gpu_check.py --budget $(( left - 20 )) "${dry[@]}"
+timeout -k 15 "$left" "$PY" benchmarks/gpu_check.py --budget $(( left - 20 )) "${dry[@]}" "$@"
 rc=$?
 echo "== $((SECONDS - start)) s in all"
 exit $rc

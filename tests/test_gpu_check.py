@@ -68,6 +68,19 @@ def test_the_dry_run_passes_with_only_what_the_gpu_machine_has(gpu_machine_env):
     assert "FAIL" not in out and "left in the budget" not in out, out[-6000:]  # every part ran
 
 
+def test_a_second_run_can_take_only_the_parts_the_first_could_not_finish(gpu_machine_env):
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry", "--parts", "syncs", "bandwidth"], cwd=ROOT,
+                          env=gpu_machine_env, capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0, f"{out[-4000:]}\n{done.stderr[-2000:]}"
+    assert "host syncs per step" in out and "paged decode / peak" in out and "every check passed" in out
+    for other in ("against the torch backend", "FlashAttention / SDPA", "serving: compiled / eager", "kernel tests"):
+        assert other not in out, f"{other!r} ran, though not asked for"
+    wrong = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry", "--budget", "9"], cwd=ROOT,
+                           env=gpu_machine_env, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "usage" in wrong.stderr
+
+
 def test_the_script_installs_nothing():
     for name in ("gpu_check.sh", "gpu_check.py"):
         text = (ROOT / "benchmarks" / name).read_text()
