@@ -42,7 +42,7 @@ def test_quantized_layers_take_the_backends_forms_only_when_on(monkeypatch):
 
 
 def test_a_copied_layer_is_numbered_anew_for_the_compiled_graphs_lookup(monkeypatch):
-    """A compiled graph names a tuned layer by number (`autotune.number_layer`): Dynamo before torch 2.13 takes
+    """A compiled graph names a tuned layer by number (`autotune.number_layer`): torch 2.11's Dynamo takes
     no module where the graph asks for the layer's form. A deep copy gets a number of its own."""
     import copy
 
