@@ -384,7 +384,7 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
                          record_trace=True, **engine_kwargs)
     compile_s = llm.warmup(progress) if llm.config.compile else None
     compiled = llm.engine.runner.compiled
-    graph_steps = compiled.num_steps if compiled else None
+    steps_before = compiled.num_steps if compiled else 0  # the warm-up's
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
     t0 = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=progress)
@@ -394,7 +394,7 @@ def run_engine(model, tok, policy: str, work: ServingWorkload, batch: int | None
     return Row(name or f"mini_engine {policy}", work.name, sum(len(o.token_ids) for o in outs), seconds,
                [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs], llm.engine.kv_cache_bytes,
                max(r.num_running for r in llm.engine.trace), sum(o.metrics.num_preemptions for o in outs),
-               compile_s, [list(o.token_ids) for o in outs], compiled.num_steps - graph_steps if compiled else None)
+               compile_s, [list(o.token_ids) for o in outs], compiled.num_steps - steps_before if compiled else None)
 
 
 def run_serving_rung(model, tok, rung: str, work: ServingWorkload, batch: int, progress: bool = False,
