@@ -73,7 +73,10 @@ def attempt(what, fn):
 
 # %% [markdown]
 # ## 1. How big is the cache?
-# A real `ContiguousKVCache` knows its own size; your formula should agree, and reproduce the seed.
+# A real `ContiguousKVCache` knows its own size; your formula should agree, and reproduce the textbook the course
+# accompanies: Llama-7B at 4K context needs "roughly 2 GB per sequence", Llama-70B at 128K "roughly 40 GB" with its
+# 8 KV heads ("roughly 320 GB" with all 64), and the KV cache "caps how many requests a GPU holds (~35 on an 80 GB
+# A100)" for Llama-2-13B.
 
 # %%
 real = ContiguousKVCache(model.config, 2, 300, dtype=torch.float32)
@@ -81,7 +84,7 @@ attempt(f"SmolLM2, 2 x 300 tokens, fp32 (a real cache holds {real.nbytes:,} byte
         lambda: f"{lab.kv_cache_bytes(model.config, 300, 2, 4):,} bytes")
 for name, n in (("llama-7b", 4096), ("llama-70b-gqa", 131072), ("llama-70b-mha", 131072)):
     attempt(f"{name} at {n} tokens, fp16", lambda name=name, n=n: f"{lab.kv_cache_bytes(PRESETS[name], n) / 2**30:g} GiB")
-fits = attempt("Llama-2-13B, 2048-token requests on 80 GiB (the seed: 35)",
+fits = attempt("Llama-2-13B, 2048-token requests on 80 GiB (the textbook: ~35)",
                lambda: lab.max_concurrent_requests(PRESETS["llama-2-13b"], 80 * 2**30, 2048))
 
 # %% [markdown]

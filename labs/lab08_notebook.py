@@ -200,7 +200,7 @@ if rates:
 # %% [markdown]
 # ## 4. From hits to time to first token
 # A hit saves the prefill of the cached tokens, but the request still computes its own tokens, and they attend
-# to the whole prefix. The seed's claim, "TTFT about 40× lower with a long shared prefix", is the FLOP ratio of a
+# to the whole prefix. The textbook's claim, that caching a shared prefix "cuts TTFT ~40×", is the FLOP ratio of a
 # 2000-token system prompt and 50-token questions: (2000 + 50) / 50 = 41. The roofline adds a caveat: on a GPU
 # a 50-token prefill is memory-bound (it reads every weight for only 50 tokens), so the time ratio is smaller;
 # on a CPU, whose ridge point is a few FLOP per byte, it is the full 41×.

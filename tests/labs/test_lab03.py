@@ -68,7 +68,7 @@ def test_kv_cache_bytes_equal_an_allocated_cache(impl, name, dtype):
             f"[layers, K/V, batch, kv_heads, positions, head_dim] holds {cache.nbytes} bytes, you computed {got}")
 
 
-def test_kv_cache_bytes_reproduce_the_seed(impl):
+def test_kv_cache_bytes_reproduce_the_textbook(impl):
     got = {name: impl.kv_cache_bytes(PRESETS[name], n, 1, 2) for name, n in
            (("llama-7b", 4096), ("llama-70b-gqa", 131072), ("llama-70b-mha", 131072))}
     assert got == {"llama-7b": 2 * GiB, "llama-70b-gqa": 40 * GiB, "llama-70b-mha": 320 * GiB}, (
@@ -80,7 +80,7 @@ def test_max_concurrent_requests_on_an_80gb_gpu(impl):
     cfg = PRESETS["llama-2-13b"]
     got = impl.max_concurrent_requests(cfg, 80 * GiB, 2048, 2)
     assert got == 35, ("Llama-2-13B in fp16 on an 80 GiB GPU, 2048-token requests: (80 GiB - 26 GB of weights) // "
-                       f"1.5625 GiB per request = 35 (the seed's number); you got {got}")
+                       f"1.5625 GiB per request = 35 (the textbook: \"~35 on an 80 GB A100\"); you got {got}")
 
 
 @pytest.mark.parametrize("gpu_gib,seq_len", [(16, 4096), (24, 1024), (80, 32768), (10, 128)])
@@ -230,7 +230,7 @@ HAND_OFFS = [
         config, batch, seq_len, device="meta", dtype={2: torch.bfloat16, 4: torch.float32}[dtype_bytes]).nbytes,
      test_kv_cache_bytes_equal_an_allocated_cache, {"name": "llama-7b", "dtype": torch.bfloat16}),
     ("kv_cache_bytes", lambda config, seq_len, batch=1, dtype_bytes=2: int(formulas.kv_cache_bytes_for(
-        config, seq_len, batch, dtype_bytes)), test_kv_cache_bytes_reproduce_the_seed, {}),
+        config, seq_len, batch, dtype_bytes)), test_kv_cache_bytes_reproduce_the_textbook, {}),
     ("max_concurrent_requests", lambda config, gpu_bytes, seq_len, dtype_bytes=2: int(formulas.max_concurrent_requests(
         gpu_bytes, formulas.weight_bytes(config, dtype_bytes), formulas.kv_cache_bytes_for(config, seq_len, 1, dtype_bytes))),
      test_max_concurrent_requests_on_an_80gb_gpu, {}),
