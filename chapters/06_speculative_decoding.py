@@ -68,16 +68,15 @@ from IPython.display import HTML, display
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.course.devices import default_device, pick
+from mini_engine.course.devices import default_device, pick, warm_up
 from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s
-from mini_engine.backends.cpu import warm_up
 from mini_engine.speculative import DraftModelProposer, NgramProposer, rejection_sample
 from mini_engine.course.widgets import speculative_widget
 
 device = default_device()
 dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
-warm_up(model, [1 << i for i in range(9)])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
+warm_up(model, 256)  # one-time choices for steps of up to 256 tokens, made now, off the clock
 NEW = pick(40, 160, device)  # tokens per generation: short on a CPU so the chapter runs in about two minutes
 GREEDY = me.SamplingParams(temperature=0.0, ignore_eos=True)
 print(describe_machine(device))

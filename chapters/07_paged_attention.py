@@ -74,10 +74,9 @@ import mini_engine as me
 from mini_engine import formulas, simulate
 from mini_engine.bench.runs import ServingWorkload, run_engine
 from mini_engine.bench.paging import time_decode_steps
-from mini_engine.course.devices import default_device, fitting, pick
+from mini_engine.course.devices import default_device, fitting, pick, warm_up
 from mini_engine.engine import LLM, LLMEngine
 from mini_engine.course.hardware import describe_machine
-from mini_engine.backends.cpu import warm_up
 from mini_engine.course.metrics import percentile
 from mini_engine.paging import BlockManager
 from mini_engine.course.widgets import fragmentation_widget, kv_budget_widget
@@ -86,7 +85,7 @@ device = default_device()
 dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
 per_token = formulas.kv_bytes_per_token_for(model.config, model.dtype.itemsize)
-warm_up(model, [1 << i for i in range(10)])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
+warm_up(model, 512)  # one-time choices for steps of up to 512 tokens, made now, off the clock
 print(describe_machine(device))
 print(f"device: {device}, dtype: {dtype}; KV cache: {per_token / 1024:.0f} KiB per token")
 

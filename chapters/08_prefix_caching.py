@@ -63,10 +63,9 @@ from tqdm.auto import tqdm
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.course.devices import default_device
+from mini_engine.course.devices import default_device, warm_up
 from mini_engine.engine import LLM, LLMEngine, request_steps
 from mini_engine.course.hardware import describe_machine
-from mini_engine.backends.cpu import warm_up
 from mini_engine.course.metrics import percentile
 from mini_engine.paging import BlockManager, hash_block
 from mini_engine.course.widgets import prefix_cache_widget
@@ -74,7 +73,7 @@ from mini_engine.course.widgets import prefix_cache_widget
 device = default_device()
 dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
-warm_up(model, [1 << i for i in range(10)])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
+warm_up(model, 512)  # one-time choices for steps of up to 512 tokens, made now, off the clock
 print(describe_machine(device))
 print(f"device: {device}, dtype: {dtype}")
 

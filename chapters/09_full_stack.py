@@ -65,17 +65,16 @@ import mini_engine as me
 from mini_engine import formulas
 from mini_engine.bench.ladder import (LABELS, RUNGS, SEED_CLAIMS, SHORT_SYSTEM_PROMPT, SYSTEM_PROMPT, LadderWorkload,
                                       agreement, bench_ladder)
-from mini_engine.course.devices import default_device, fitting, pick
+from mini_engine.course.devices import default_device, fitting, pick, warm_up
 from mini_engine.engine import LLM
 from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings
-from mini_engine.backends.cpu import warm_up
 from mini_engine.course.metrics import percentile
 from mini_engine.speculative import NgramProposer
 
 device = default_device()
 dtype = me.default_dtype(device)
 model, tok = me.load_model("smollm2-135m", device=device, dtype=dtype)
-warm_up(model, [1 << i for i in range(9)])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
+warm_up(model, 256)  # one-time choices for steps of up to 256 tokens, made now, off the clock
 print(describe_machine(device))
 print(f"device: {device}, dtype: {dtype}")
 

@@ -67,9 +67,8 @@ from tqdm.auto import tqdm
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.course import quality
-from mini_engine.course.devices import default_device, pick
+from mini_engine.course.devices import default_device, pick, warm_up
 from mini_engine.course.hardware import describe_machine, matmul_floor_tok_s, measure_ceilings
-from mini_engine.backends.cpu import warm_up
 from mini_engine.bench.paging import time_decode_steps
 from mini_engine.quant import from_scales_and_zeros, quantize_int4, weight_bytes
 
@@ -309,7 +308,7 @@ def batch_tok_s(model, batch):
 
 
 # Every row count the measurements bring: one token, the batch, a prompt and its answer (under 64 tokens) and the
-# perplexity text (256 and more). The optional CPU backend times its forms for each now, off the clock.
+# perplexity text (256 and more). Any one-time choices for each are made now, off the clock.
 ROWS = (1, BATCH, 64, 256)
 reference = quality.reference_greedy(models["fp32"], quality_prompts, QUALITY_NEW)
 measured = {}
@@ -596,7 +595,7 @@ from mini_engine.speculative import DraftModelProposer
 
 target, draft = models["fp32"], models["int4"]
 spec_prompt = prompts[2]
-for m in (target, draft): warm_up(m, [1, 2, 4, 8])  # the optional CPU backend picks its fastest forms now, off the clock; nothing where it is absent
+for m in (target, draft): warm_up(m, 8)  # one-time choices for steps of up to 8 tokens, made now, off the clock
 plain_s = 1 / decode_tok_s(target, spec_prompt, NEW)
 stamps = []
 spec_out, spec_stats = me.generate_speculative(

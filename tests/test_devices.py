@@ -118,3 +118,16 @@ def test_the_check_above_catches_each_way():
         assert any(p.search(line) for p in BF16_FOR_EVERY_GPU), line
     for line in ('dtype = me.default_dtype(device)', 'other = "bfloat16" if dtype == "float32" else "float32"'):
         assert not any(p.search(line) for p in BF16_FOR_EVERY_GPU), line
+
+
+def test_warm_up_hands_the_backend_every_row_count_the_runs_will_bring(monkeypatch):
+    """The chapters warm a model through the course's helper, never the backend itself: a number means every power
+    of two up to it (the tuner decides per power of two), a list means those counts."""
+    from mini_engine.backends import cpu as cpu_backend
+
+    asked = []
+    monkeypatch.setattr(cpu_backend, "warm_up", lambda model, rows: asked.append(rows))
+    for rows in (1, 16, 100, 256, (1, 16, 64)):
+        devices.warm_up("model", rows)
+    assert asked == [(1,), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16, 32, 64, 128), (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                     (1, 16, 64)]

@@ -92,3 +92,18 @@ def timed(fn, device: str | torch.device = "cpu"):
     out = fn()
     synchronize(device)
     return out, time.perf_counter() - t0
+
+
+def warm_up(model, rows: int | Iterable[int] = 256) -> None:
+    """Make, before anything is timed, the choices the engine would otherwise make inside the first timed run.
+
+    `rows`: the token counts a forward pass will bring in the runs to come (the sequences of a decode step, the
+    tokens of a prefill chunk), or one number for every count up to it. On a CPU the optional backend
+    (`mini_engine/backends/cpu/`, appendix A1) times its equal forms of each weight product the first time the
+    product meets a new count (per power of two), and keeps the fastest; here it does that for every count the
+    runs will bring, off the clock. Nothing happens on a GPU or with MINI_ENGINE_CPU_BACKEND=0. It lives with
+    the course's helpers so that no chapter needs to know the backend exists."""
+    if isinstance(rows, int):
+        rows = [1 << i for i in range((max(rows, 1) - 1).bit_length() + 1)]  # 1, 2, 4, ... up to rows or past it
+    from ..backends import cpu as cpu_backend
+    cpu_backend.warm_up(model, tuple(rows))
