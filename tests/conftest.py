@@ -1,5 +1,6 @@
 """Settings every test shares: which lab tree is graded, and no network, display or GPU assumed."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # when triton is first imported: it must be set here, before any test module imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The CPU backend's tuner keeps what tests time in the clone's build/ folder (`make test` empties it first), never in
+# the machine's store that chapters and benchmarks read: tests share the cores, and their timings are not a quiet run's.
+os.environ.setdefault("MINI_ENGINE_TUNE_DIR", str(Path(__file__).resolve().parent.parent / "build" / "test-tuning"))
 # Under pytest-xdist (`make test` runs two workers), the cores are split between the workers: two processes
 # each running as many threads as there are cores would make every OpenMP barrier wait on a descheduled thread.
 # OMP_NUM_THREADS carries the share to what a test starts (a server, a Jupyter kernel, the CLI). Set before

@@ -25,8 +25,9 @@ def test_cpu_info_names_the_isa_extensions_that_matter():
 def test_this_machine_is_described():
     here = cpu_info()
     assert here.model and here.cores >= 1
-    line = describe_machine("cpu")
-    assert line.startswith("CPU: ") and here.model in line and "threads" in line
+    machine, backend = describe_machine("cpu").splitlines()
+    assert machine.startswith("CPU: ") and here.model in machine and "threads" in machine
+    assert backend.startswith("CPU backend: on;") and "timed now" in backend, "the backend's state, in one line"
 
 
 def test_tuned_forms_report_every_decision():

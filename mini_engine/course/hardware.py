@@ -45,10 +45,15 @@ def cpu_info(cpuinfo: str | None = None) -> CPUInfo:
 
 
 def describe_machine(device: str = "cpu") -> str:
-    """One line naming the hardware a measurement ran on: the CPU, and the GPU when there is one."""
+    """One line naming the hardware a measurement ran on: the CPU, and the GPU when there is one. On a CPU, a second
+    line says what the optional CPU backend did: its forms were timed on this machine, now or in an earlier run, and
+    a reader comparing two runs must know which."""
     line = f"CPU: {cpu_info()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
     if str(device).startswith("cuda") and torch.cuda.is_available():
         line += f"; GPU: {torch.cuda.get_device_name(device)}"
+    elif str(device) == "cpu":
+        from ..backends.cpu import state_line
+        line += "\n" + state_line()
     return line
 
 

@@ -81,3 +81,12 @@ def warm_up(model, rows=(1,)) -> None:
             elif isinstance(layer, TunedQuantLinear) and layer.qweight.device.type == "cpu":
                 for n in rows:
                     layer.form_for(n, model.dtype)
+
+
+def state_line() -> str:
+    """One line for a benchmark's or a chapter's header: whether the backend is on, and what its tuner took from
+    the machine's store, checked, replaced and timed in this process."""
+    if not enabled():
+        return "CPU backend: off (MINI_ENGINE_CPU_BACKEND=0)"
+    from .autotune import TUNER
+    return f"CPU backend: on; {TUNER.state()}"

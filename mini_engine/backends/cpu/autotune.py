@@ -22,7 +22,17 @@ $MINI_ENGINE_CACHE or ~/.cache/mini_engine), so the next chapter, test or server
 those choices instead of timing the same cases again (each chapter spent 20-30 s doing so). The file's name
 is a digest of what a choice depends on: the CPU's model and flags, torch's version, the thread count, the C
 kernel settings and this package's source; change any of them and the forms are timed anew. Set
-MINI_ENGINE_TUNE_CACHE=0 to time every case in every process, or delete the file to time them once more.
+MINI_ENGINE_TUNE_CACHE=0 to time every case in every process, MINI_ENGINE_TUNE_DIR=dir to keep the file
+elsewhere (the tests keep theirs in a folder of their run), or run `python -m mini_engine tuning` to see it
+and `--reset` to time everything once more.
+
+A kept choice must hold for every later run, so two guards stand between a busy machine and the file:
+- a case timed while the process's threads waited for a CPU (`run_queue_wait`) for more than `busy_share` of
+  the timing is used in this process but not kept: on an oversubscribed machine an OpenMP team waits for its
+  descheduled threads, and a multithreaded form can look 50x slower than it is;
+- the first time a process uses a kept case, it times the kept form against its strongest rival (the plain
+  form, or where the plain form was kept, the form that came closest) for a few rounds; a kept form that now
+  loses beyond the margin is timed again and replaced in the file, with one line that says so.
 """
 from __future__ import annotations
 
@@ -45,6 +55,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 class Choice:
     form: str
     times_ms: dict[str, float]   # best time of each candidate; empty when the form was forced
+    busy: bool = False           # timed while the machine was busy: used in this process, never kept
 
     @property
     def speedup(self) -> float:
@@ -52,6 +63,20 @@ class Choice:
         if not self.times_ms:
             return 1.0
         return next(iter(self.times_ms.values())) / self.times_ms[self.form]
+
+
+def run_queue_wait() -> float:
+    """Seconds this process's threads have spent ready to run but waiting for a CPU (Linux's schedstat,
+    summed over the live threads). Where that is not available, wall time minus the process's CPU time, which
+    tells a busy machine only for single-threaded work and never reports one falsely for multithreaded work."""
+    total = 0.0
+    try:
+        for task in os.scandir("/proc/self/task"):
+            with open(f"{task.path}/schedstat") as f:
+                total += int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return time.perf_counter() - time.process_time()
+    return total
 
 
 def forced_from_env(value: str | None = None) -> dict[str, str]:
@@ -93,20 +118,83 @@ class Autotuner:
     choices: dict[tuple, Choice] = field(default_factory=dict)
     timings_run: int = 0     # how many cases were timed: a cached case is never timed again
     clock: Callable[[], float] = time.perf_counter
+    waited: Callable[[], float] = run_queue_wait  # seconds the process's threads have waited for a CPU so far
+    busy_share: float = 0.25  # a timing whose threads waited longer than this share of its wall time is not kept
+    check_rounds: int = 3     # rounds of the check a kept choice gets at its first use in a process
     store: Path | None = None  # where timed choices are kept for later processes (`machine_store`); None: nowhere
+    unchecked: set = field(default_factory=set)  # cases taken from the store and not yet checked in this process
+    kept_loaded: int = 0      # cases taken from the store
+    checked: int = 0          # kept cases checked at their first use (`_check`)
+    check_s: float = 0.0      # ... and the seconds they took (building their inputs, and any timing again, included)
+    replaced: int = 0         # ... and timed again because the kept form lost
+    not_kept: int = 0         # cases timed on a busy machine, so not kept
 
     def choose(self, op: str, key: tuple, make_candidates: Callable[[], dict[str, Callable[[], object]]]) -> str:
         """The form to use for (`op`, `key`). On the first call for a key, `make_candidates()` builds a dict
         from each form (the plain one first) to a zero-argument call running it on representative inputs,
         and they are timed; later calls only look the choice up."""
-        choice = self.choices.get((op, *key))
+        case = (op, *key)
+        choice = self.choices.get(case)
         # A forced op takes its forced form even where a form was decided before it was forced (a test pins forms
         # after earlier tests tuned, or the machine's store held the case).
         if choice is None or (op in self.forced and choice.form != self.forced[op]):
-            choice = self.choices[(op, *key)] = self._decide(op, make_candidates())
-            if self.store is not None and choice.times_ms:  # a forced form is not a fact about the machine
-                self._keep()
+            choice = self.choices[case] = self._decide(op, make_candidates())
+            self._keep_if_quiet(choice)
+        elif case in self.unchecked and op not in self.forced:
+            self.unchecked.discard(case)
+            choice = self.choices[case] = self._check(case, choice, make_candidates)
         return choice.form
+
+    def _keep_if_quiet(self, choice: Choice) -> None:
+        if choice.busy:
+            self.not_kept += 1
+        elif self.store is not None and choice.times_ms:  # a forced form is not a fact about the machine
+            self._keep()
+
+    def _check(self, case: tuple, kept: Choice, make_candidates: Callable[[], dict]) -> Choice:
+        """The first use in this process of a choice from the store: the kept form against its strongest rival,
+        `check_rounds` interleaved rounds. It stands unless the rival beats it as a new form must beat the plain
+        one (`_beats`) on a quiet machine; then the case is timed again and the file updated."""
+        t0 = time.perf_counter()
+        try:
+            return self._check_against_rival(case, kept, make_candidates())
+        finally:
+            self.check_s += time.perf_counter() - t0
+
+    def _check_against_rival(self, case: tuple, kept: Choice, candidates: dict) -> Choice:
+        if kept.form not in candidates:  # no longer offered here (a kernel that failed to build): time anew
+            return self._retime(case, kept, candidates, why=f"{kept.form} is not available")
+        rival = self._rival(kept, candidates)
+        if rival is None:
+            return kept
+        self.checked += 1
+        pair = {kept.form: candidates[kept.form], rival: candidates[rival]}
+        for fn in pair.values():
+            getattr(fn, "first", fn)()
+        times, busy = self._rounds(pair, self.check_rounds)
+        if busy or not self._beats(times[rival], times[kept.form]):
+            return kept
+        return self._retime(case, kept, candidates, why=f"it took {min(times[kept.form]) * 1e3:.2f} ms "
+                                                          f"against {rival}'s {min(times[rival]) * 1e3:.2f}")
+
+    @staticmethod
+    def _rival(kept: Choice, candidates: dict) -> str | None:
+        """The plain form against a kept alternative; against a kept plain form, the form timed closest to it."""
+        plain = next(iter(candidates))
+        if kept.form != plain:
+            return plain
+        others = [name for name in kept.times_ms if name != plain and name in candidates]
+        return min(others, key=kept.times_ms.get, default=None)
+
+    def _retime(self, case: tuple, kept: Choice, candidates: dict, why: str) -> Choice:
+        choice = self.choices[case] = self._decide(case[0], candidates)
+        self.replaced += 1
+        self._keep_if_quiet(choice)
+        warnings.warn(f"the CPU backend's kept choice {kept.form!r} for {' '.join(map(str, case))} lost on this run "
+                      f"({why}): timed again, {choice.form!r} now"
+                      + (f", replaced in {self.store}" if self.store is not None and not choice.busy else ""),
+                      stacklevel=2)
+        return choice
 
     def __deepcopy__(self, memo):
         # A tuner holds facts about the machine, not about a model: a copied model (copy.deepcopy(model), then
@@ -136,6 +224,7 @@ class Autotuner:
         self.timings_run += 1
         # The warm-up call pays for allocation and kernel selection; its time only serves to drop hopeless forms.
         # A `Walk` warms up on one copy of the weight.
+        waited, t0 = self.waited(), self.clock()
         warm_up = {name: self._time(getattr(fn, "first", fn)) for name, fn in candidates.items()}
         times = {name: [] for name in candidates}
         live = dict(candidates)
@@ -144,18 +233,32 @@ class Autotuner:
                 times[name].append(self._time(fn))
             if round_ == 0:
                 live = {name: fn for name, fn in live.items() if not self._hopeless(name, warm_up, times)}
+        busy = self._was_busy(waited, t0)
         plain = next(iter(candidates))
         best = {name: min(ts) for name, ts in times.items()}
-
-        def wins(name):
-            # Faster by the margin at its best, and faster in most rounds: on a busy machine one lucky
-            # round (or one unlucky round of the plain form) must not crown a form for the whole process.
-            rounds = list(zip(times[name], times[plain]))  # one round only where the plain form was dropped
-            won = sum(t < p for t, p in rounds)
-            return best[name] * (1 + self.margin) < best[plain] and won >= 0.8 * len(rounds)
-        winners = [name for name in live if name != plain and wins(name)]
+        winners = [name for name in live if name != plain and self._beats(times[name], times[plain])]
         form = min(winners, key=best.get) if winners else plain
-        return Choice(form, {name: t * 1e3 for name, t in best.items()})
+        return Choice(form, {name: t * 1e3 for name, t in best.items()}, busy)
+
+    def _beats(self, times: list[float], others: list[float]) -> bool:
+        """Faster by the margin at its best, and faster in most rounds: on a busy machine one lucky round (or one
+        unlucky round of the other form) must not crown a form for the whole process."""
+        rounds = list(zip(times, others))  # one round only where the other form was dropped as hopeless
+        won = sum(t < o for t, o in rounds)
+        return min(times) * (1 + self.margin) < min(others) and won >= 0.8 * len(rounds)
+
+    def _rounds(self, forms: dict[str, Callable[[], object]], rounds: int) -> tuple[dict[str, list[float]], bool]:
+        """Each form timed `rounds` times, interleaved; and whether the machine was busy meanwhile."""
+        waited, t0 = self.waited(), self.clock()
+        times = {name: [] for name in forms}
+        for _ in range(rounds):
+            for name, fn in forms.items():
+                times[name].append(self._time(fn))
+        return times, self._was_busy(waited, t0)
+
+    def _was_busy(self, waited_before: float, t0: float) -> bool:
+        """Whether the process's threads waited for a CPU for more than `busy_share` of the wall time since t0."""
+        return self.waited() - waited_before > self.busy_share * (self.clock() - t0)
 
     def _time(self, fn: Callable[[], object]) -> float:
         t0 = self.clock()
@@ -180,18 +283,32 @@ class Autotuner:
         Path(path).write_text(json.dumps(self._rows()))
 
     def _rows(self) -> list[dict]:
-        return [{"case": list(case), "form": c.form, "times_ms": c.times_ms} for case, c in self.choices.items()]
+        return [{"case": list(case), "form": c.form, "times_ms": c.times_ms} for case, c in self.choices.items()
+                if not c.busy]
 
-    def load(self, path) -> int:
+    def load(self, path, check: bool = False) -> int:
         """Take the cases `save` wrote to `path` that this tuner has not decided and whose op is not forced;
-        returns how many. The file must come from this machine: a choice is a fact about the CPU that timed it."""
+        returns how many. The file must come from this machine: a choice is a fact about the CPU that timed it.
+        `check`: each taken case is checked at its first use (`_check`), as the machine's store is."""
         taken = 0
         for row in _read_rows(path):
             case = _as_tuple(row["case"])
             if case[0] not in self.forced and case not in self.choices:
                 self.choices[case] = Choice(row["form"], dict(row["times_ms"]))
+                if check:
+                    self.unchecked.add(case)
                 taken += 1
         return taken
+
+    def state(self) -> str:
+        """One line: what this process took from the store, checked, replaced, and timed itself."""
+        if self.store is None:
+            kept = "no store of kept choices (MINI_ENGINE_TUNE_CACHE=0)"
+        else:
+            kept = (f"{self.kept_loaded} choices kept in {_home_relative(self.store)}, {self.checked} checked "
+                    f"({self.check_s:.1f} s), {self.replaced} replaced")
+        busy = f" ({self.not_kept} on a busy machine, not kept)" if self.not_kept else ""
+        return f"{kept}; {self.timings_run} timed now{busy}"
 
 
 def row_bucket(rows: int, cap: int = 256) -> int:
@@ -235,6 +352,7 @@ def machine_store() -> Path | None:
     if os.environ.get("MINI_ENGINE_TUNE_CACHE", "1") == "0":
         return None
     from .cpu_kernels import _cpu_signature, cache_dir
+    folder = Path(os.environ["MINI_ENGINE_TUNE_DIR"]) if os.environ.get("MINI_ENGINE_TUNE_DIR") else cache_dir()
     package = Path(__file__).parent
     digest = hashlib.sha256(_cpu_signature())
     for part in (torch.__version__, str(torch.get_num_threads()), os.environ.get("MINI_ENGINE_C_KERNELS", "1"),
@@ -243,7 +361,14 @@ def machine_store() -> Path | None:
     sources = [*package.glob("*.py"), *package.glob("csrc/*")]  # the backend's own: edits elsewhere keep choices
     for source in sorted(sources):
         digest.update(b"\0" + source.read_bytes())
-    return cache_dir() / f"tuned-{digest.hexdigest()[:16]}.json"
+    return folder / f"tuned-{digest.hexdigest()[:16]}.json"
+
+
+def _home_relative(path: Path) -> str:
+    try:
+        return "~/" + str(path.relative_to(Path.home()))
+    except ValueError:
+        return str(path)
 
 
 def _as_tuple(value):
@@ -258,9 +383,14 @@ def tuner_from_env() -> Autotuner:
     for path, name in ((os.environ.get("MINI_ENGINE_TUNED"), "MINI_ENGINE_TUNED"), (tuner.store, "the tuning store")):
         if path and (name == "MINI_ENGINE_TUNED" or Path(path).exists()):
             try:
-                tuner.load(path)
+                # Only the store's choices are checked: MINI_ENGINE_TUNED hands over what a process running
+                # beside this one has just timed.
+                taken = tuner.load(path, check=name != "MINI_ENGINE_TUNED")
             except (OSError, ValueError, KeyError, TypeError) as e:  # tuning anew is slower, never wrong
                 warnings.warn(f"{name}={str(path)!r} could not be read ({e}); forms will be timed as met")
+            else:
+                if name != "MINI_ENGINE_TUNED":
+                    tuner.kept_loaded = taken
     return tuner
 
 
