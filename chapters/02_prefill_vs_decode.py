@@ -187,9 +187,9 @@ plt.show()
 # `2 · params` FLOPs in the weight matmuls, and those FLOPs are most of the work. Attention adds
 # `4 · L · H · D · n²`, which grows with the square of the prompt, so it takes over past a crossover,
 # `params / (2 · L · H · D)` tokens (`formulas.attention_crossover_tokens`). Below it TTFT is close to
-# linear in the prompt; well above it, close to quadratic, which is the regime the seed has in mind
-# when it says long prompts push TTFT up roughly quadratically. The FLOP count of the whole range,
-# priced at this machine's matmul rate, with the measured points on top:
+# linear in the prompt; well above it, close to quadratic. That is the regime the textbook has in mind
+# when it writes that "long prompts move TTFT up roughly quadratically because of the attention term".
+# The FLOP count of the whole range, priced at this machine's matmul rate, with the measured points on top:
 
 # %%
 ttft_crossover = formulas.attention_crossover_tokens(cfg)
@@ -388,8 +388,8 @@ for b in (1, 4, 16, 64, 256):
 # %% [markdown]
 # ## The batch-size sweet spot, derived
 #
-# The seed reports that the sweet spot for a 7B model on an A100 is "somewhere around batch size 16 to
-# 64", observed in practice. The roofline predicts it. A decode step moves the weights once, shared by
+# The textbook reports a rule from practice: "the empirically observed sweet spot for a 7B model on an A100
+# sits somewhere around batch size 16 to 64". The roofline predicts it. A decode step moves the weights once, shared by
 # the whole batch, plus every sequence's own keys and values. While the weights dominate, one more
 # sequence rides almost free: throughput grows with the batch and the step time hardly moves. Once the
 # K/V reads equal the weight read, at batch `weight_bytes / (kv_bytes_per_token · context)`
@@ -418,7 +418,7 @@ for c in (512, 1024, 2048):
 lo_ctx, hi_ctx = (w7 / (kv7 * b) for b in (64, 16))
 print(f"the knee sits at batch 64 for {lo_ctx:,.0f}-token contexts and at batch 16 for {hi_ctx:,.0f}-token contexts")
 for ax_ in (tput_ax, lat_ax):
-    ax_.axvspan(16, 64, color="grey", alpha=0.15, label="the seed's 16–64")
+    ax_.axvspan(16, 64, color="grey", alpha=0.15, label="the textbook's 16–64")
     ax_.set(xscale="log", xlabel="decode batch size")
 tput_ax.set(ylabel="tokens/s (roofline)", title="Llama-7B fp16 on an A100: throughput (dots: knee)")
 lat_ax.set(ylabel="ms per token, each sequence", title="…and every user's per-token latency")
@@ -431,10 +431,10 @@ print(f"SmolLM2 on this {device} at context {batch_context}: knee at batch "
 
 # %% [markdown]
 # For contexts the length of ordinary chat requests, several hundred to under two thousand tokens (the
-# cell prints the exact range), the knee falls inside the seed's 16 to 64. Below it a server leaves
+# cell prints the exact range), the knee falls inside the textbook's 16 to 64. Below it a server leaves
 # throughput unused for little gain in latency; above it, it buys little throughput at a steep price in
 # latency, and at the long end of that range the fit column shows an 80 GB card running out of memory
-# not far beyond 64 anyway. The seed's empirical range is the roofline's knee.
+# not far beyond 64 anyway. The textbook's empirical range is the roofline's knee.
 #
 # The last line applies the same arithmetic to SmolLM2 on this machine. On a CPU the low ridge point
 # comes first: the step turns compute-bound after a few sequences, long before the knee, and that is the
@@ -443,9 +443,10 @@ print(f"SmolLM2 on this {device} at context {batch_context}: knee at batch "
 #
 # ## Which optimisation helps which phase
 #
-# The seed's advice is to ask of every technique: does it help prefill or decode? Prefill is
-# compute-bound, so what helps it makes the arithmetic more efficient or skips it; decode is
-# memory-bound, so what helps it moves fewer bytes per token or puts the idle arithmetic to work.
+# The textbook's advice: "when you read about a new technique, the first question to ask is 'does this
+# help prefill or decode?'". Prefill is compute-bound, so what helps it makes the arithmetic more efficient
+# or skips it; decode is memory-bound, so what helps it moves fewer bytes per token or puts the idle
+# arithmetic to work.
 #
 # | optimisation | helps | what it attacks | chapter |
 # | --- | --- | --- | --- |
@@ -454,50 +455,18 @@ print(f"SmolLM2 on this {device} at context {batch_context}: knee at batch "
 # | prefix caching | prefill | skips the FLOPs of a prompt prefix already computed | 08 |
 # | KV cache | decode | recomputation: a step processes one new token | 03 |
 # | batching, continuous batching | decode | bandwidth: one weight read serves the whole batch | 02, 04 |
-# | cache layouts that cut memory traffic (GQA, paging) | decode | bytes of K/V read per step, memory wasted per request | 03, 07 |
-# | Flash Decoding | decode (long contexts) | idle cores: the context is split so the whole chip reads K/V at once | below |
+# | grouped-query attention | decode | bytes of K/V read per step: fewer K/V heads to cache | 03 |
+# | paged KV cache | decode | memory reserved and never filled: more sequences fit in a batch | 07 |
+# | Flash Decoding | decode (long contexts) | idle cores: the context is split so the whole chip reads K/V at once | 05 |
 # | speculative decoding | decode | idle arithmetic verifies several drafted tokens per weight read | 06 |
 # | weight quantization | decode | bytes per weight | 10 |
 # | chunked prefill | decode of the other requests | a long prefill no longer stalls the steps of streaming users | 04 |
 #
-# ### Flash Decoding
-#
-# FlashAttention splits its work over batch, heads and tiles of queries. In a decode step each sequence
-# has a single query per head, so at a small batch there are only a handful of work units (batch ×
-# heads), far fewer than the streaming multiprocessors of a GPU: most of the chip waits while a few
-# units walk the whole context, and a long context is exactly when decode attention costs the most.
-# **Flash Decoding** (Dao, Haziza, Massa and Sizov, 2023) also splits the *keys and values*: each chunk
-# of the context becomes its own work unit, which scores its keys, and returns its partial output
-# together with its running maximum and sum of exponentials, the statistics of the online softmax that
-# chapter 05 builds. A short second pass rescales the partial results to a common maximum and adds them.
-# The answer is exact; only the order of the sums changes. This is split-K, the trick matmul libraries
-# use when the inner dimension is long and the outer ones are small. Here it is on this model's head
-# sizes, with one chunk's work per loop iteration:
-
-# %%
-flash_ctx, flash_chunk = 4096, 512
-gen = torch.Generator().manual_seed(0)
-q = torch.randn(cfg.num_heads, 1, cfg.head_dim, generator=gen, dtype=torch.float64)
-k = torch.randn(cfg.num_heads, flash_ctx, cfg.head_dim, generator=gen, dtype=torch.float64)
-v = torch.randn(cfg.num_heads, flash_ctx, cfg.head_dim, generator=gen, dtype=torch.float64)
-scale = cfg.head_dim ** -0.5
-exact = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1) @ v
-partials = []  # one per chunk: on a GPU, each is an independent work unit
-for start in range(0, flash_ctx, flash_chunk):
-    s = q @ k[:, start:start + flash_chunk].transpose(1, 2) * scale
-    m = s.amax(-1, keepdim=True)
-    p_ = torch.exp(s - m)
-    partials.append((m, p_.sum(-1, keepdim=True), p_ @ v[:, start:start + flash_chunk]))
-m_all = torch.stack([m for m, _, _ in partials]).amax(0)
-numerator = sum(torch.exp(m - m_all) * o for m, _, o in partials)
-denominator = sum(torch.exp(m - m_all) * l for m, l, _ in partials)
-chunks = flash_ctx // flash_chunk
-print(f"{chunks} chunks combined vs one softmax over {flash_ctx} keys: max difference "
-      f"{(numerator / denominator - exact).abs().max():.1e}")
-units = cfg.num_heads  # batch 1: one unit per query head
-sms = torch.cuda.get_device_properties(0).multi_processor_count if device.startswith("cuda") else None
-print(f"work units at batch 1: {units} without splitting, {units * chunks} with {chunks} chunks"
-      + (f" (this GPU has {sms} streaming multiprocessors)" if sms else ""))
+# One row needs a tool this chapter does not have yet. At a small batch and a long context, a decode step's
+# attention is a few long reads, too few to keep a GPU's many processors busy; Flash Decoding splits each
+# read into pieces that run side by side and then merges their results. The merge is exact thanks to the
+# *online softmax*, which chapter 05 derives for FlashAttention, so chapter 05 takes up Flash Decoding right
+# after it.
 
 # %% [markdown]
 # ## What you measured

@@ -27,11 +27,13 @@
 # 2. derives the online softmax step by step in NumPy, with a slider to watch it converge;
 # 3. reads the Triton kernel in `mini_engine/kernels/flash_attention.py` block by block and checks it
 #    against the materialised reference;
-# 4. compiles it for a T4, an A100 and an H100, on any machine, and reads what each GPU gets: shared
-#    memory, registers, the tensor-core instructions, and why the tiles have the sizes they have;
+# 4. uses the same online softmax for decode: Flash Decoding splits one query's long context over the
+#    whole GPU and merges the pieces exactly;
 # 5. times it: against naive attention and PyTorch's SDPA on a GPU; on a CPU, SDPA against naive.
 #
-# An aside after section 3 says what FlashAttention-2 changed, and exercises close the chapter.
+# An aside after section 3 says what FlashAttention-2 changed, and exercises close the chapter. What the
+# kernel becomes on each GPU (its instructions, registers and shared memory) is the subject of the optional
+# appendix [A2](A2_triton_to_gpu_instructions.ipynb).
 #
 # **What needs a GPU.** Two measurements in this chapter only mean something on a GPU: the allocator's
 # *peak* memory of naive attention against the kernel (section 1), and the kernel's speed in TFLOP/s
@@ -39,7 +41,7 @@
 # NumPy: the results are exact, the timings are not the kernel's. On a CPU the chapter shows, in their
 # place, what the interpreter does measure: the memory the kernel allocates, its correctness, and what
 # one interpreted call costs. Everything else (the sizes, the online softmax, the correctness checks and
-# the compilation for three GPUs) runs the same everywhere. The next cell says which case this is.
+# Flash Decoding's merge) runs the same everywhere. The next cell says which case this is.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -94,7 +96,7 @@ for what, where in (("peak memory, naive vs kernel (section 1)", "GPU allocator"
                      "needs a GPU; here: torch allocations of an interpreted call instead"),
                     ("kernel TFLOP/s vs SDPA and naive (section 5)", "measured on this GPU" if device == "cuda" else
                      "needs a GPU; here: one interpreted call, timed for scale"),
-                    ("kernel vs reference, compilation for T4/A100/H100", "runs here")):
+                    ("kernel vs reference, Flash Decoding's merge", "runs here")):
     print(f"  {what:<50} {where}")
 
 # %% [markdown]
@@ -137,15 +139,15 @@ for n in (4096, 32768, 131072):
           f"flash {human_bytes(linear_bytes(llama.num_heads, n, llama.head_dim, 2)):>10}")
 
 # %% [markdown]
-# The seed's own example: one head, N = 8192, 2-byte numbers (fp16 or bf16). It counts "67M entries,
-# 134 MB": decimal megabytes.
+# The textbook's own example is one head at N = 8192 in 2-byte numbers (fp16 or bf16): "For a sequence of
+# length N = 8192, that intermediate has 67M entries, occupying 134 MB in BF16." Its megabytes are decimal.
 
 # %%
-n_seed = 8192
-print(f"N = {n_seed}: N² = {n_seed * n_seed:,} scores per head (about {n_seed * n_seed / 1e6:.0f}M); "
-      f"at 2 bytes each {score_bytes(1, n_seed, 2) / 1e6:.0f} MB = {human_bytes(score_bytes(1, n_seed, 2))} per head")
-print(f"llama-7b's {llama.num_heads} heads in one layer: {human_bytes(score_bytes(llama.num_heads, n_seed, 2))} of scores, "
-      f"against {human_bytes(linear_bytes(llama.num_heads, n_seed, llama.head_dim, 2))} for what FlashAttention keeps")
+n_book = 8192
+print(f"N = {n_book}: N² = {n_book * n_book:,} scores per head (about {n_book * n_book / 1e6:.0f}M); "
+      f"at 2 bytes each {score_bytes(1, n_book, 2) / 1e6:.0f} MB = {human_bytes(score_bytes(1, n_book, 2))} per head")
+print(f"llama-7b's {llama.num_heads} heads in one layer: {human_bytes(score_bytes(llama.num_heads, n_book, 2))} of scores, "
+      f"against {human_bytes(linear_bytes(llama.num_heads, n_book, llama.head_dim, 2))} for what FlashAttention keeps")
 
 # %% [markdown]
 # Those are formulas. Now measure: run naive attention step by step on real tensors (the shapes of
@@ -292,8 +294,8 @@ right.legend(fontsize=8)
 plt.tight_layout()
 plt.show()
 for d in (64, 128):
-    naive_b, tiled_b = attention_hbm_bytes(n_seed, d, 2), attention_hbm_bytes(n_seed, d, 2, block_m=128)
-    print(f"N = {n_seed}, d = {d}: naive {human_bytes(naive_b)}, tiled {human_bytes(tiled_b)} per head "
+    naive_b, tiled_b = attention_hbm_bytes(n_book, d, 2), attention_hbm_bytes(n_book, d, 2, block_m=128)
+    print(f"N = {n_book}, d = {d}: naive {human_bytes(naive_b)}, tiled {human_bytes(tiled_b)} per head "
           f"({naive_b / tiled_b:.1f}x less traffic)")
 
 # %% [markdown]
@@ -405,9 +407,9 @@ source = inspect.getsource(fa._attn_fwd.fn)
 print(source[source.index("    start_m = "):])
 
 # %% [markdown]
-# The wrapper picks tile sizes per GPU (section 4 shows what it picks on a T4, an A100 and an H100,
-# and why). In the interpreter they are small, 16 × 16, which keeps the short test sequences spread
-# over several tiles.
+# The wrapper picks tile sizes per GPU (appendix [A2](A2_triton_to_gpu_instructions.ipynb) shows what it
+# picks on a T4, an A100 and an H100, and why). In the interpreter they are small, 16 × 16, which keeps the
+# short test sequences spread over several tiles.
 
 # %%
 print("interpreter:", fa.launch_config(64, torch.float32, None))
@@ -459,8 +461,8 @@ print(f"packed prefill of {len(q_lens)} sequences, {sum(q_lens)} query tokens: m
 # ### Aside: what FlashAttention-2 changed
 #
 # FlashAttention-2 (Dao, 2023) keeps the tiles and the online softmax and reorganises the work around
-# them; the seed credits it with roughly another 2× over the first version. Three changes matter. First,
-# fewer operations that are not matrix products: version 1 rescaled its output tile by the running
+# them; the textbook credits it with "roughly another 2× on top of FA-1", the first version. Three changes
+# matter. First, fewer operations that are not matrix products: version 1 rescaled its output tile by the running
 # denominator after every K/V tile, version 2 keeps the accumulator unnormalised and divides by `l` once
 # at the end (our kernel's final division above). On a GPU whose tensor cores do matrix products an
 # order of magnitude faster than anything else, every non-matmul operation in the inner loop is
@@ -473,106 +475,102 @@ print(f"packed prefill of {len(q_lens)} sequences, {sum(q_lens)} query tokens: m
 # that lie wholly above the diagonal, as our kernel's two loop ranges do.
 
 # %% [markdown]
-# ## 4. What the kernel becomes on each GPU
+# ### From Python to the GPU
 #
-# The wrapper chooses its tiles from a *description* of the GPU (`mini_engine.kernels.gpus.GPUSpec`:
-# compute capability and shared memory per block), not from the GPU itself, so we can ask what it
-# would launch on GPUs we do not have. And Triton compiles ahead of time for a named GPU with none
-# present: Python → Triton IR → PTX (NVIDIA's portable assembly) → `ptxas` (shipped with Triton) →
-# a cubin, the machine code a T4 (sm_75), an A100 (sm_80) or an H100 (sm_90) runs.
-# `mini_engine.kernels.aot` does that in worker processes (this process may be running the kernels in
-# the interpreter, which cannot compile), and reads off what each GPU needs to run the kernel:
-# shared memory per block, registers per thread, and bytes *spilled* when registers run out (spills go
-# to local memory, which is device memory: slow). CI runs the same check on every kernel
-# (`tests/kernels/test_aot.py`). Below: the dense causal kernel in each GPU's serving dtype (fp16 on
-# a T4, which has no bf16; bf16 on the others), at SmolLM2's head size (64) and Llama's (128).
-
-# %%
-import dataclasses
-import re
-
-from mini_engine.kernels import aot
-from mini_engine.kernels.gpus import A100, H100, T4, GPUSpec
-
-serving = [(T4, torch.float16), (A100, torch.bfloat16), (H100, torch.bfloat16)]
-if device == "cuda":
-    serving.append((GPUSpec.from_device(0), dtype))  # and the GPU in this machine
-jobs = [(spec, gpu, aot.TRITON_DTYPES[dtype]) for gpu, dtype in serving
-        for spec in fa.aot_specs(gpu, dtype) if spec.label.startswith("dense")]
-# One experiment rides along: the A100 tile at d = 64 with 4 warps instead of the 8 the wrapper picks.
-a100_64 = next(spec for spec, gpu, _ in jobs if gpu == A100 and spec.label.endswith("64"))
-jobs.append((dataclasses.replace(a100_64, options=a100_64.options | {"num_warps": 4}), A100, "bf16"))
-*builds, four_warps = aot.compile_all(jobs)
-
-
-def products(ptx):
-    """Which instruction computes tl.dot, and how many of them the kernel holds."""
-    for opcode in ("wgmma.mma_async", "mma.sync", "fma.rn.f32"):
-        if count := len(re.findall(rf"^\s*{re.escape(opcode)}", ptx, re.MULTILINE)):
-            return f"{count} × {opcode}"
-
-
-print(f"{'GPU':<22} {'dtype':>5} {'d':>4} {'tile':>7} {'warps':>5} {'stages':>6} {'smem KiB (of)':>14} "
-      f"{'regs':>4} {'spill B':>7}  products in the PTX")
-for b in builds:
-    limit = next(gpu for gpu, _ in serving if gpu.name == b.gpu).shared_memory_per_block
-    print(f"{b.gpu:<22} {b.dtype:>5} {b.label.split()[-1]:>4} {b.tile:>7} {b.num_warps:>5} {b.num_stages:>6} "
-          f"{b.shared_memory / 1024:>6.0f} ({limit // 1024:>3}) {b.registers:>6} {b.spill_bytes:>7}  "
-          f"{products(b.ptx)}")
+# On a GPU, Triton compiles this Python into the GPU's own instructions, and the tile sizes decide what the
+# compiled program needs. Every K/V tile loaded is reused by `BLOCK_M` queries, so larger tiles move fewer
+# bytes; but a tile's running state must fit in the registers and shared memory the chip gives one program,
+# and those limits differ from one GPU to the next. The optional appendix
+# [A2](A2_triton_to_gpu_instructions.ipynb) compiles this kernel for a T4, an A100 and an H100 on any machine,
+# reads the instructions its loop becomes on each (asynchronous copies, tensor-core products, a hardware
+# `exp2`), and shows what happens when a tile asks for more registers than a thread has.
 
 # %% [markdown]
-# CI requires the `spill B` column to be 0 and the shared memory to stay within the limit in brackets.
-# Now the PTX itself, a few lines of it. On the A100 the inner loop is built from four kinds of
-# instruction:
+# ## 4. Flash Decoding: one query, a long context
+#
+# Everything so far had many queries, a prompt's worth. A decode step (chapter 02) brings one new query per
+# sequence, which attends to every key in the cache. The launch grid then has a single tile of queries per
+# head and sequence, so one program each. A GPU runs programs on its *streaming multiprocessors* (SMs):
+# dozens of independent processors, each with its own registers and shared memory, each running the programs
+# it is given. At batch 1, SmolLM2's decode attention is 9 programs, one per query head (the engine's decode
+# kernel, which chapter 07 reads, even gives the 3 query heads that share a KV head a single program: 3). An
+# A100 has 108 SMs. Each of the few programs walks the whole context alone while most of the chip waits, and
+# the longer the context, the longer they walk: decode attention reads the most exactly when it uses the chip
+# the least.
+#
+# **Flash Decoding** (Dao, Haziza, Massa and Sizov, 2023) splits the keys and values as well. Each chunk of the
+# context becomes a program of its own, which runs section 2's recurrence over its chunk from an empty state
+# and writes out the state it ends with: its running max `m`, its sum `l` and its numerator `acc`. No chunk
+# waits for another. A short second pass merges the chunks with section 2's rescaling: bring every chunk's `l`
+# and `acc` to the largest `m` by the factor `exp(m_chunk − m_all)`, then add. The answer is exact; only the
+# order of the additions changes. Matrix-multiply libraries know the same move as *split-K*: when the dimension
+# being summed over is long and the others are short, split the sum among programs and add up their partial
+# results at the end. The textbook lists Flash Decoding among the decode optimisations, which "target memory
+# bandwidth and unused compute": this is the unused compute.
+#
+# Here it is for one decode step of one SmolLM2 KV head: its 3 query heads (one row of scores each) against
+# 4,096 cached keys, in 8 chunks, each chunk's state computed on its own:
 
 # %%
-def first(ptx, opcode):
-    return next(line.strip() for line in ptx.splitlines() if line.strip().startswith(opcode))
+fd_rng = np.random.default_rng(1)
+fd_context, fd_chunk = 4096, 512
+group = smol.num_heads // smol.num_kv_heads  # query heads that read the same KV head
+fd_scores = fd_rng.normal(scale=2.0, size=(group, fd_context))  # one query per head: one row of scores each
+fd_values = fd_rng.normal(size=(fd_context, smol.head_dim))
 
-
-t4, a100, h100 = (next(b for b in builds if b.arch == arch and b.label.endswith("64")) for arch in (75, 80, 90))
-for opcode, meaning in (
-        ("cp.async.cg.shared.global", "copies 16 bytes of a K or V tile from device memory straight into shared "
-                                      "memory, without waiting: the num_stages-deep prefetch pipeline"),
-        ("ldmatrix.sync.aligned", "loads 8x8 fragments from shared memory into registers, laid out as the "
-                                  "tensor cores want them"),
-        ("mma.sync.aligned.m16n8k16", "one tensor-core product for one warp: a 16x16 bf16 tile times a 16x8 one, "
-                                      "accumulated in fp32. Each of the 32 threads holds a share: 4 fp32 of the "
-                                      "result, 4 registers (8 bf16) of A, 2 (4 bf16) of B"),
-        ("ex2.approx", "the online softmax's exp2: a single hardware instruction")):
-    print(f"{first(a100.ptx, opcode)}\n    -> {meaning}")
-print(f"\nH100: {first(h100.ptx, 'wgmma.mma_async')}\n    -> Hopper's warpgroup product: 4 warps together "
-      f"multiply a 64x16 tile by a 16x64 one, asynchronously. The 32 registers are this thread's share of the "
-      f"64x64 fp32 result; the two 64-bit operands describe where A and B sit in shared memory")
-print(f"\nT4: {products(t4.ptx)}, and no mma at all: {first(t4.ptx, 'fma.rn.f32')}\n    -> one multiply-add "
-      f"per thread on the CUDA cores. Triton 3.x has no tensor-core path below sm_80 "
-      f"(triton-lang/triton#5066), so on a T4 even fp16 products run as FMAs")
+# Pass 1: one work unit per chunk, each from an empty state. On a GPU they would all run at once.
+partials = [list(online_softmax_states(fd_scores[:, a:a + fd_chunk], fd_values[a:a + fd_chunk], tile=64))[-1]
+            for a in range(0, fd_context, fd_chunk)]
+# Pass 2: every chunk's sums brought to the largest max, then added.
+m_all = np.max([p.m for p in partials], axis=0)
+l_all = sum(p.l * np.exp(p.m - m_all) for p in partials)
+acc_all = sum(p.acc * np.exp(p.m - m_all)[:, None] for p in partials)
+fd_chunks = len(partials)
+split_error = np.abs(acc_all / l_all[:, None] - softmax_attention(fd_scores, fd_values)).max()
+for i, p in enumerate(partials[:3]):
+    print(f"chunk {i}: its max per head {np.round(p.m, 2)}, its sums scaled by {np.round(np.exp(p.m - m_all), 3)}")
+print(f"...\n{fd_chunks} chunks merged vs one softmax over all {fd_context} keys: max difference {split_error:.1e}")
 
 # %% [markdown]
-# ### Why these tile sizes
-#
-# A larger query tile (`BLOCK_M`) is better: every K/V tile fetched from device memory is reused by
-# `BLOCK_M` queries, so the bytes moved per FLOP fall as it grows. Two limits stop it growing:
-#
-# - **Registers.** The fp32 accumulator (`BLOCK_M × d`) and the score tile (`BLOCK_M × BLOCK_N`) live
-#   in registers for the whole loop, shared among `32 × num_warps` threads, and a thread has at most
-#   255 registers. At 128 × (64 + 64) values, 4 warps would hold 128 per thread before counting the
-#   operands: the experiment below compiles that configuration. The wrapper caps the values per thread
-#   (80 with tensor cores) and takes 8 warps, or at d = 128 a narrower `BLOCK_N` (32).
-# - **Shared memory.** The `cp.async` pipeline keeps `num_stages` K and V tiles in flight; the wrapper
-#   takes the deepest pipeline whose estimate fits the GPU: 3 stages on an A100 and an H100.
-#
-# A T4 gets small tiles for another reason: with FMA products each thread also holds operand values
-# for every multiply-add it issues, so the cap is 24 values per thread. The same holds for fp32 inputs on
-# any GPU, which the kernel multiplies exactly ("ieee"): tensor cores would round them to TF32. The
-# budgets were found by compiling candidate tiles with `aot`, and CI checks every configuration of every
-# kernel for spills and shared memory on each GPU the course names (these three and an L4). FMAs also cost a
-# T4 most of its speed: NVIDIA rates it at 8.1 TFLOP/s for fp32 FMAs against 65 for fp16 tensor-core products.
+# How many programs does a decode step give a GPU? One per sequence and KV head, as the engine's kernel
+# launches it, against the SMs of three GPUs (`mini_engine.kernels.gpus` describes them), with and without
+# splitting each context into 8 chunks:
 
 # %%
-print(f"A100, bf16, d = 64, tile {four_warps.tile}: {four_warps.num_warps} warps -> {four_warps.registers} registers, "
-      f"{four_warps.spill_bytes} B spilled per thread;  {a100.num_warps} warps (the wrapper's choice) -> "
-      f"{a100.registers} registers, {a100.spill_bytes} B spilled")
+from mini_engine.kernels.gpus import A100, H100, T4
+
+fd_batches = [1, 2, 4, 8, 16, 32, 64]
+print(f"{'batch':>5} {'programs':>9} {f'in {fd_chunks} chunks':>12}   SMs with work: " +
+      "   ".join(f"{g.name.split()[-1]} ({g.num_sms})" for g in (T4, A100, H100)))
+for batch in fd_batches:
+    units = batch * smol.num_kv_heads
+    busy = "   ".join(f"{min(units, g.num_sms):3d} -> {min(units * fd_chunks, g.num_sms):3d}" for g in (T4, A100, H100))
+    print(f"{batch:5d} {units:9d} {units * fd_chunks:12d}   {busy}")
+state_bytes = group * (smol.head_dim + 2) * 4  # per chunk and KV head: acc, m and l in fp32
+chunk_bytes = 2 * fd_chunk * smol.head_dim * 2  # the chunk's keys and values, read once, in bf16
+print(f"\nwhat a split costs: each chunk writes {state_bytes} B of state for the {chunk_bytes / 1024:.0f} KiB of keys "
+      f"and values it reads ({state_bytes / chunk_bytes:.1%} more traffic), and a second, short launch merges them")
+
+fig, ax = plt.subplots(figsize=(6, 3.2))
+for chunks, style in ((1, "o-"), (fd_chunks, "s--")):
+    ax.plot(fd_batches, [min(b * smol.num_kv_heads * chunks, A100.num_sms) / A100.num_sms for b in fd_batches],
+            style, label="one program per sequence and KV head" if chunks == 1 else f"context split in {chunks}")
+ax.set(xscale="log", xlabel="decode batch", ylabel="share of the A100's SMs with work",
+       title="SmolLM2's decode attention on an A100", ylim=(0, 1.05))
+ax.set_xticks(fd_batches, [str(b) for b in fd_batches])
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# At batch 1 the unsplit step gives 3 of the A100's 108 SMs something to do; split in 8, it gives 24, and each
+# of them reads an eighth of the context: the step draws on far more of the memory bandwidth than 3 SMs can
+# use. The price is small: under a kilobyte of state per chunk against the 128 KiB of keys and values it
+# reads, and one short merge. From batch 36 on (3 KV heads each), the unsplit step already has a program for
+# every SM of an A100, and splitting would add the merge for nothing. So Flash Decoding pays exactly where
+# chapter 02 found batching pays least: few sequences, long contexts. vLLM's second paged-attention kernel
+# makes the same split, in partitions of 512 tokens, for long contexts only; the course's decode kernel keeps
+# one program per sequence and KV head, which is simpler to read. On a CPU the question does not arise in this
+# form: a handful of cores is filled by a handful of (sequence, head) pairs.
 
 # %% [markdown]
 # ## 5. Speed
@@ -683,10 +681,9 @@ summary = [
     ("online softmax (NumPy) vs exact", f"{online_error:.1e}"),
     *((f"kernel vs reference, {str(dt)[6:]}", f"{e:.1e}") for dt, e in worst.items()),
     ("packed (varlen) prefill vs reference", f"{varlen_error:.1e}"),
+    (f"Flash Decoding, {fd_chunks} chunks merged vs one softmax", f"{split_error:.1e}"),
     (f"{device}: naive / SDPA time at N = {cpu_rows[-1][0]}", f"{cpu_rows[-1][2] / cpu_rows[-1][1]:.1f}x"),
 ]
-summary.append(("H100 kernel, bf16, d = 64 (AOT)", f"tile {h100.tile}, {h100.shared_memory // 1024} KiB "
-                f"shared, {h100.registers} registers, {h100.spill_bytes} B spilled"))
 if speed_rows:
     n_top, top = speed_rows[-1]
     summary.append((f"GPU TFLOP/s at N = {n_top}: ours / SDPA", f"{top['triton']:.0f} / {top['sdpa']:.0f}"))
@@ -754,8 +751,14 @@ del backend_model
 # 512 queries against 512 keys in 30 layers, for which the naive backend writes and reads the
 # 9 × 512 × 512 scores, their mask and their softmax in every layer. A decode step has one query per
 # sequence, so its "N × N" matrix is a single row of scores and there is little for a fused kernel to
-# save: the decode times are close, and which backend wins there depends on the machine. FlashAttention's win is a prefill (and long-context) win; for decode, the bottleneck is
-# reading the KV cache, which chapter 07's paged kernel addresses.
+# save: the decode times are close, and which backend wins there depends on the machine. FlashAttention's
+# win is a prefill (and long-context) win. A decode step's cost is reading the weights and the KV cache, once
+# each per step, and no arrangement of attention's arithmetic reads fewer of those bytes (section 4's Flash
+# Decoding spreads the reads over the whole GPU; it does not shrink them). What does shrink them is fewer bytes
+# per cached token (grouped-query attention, chapter 03; narrower numbers, chapter 10) or more tokens served
+# by each read (batching, chapter 04; speculative decoding, chapter 06). Chapter 07's paged cache is not among
+# them: it reads the same bytes, and what it removes is the memory a contiguous cache reserves for tokens that
+# never come, so that more sequences fit in one batch (Kwon et al. 2023, the vLLM paper).
 # </details>
 #
 # **3. A bigger query tile.** In the tiled kernel each query tile reads all of K and V once. At N = 8192
@@ -764,8 +767,8 @@ del backend_model
 
 # %%
 for block in (64, 128, 8192):
-    print(f"BLOCK_M = {block:5d}: {human_bytes(attention_hbm_bytes(n_seed, 128, 2, block_m=block)):>10} per head "
-          f"(naive: {human_bytes(attention_hbm_bytes(n_seed, 128, 2))})")
+    print(f"BLOCK_M = {block:5d}: {human_bytes(attention_hbm_bytes(n_book, 128, 2, block_m=block)):>10} per head "
+          f"(naive: {human_bytes(attention_hbm_bytes(n_book, 128, 2))})")
 
 # %% [markdown]
 # <details><summary>Answer</summary>
@@ -773,8 +776,8 @@ for block in (64, 128, 8192):
 # Almost halves: the K and V reads, which dominate, happen once per query tile, and doubling the tile
 # halves the number of tiles (Q and O are read and written once either way). A single tile of every
 # query would read K and V once, the minimum possible: 4 · N · d numbers. It cannot be done, because the
-# tile must fit in registers and shared memory (section 4's limits): the kernel's tile sizes are the
-# compromise between traffic and what the chip can hold.
+# tile must fit in registers and shared memory (appendix A2 shows those limits): the kernel's tile sizes are
+# the compromise between traffic and what the chip can hold.
 # </details>
 #
 # **4. Why subtract the max?** Add 1000 to every score. Softmax does not change when all scores shift by
