@@ -128,7 +128,8 @@ def generate_speculative(target: Target, prompt_ids: list[int], propose, k: int,
                          temperature: float = 0.0, stop_token_id: int | None = None,
                          generator: torch.Generator | None = None) -> tuple[list[int], list[tuple[int, int]]]:
     """Speculative decoding of one sequence on `target` (its cache empty). Returns the new tokens and, for each
-    verify round, (drafts proposed, drafts accepted).
+    verify round, (drafts proposed, drafts accepted): every round after the prefill is recorded, and a round with
+    no drafts (the proposer found none, or one token was left) as (0, 0).
 
       1. Prefill: run the prompt; the first new token is drawn from its last row's distribution.
       2. Each round: `propose(token_ids, n)` (the prompt and the output so far) guesses up to n tokens, with

@@ -14,13 +14,17 @@ needs one, as an operating system hands out memory pages. You write the pieces t
   5. `preempt` and `make_room`: when a sequence needs a block and none is free, the most recently admitted
      sequence gives all of its blocks back and later recomputes them (recompute preemption).
 
+Parts 1, 2, 3 and 5 are the lab: a week's work. Part 4, the tensor side, is OPTIONAL (marked so below): the
+grader skips its tests while `store_kv` and `paged_attention` are not written, and grades them once they are.
+
 Fill in every function marked TODO in labs/lab07_paging.py, then grade your work with
 
     pytest tests/labs/test_lab07.py --impl=labs
 
 The bookkeeping is pure Python, like the engine's own block manager. `EngineBlockManager` (given) runs the
-engine's pool on your allocator and block tables: the lab notebook ends by serving requests with the real
-engine, `LLM(..., block_manager=EngineBlockManager)`, and checks they come out as with the engine's own.
+engine's pool on your allocator and block tables, and its preemption on your `make_room` and `preempt`: the
+lab notebook ends by serving requests with the real engine, `LLM(..., block_manager=EngineBlockManager)`, and
+checks they come out as with the engine's own.
 """
 from __future__ import annotations
 
@@ -130,8 +134,8 @@ def slot_mapping(tables: list[BlockTable], num_new_tokens: list[int]) -> list[in
 
 
 def store_kv(cache: torch.Tensor, slots: list[int], values: torch.Tensor) -> None:
-    """Write one step's keys (or values) into the paged `cache` [num_blocks, block_size, H, D]: row t of
-    `values` [T, H, D] goes to slot slots[t], that is block slots[t] // block_size at offset
+    """OPTIONAL (part 4). Write one step's keys (or values) into the paged `cache` [num_blocks, block_size, H, D]:
+    row t of `values` [T, H, D] goes to slot slots[t], that is block slots[t] // block_size at offset
     slots[t] % block_size (what the engine's KV-store kernel does in every layer at every step)."""
     index = torch.tensor(slots, dtype=torch.long, device=cache.device)
     block_size = cache.shape[1]
@@ -140,8 +144,8 @@ def store_kv(cache: torch.Tensor, slots: list[int], values: torch.Tensor) -> Non
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     tables: list[BlockTable]) -> torch.Tensor:
-    """Decode attention through block tables: each sequence's one new query attends to its whole context,
-    read out of the paged pool through the sequence's block table.
+    """OPTIONAL (part 4). Decode attention through block tables: each sequence's one new query attends to its
+    whole context, read out of the paged pool through the sequence's block table.
 
     q [S, Hq, D]: one query per sequence; k_cache, v_cache [num_blocks, block_size, Hkv, D]; tables[s]: the
     BlockTable of sequence s, whose first num_tokens positions are its context (the newest token's key and
@@ -188,10 +192,15 @@ def preempt(seq: Sequence, running: list[Sequence], waiting: list[Sequence], all
 def make_room(seq: Sequence, num_new_tokens: int, running: list[Sequence], waiting: list[Sequence],
               allocator: BlockAllocator) -> bool:
     """Before the running `seq` claims `num_new_tokens` more positions: while the pool cannot supply the blocks
-    that takes, preempt the most recently admitted running sequence that holds any block (`running` is in
-    admission order); that may be `seq` itself. Returns True when `seq` can now claim its positions, False
-    when it was preempted itself. A pool with room preempts nobody."""
-    while not allocator.can_allocate(seq.table.blocks_needed(num_new_tokens)):
+    that claim takes (none while its last block has room; several for a long claim), preempt the most recently
+    admitted running sequence that holds any block (`running` is in admission order); that may be `seq` itself,
+    and is, once no sequence admitted after it holds a block. Returns True when `seq` can now claim its
+    positions, False when it was preempted itself. A pool with room preempts nobody. When no running sequence
+    holds a block at all, preempting frees nothing: raise RuntimeError saying that the claim cannot fit."""
+    while not allocator.can_allocate(needed := seq.table.blocks_needed(num_new_tokens)):
+        if not any(v.table.block_ids for v in running):
+            raise RuntimeError(f"sequence {seq.seq_id} needs {needed} new blocks, {allocator.num_free()} are free "
+                               "and no running sequence holds a block: no preemption can make room")
         victim = next(v for v in reversed(running) if v is seq or v.table.block_ids)
         preempt(victim, running, waiting, allocator)
         if victim is seq:
@@ -201,12 +210,15 @@ def make_room(seq: Sequence, num_new_tokens: int, running: list[Sequence], waiti
 
 class EngineBlockManager(paging.BlockManager):
     """Given: the engine's block manager (mini_engine/paging.py) running on your BlockAllocator and BlockTables,
-    for `LLM(..., block_manager=EngineBlockManager, enable_prefix_caching=False)`. The engine reads your pool
-    (`free_blocks`, `ref_counts`) and each request's `block_ids`; a request's blocks come from your
-    `append_tokens`, and a finished or preempted request gives them back through your `release`. Prefix
+    and its preemption on your make_room and preempt, for `LLM(..., block_manager=EngineBlockManager,
+    enable_prefix_caching=False)`. The engine reads your pool (`free_blocks`, `ref_counts`) and each request's
+    `block_ids`; a request's blocks come from your `append_tokens`, and a finished request gives them back through
+    your `release`. When a request finds no room for its next token, the engine calls `make_room` below (its hook,
+    `Scheduler._make_room`): your make_room picks the victims and your preempt gives their blocks back. Prefix
     caching (lab 08), parallel sampling and speculative rollback need more than lab 07 builds: they are refused."""
     allocator_class = BlockAllocator
     table_class = BlockTable
+    make_room_function = staticmethod(make_room)  # the grader swaps in your functions under its watch
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if enable_prefix_caching:
@@ -216,6 +228,7 @@ class EngineBlockManager(paging.BlockManager):
         self.allocator = self.allocator_class(num_blocks)
         self.free_blocks, self.ref_counts = self.allocator.free_blocks, self.allocator.ref_counts
         self.tables: dict = {}  # request id -> its BlockTable
+        self.preempted: list = []  # the request ids your make_room preempted, in order
 
     def allocate_cached(self, seq_id, token_ids) -> int:
         """Admission: an empty table (nothing is cached in lab 07)."""
@@ -251,3 +264,30 @@ class EngineBlockManager(paging.BlockManager):
     def trim(self, seq_id, num_tokens: int) -> int:
         """Speculative rollback: not part of lab 07."""
         raise ValueError("speculative: lab 07's block manager does not roll drafts back; run without speculation")
+
+    def make_room(self, scheduler, request) -> None:
+        """The engine's preemption hook, called when `request` has no room for its next token: your make_room runs
+        on the running requests (seen as Sequences with your tables), then the engine preempts your victims from
+        its own queue (their slots and status) in the order your preempt queued them."""
+        engine_requests = {r.request_id: r for r in scheduler.running}
+        seqs = {i: Sequence(i, r.tokens, self.tables[i], r.num_computed, r.num_preemptions)
+                for i, r in engine_requests.items()}
+        running, waiting = list(seqs.values()), []
+        kept = self.make_room_function(seqs[request.request_id], 1, running, waiting, self.allocator)
+        if {s.seq_id for s in waiting} != set(seqs) - {s.seq_id for s in running}:
+            raise RuntimeError("preempt must move each victim from running to waiting; after your make_room, running "
+                               f"holds {[s.seq_id for s in running]} and waiting {[s.seq_id for s in waiting]}")
+        for seq in reversed(waiting):  # your preempt queued each victim first: the first preempted is last
+            r = engine_requests[seq.seq_id]
+            if seq.table.block_ids or seq.num_computed or seq.num_preemptions != r.num_preemptions + 1:
+                raise RuntimeError(f"your preempt of request {r.request_id} left it holding blocks "
+                                   f"{seq.table.block_ids}, num_computed {seq.num_computed}, num_preemptions "
+                                   f"{seq.num_preemptions} (was {r.num_preemptions}): see preempt's docstring")
+            scheduler.preempt(r)
+            self.preempted.append(r.request_id)
+        seq = seqs[request.request_id]
+        stays = seq in running
+        if kept is not stays or stays and not self.allocator.can_allocate(seq.table.blocks_needed(1)):
+            raise RuntimeError(f"your make_room returned {kept} for request {request.request_id}, which "
+                               f"{'is still running' if stays else 'it preempted'} with {self.allocator.num_free()} "
+                               "blocks free: True means it can now claim its next position, False that it went")

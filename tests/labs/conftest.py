@@ -22,10 +22,12 @@ their job to the engine), `hand_off` (a grading test must fail such a mutant, na
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import sys
 import types
@@ -250,6 +252,26 @@ def hand_off(request, mutant):
 
 
 @pytest.fixture
+def wrong_answer(request, mutant):
+    """wrong_answer(test, replacements, line) checks that the grading function `test`, run on the solution with
+    `replacements` (as `mutant` takes them: a wrong answer), fails and prints one line that matches the regular
+    expression `line`: what the student reads. The test's other fixtures are looked up by name."""
+
+    def check(test, replacements: dict, line: str):
+        fixtures = {name: request.getfixturevalue(name) for name in inspect.signature(test).parameters
+                    if name != "impl"}
+        try:
+            test(mutant(**replacements), **fixtures)
+        except (Exception, pytest.fail.Exception) as err:  # noqa: BLE001 - whatever the wrong answer raised
+            shown = one_line(pytest.ExceptionInfo.from_exception(err), request.config.rootpath,
+                             Path(inspect.getfile(test)))
+        else:
+            pytest.fail(f"{test.__name__} passes a wrong answer ({', '.join(replacements)} replaced)")
+        assert "\n" not in shown and re.fullmatch(line, shown), f"{test.__name__} prints {shown!r}, not {line!r}"
+    return check
+
+
+@pytest.fixture
 def asked_for():
     """asked_for(lab): what the stub, labs/<lab>.py, leaves to write: its functions, methods ("Class.method") and
     Triton kernels whose body raises NotImplementedError."""
@@ -267,31 +289,174 @@ def asked_for():
     return parts
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "engine(what): a slow check on the real model or engine; the grader runs it "
+                                       "after the quick ones and says `what` it does before it starts")
+    config.addinivalue_line("markers", "optional(*parts): grades optional parts of the lab (functions); while one is "
+                                       "not written, the test is skipped")
+
+
+def is_engine_check(item) -> bool:
+    """A slow check: it loads the real model (the `real_model` fixture) or is marked `engine`."""
+    return item.get_closest_marker("engine") is not None or "real_model" in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
     # Tests of the guards (they take `mutant`, `hand_off` or `asked_for`) grade the solutions' mutants: under
     # --impl=labs they say nothing about the student's work, so they are left out.
-    if config.getoption("--impl") != "labs":
+    if config.getoption("--impl") == "labs":
+        left_out = [item for item in items if here in item.path.parents
+                    and {"mutant", "asked_for"} & set(getattr(item, "fixturenames", ()))]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item not in left_out]
+    # Every lab's slow engine checks run after all the quick ones, so a wrong answer shows in seconds. (A stable
+    # sort: tests/conftest.py then puts any `slow` file first for pytest-xdist, which keeps this order inside.)
+    items.sort(key=lambda item: here in item.path.parents and is_engine_check(item))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # A slow check says what it is doing before it starts (loading the model included), so a quiet minute
+    # does not look like a hang.
+    if not is_engine_check(item):
         return
-    here = Path(__file__).parent
-    left_out = [item for item in items if here in item.path.parents
-                and {"mutant", "asked_for"} & set(getattr(item, "fixturenames", ()))]
-    if left_out:
-        config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if item not in left_out]
+    marker = item.get_closest_marker("engine")
+    what = marker.args[0] if marker and marker.args else \
+        (inspect.getdoc(getattr(item, "function", None)) or item.name.removeprefix("test_").replace("_", " "))
+    what = " ".join(what.split(". ")[0].split())
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    capture = item.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:  # no reporter in a pytest-xdist worker
+        with capture.global_and_fixture_disabled():
+            if reporter._tw.width_of_current_line:
+                reporter.write("\n")  # after the progress dots
+            reporter.write_line(f"slow check, {item.path.stem}: {what} (up to a minute or two on a laptop CPU) ...")
+
+
+# ---------------------------------------------------------------- one line per failure
+
+FULL_TRACEBACK = "MINI_ENGINE_LAB_TRACEBACK"
+
+
+def wants_full_traceback(config) -> bool:
+    """`--tb=long` (or native) or MINI_ENGINE_LAB_TRACEBACK=1 show pytest's whole report instead of one line."""
+    return config.getoption("tbstyle") in ("long", "native") or os.environ.get(FULL_TRACEBACK, "") not in ("", "0")
+
+
+def _where(entry, root: Path) -> str:
+    path = Path(entry.path)
+    try:
+        path = path.relative_to(root)
+    except ValueError:
+        pass
+    return f"{path.as_posix()}:{entry.lineno + 1}"
+
+
+def todo_hint(path, lineno: int) -> str:
+    """The `# TODO:` comment just above a stub's `raise NotImplementedError` (line `lineno`, from 0), as one line."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return ""
+    comment, i = [], lineno - 1
+    while i >= 0 and lines[i].lstrip().startswith("#"):
+        comment.insert(0, lines[i].strip().lstrip("#").strip())
+        if comment[0].startswith("TODO"):
+            return " ".join(comment).removeprefix("TODO:").strip()
+        i -= 1
+    return ""
+
+
+def not_implemented_line(excinfo, root: Path) -> str:
+    """`not implemented yet: labs/lab07_paging.py:57 in allocate(): <the TODO's hint>`."""
+    frame = excinfo.traceback[-1]
+    message = str(excinfo.value)
+    hint = re.sub(r"^lab\d\d [\w.]+: ", "", message)  # the stub's "lab07 allocate: " prefix
+    if not message or "not written yet" in message or "see its docstring" in message and len(hint) < 40:
+        hint = todo_hint(frame.path, frame.lineno) or hint
+    return f"not implemented yet: {_where(frame, root)} in {frame.name}(): {hint or 'fill in the TODO'}"
+
+
+def assertion_message(error: BaseException) -> str:
+    """The message of a failed `assert test, message` without pytest's explanation of the expression ("" for a
+    bare assert)."""
+    text = str(error)
+    message, _, explanation = text.partition("\nassert ")
+    return "" if text.startswith("assert ") else " ".join(message.split())
+
+
+def one_line(excinfo, root: Path, test_file: Path) -> str:
+    """What a failing lab test (in `test_file`) prints: one line that says what to fix."""
+    error = excinfo.value
+    in_test = [e for e in excinfo.traceback if Path(e.path) == test_file]
+    if excinfo.errisinstance(NotImplementedError):
+        return not_implemented_line(excinfo, root)
+    if excinfo.errisinstance(AssertionError):
+        where = _where((in_test or excinfo.traceback)[-1], root)
+        return assertion_message(error) or f"{where}: {' '.join(str(error).split())}"
+    if isinstance(error, pytest.fail.Exception):
+        message = " ".join(str(error.msg).split())
+        if message.startswith("DID NOT RAISE"):
+            entry = in_test[-1] if in_test else None
+            if entry is not None:
+                lines = Path(entry.path).read_text().splitlines()
+                code = lines[entry.lineno + 1].strip() if entry.lineno + 1 < len(lines) else ""
+                kind = message.removeprefix("DID NOT RAISE").strip(" <>").removeprefix("class ").strip("'")
+                return f"{_where(entry, root)}: `{code}` must raise {kind}, and nothing was raised"
+        return message
+    # Anything else your code raised: where, in your lab file, and what.
+    trees = [root / "labs", root / "solutions"]
+    yours = [e for e in excinfo.traceback if any(tree in Path(e.path).parents for tree in trees)]
+    entry = yours[-1] if yours else excinfo.traceback[-1]
+    return (f"{type(error).__name__}: {' '.join(str(error).split())} (raised at {_where(entry, root)} in "
+            f"{entry.name}())")
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    # A stub that is still a TODO is the expected state of a fresh lab, not a crash: say so in
-    # one line instead of a traceback through the test's internals.
+    # A stub that is still a TODO is the expected state of a fresh lab, not a crash, and a wrong answer is
+    # a thing to fix, not a traceback to read: each says so in one line (the full report on request).
     report = yield
-    if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError):
-        frame = call.excinfo.traceback[-1]
-        report.longrepr = (
-            f"not implemented yet: {frame.path.name}:{frame.lineno + 1} in {frame.name}(): "
-            f"{call.excinfo.value or 'fill in the TODO'}"
-        )
+    excinfo = call.excinfo
+    if excinfo is None or report.passed or wants_full_traceback(item.config) or \
+            excinfo.errisinstance((KeyboardInterrupt, pytest.skip.Exception)):
+        return report
+    line = one_line(excinfo, item.config.rootpath, Path(item.path))
+    optional = item.get_closest_marker("optional")
+    if optional and excinfo.errisinstance(NotImplementedError) and excinfo.traceback[-1].name in optional.args:
+        report.outcome = "skipped"  # an optional part left for later is not a failure
+        report.longrepr = (str(item.path), item.location[1] or 0, f"optional, {line}")
+        return report
+    report.longrepr = line
     return report
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    here = Path(__file__).parent
+    failed = [r for r in terminalreporter.stats.get("failed", ()) if here in Path(str(r.fspath)).parents]
+    if failed and not wants_full_traceback(config):
+        terminalreporter.write_line(f"(one line per failure: --tb=long or {FULL_TRACEBACK}=1 shows the full traceback)")
+
+
+@pytest.fixture
+def must_raise():
+    """with must_raise(ValueError, "a double free must raise ValueError"): ... fails in one line with that message
+    when the block raises nothing, or another error (its type and text said); a TODO still not written passes."""
+
+    @contextlib.contextmanager
+    def check(kind, what: str):
+        try:
+            yield
+        except kind:
+            return
+        except NotImplementedError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a student's code may raise anything
+            pytest.fail(f"{what}; yours raised {type(err).__name__}: {err}", pytrace=False)
+        pytest.fail(f"{what}; yours raised nothing", pytrace=False)
+    return check
 
 
 @pytest.fixture(scope="session")

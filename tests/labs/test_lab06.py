@@ -11,6 +11,7 @@ sampler). The loop is run on a toy target whose logits depend on the last two to
 that was not rolled back shows, then on the real model against the engine's own loop; the last tests serve
 requests with the real engine, `LLM`, drafting with your proposer.
 """
+import importlib
 import random
 
 import pytest
@@ -22,11 +23,13 @@ from mini_engine.engine import LLM
 from mini_engine.speculative import NgramProposer
 
 LAB = "lab06_speculative"
-# The engine's own proposer, sampler and loop already do these jobs: calling them fails the test (see conftest.py).
-SHORTCUTS = {"ngram_propose": [speculative], "residual_distribution": [speculative],
-             "rejection_sample": [speculative],
+# The engine's own proposer, sampler and loop already do these jobs, and so does its Triton rejection sampler (its
+# kernel and wrapper): calling them fails the test (see conftest.py).
+KERNEL = importlib.import_module("mini_engine.kernels.rejection_sampler")
+SHORTCUTS = {"ngram_propose": [speculative], "residual_distribution": [speculative, KERNEL],
+             "rejection_sample": [speculative, KERNEL],
              "generate_speculative": [generate.generate_speculative, speculative.verify, speculative.rejection_sample,
-                                      speculative.rejection_sample_from_randoms]}
+                                      speculative.rejection_sample_from_randoms, KERNEL]}
 
 P = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])   # the target
 Q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])   # a draft that disagrees a lot: α = Σ min(P, Q) = 0.5
@@ -111,7 +114,7 @@ def batch(p_rows, q_rows, n, gen):
 
 def check_shape(out, drafts):
     k = drafts.shape[1]
-    assert isinstance(out, list) and len(out) == len(drafts), "return one list of token ids per sequence"
+    assert isinstance(out, list) and len(out) == len(drafts), "return a list holding one list of token ids per sequence"
     for row, d in zip(out[:50], drafts[:50].tolist()):
         assert 1 <= len(row) <= k + 1, f"each sequence gets 1 to k + 1 = {k + 1} tokens, got {row}"
         assert row[:-1] == d[:len(row) - 1], f"the tokens before the last must be the accepted drafts {d}, got {row}"
@@ -279,9 +282,14 @@ def test_loop_verifies_each_round_in_one_pass_after_rolling_back(impl):
     prompt = [3, 1, 4]
     out, rounds = impl.generate_speculative(target, prompt, sometimes_right(target, 7), 4, 16)
     assert target.passes[0] == (0, prompt), f"the first pass runs the prompt from position 0, got {target.passes[0]}"
+    lone = sum(len(chunk) == 1 for _, chunk in target.passes[1:])  # passes that verified no draft
+    assert len(target.passes) <= 1 + len(rounds) or lone <= rounds.count((0, 0)), (
+        f"{len(target.passes)} forward passes for {len(rounds)} rounds, and {lone} of the passes ran a round with no "
+        f"drafts while your rounds hold {rounds.count((0, 0))} (0, 0): record every round, one without drafts as "
+        "(0, 0)")
     assert len(target.passes) == 1 + len(rounds), (
         f"{len(target.passes)} forward passes for {len(rounds)} rounds: prefill once, then verify each round's "
-        "last token and drafts together in ONE target.forward")
+        "newest token and drafts together in ONE target.forward")
     sequence, emitted = prompt + out, 1
     for r, ((start, chunk), (drafted, accepted)) in enumerate(zip(target.passes[1:], rounds)):
         newest = len(prompt) + emitted - 1
@@ -291,7 +299,8 @@ def test_loop_verifies_each_round_in_one_pass_after_rolling_back(impl):
         assert chunk[0] == sequence[newest] and len(chunk) == 1 + drafted, \
             f"round {r}: a chunk is the newest token, then the round's {drafted} drafts; got {chunk}"
         emitted += accepted + 1
-    assert emitted >= len(out) and sum(d for d, _ in rounds) > 0
+    assert emitted >= len(out) and sum(d for d, _ in rounds) > 0, \
+        f"your rounds {rounds} account for {emitted} tokens, fewer than the {len(out)} you returned"
 
 
 def test_loop_stops_at_max_new_tokens_and_after_the_stop_token(impl):
@@ -345,6 +354,7 @@ def repeat_prompt(real_model):
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": "Repeat exactly: " + text}]))
 
 
+@pytest.mark.engine("your loop on the real model against the engine's own speculative loop, 24 tokens")
 def test_loop_gives_the_engines_tokens_on_the_real_model(impl, real_model, repeat_prompt):
     model, _ = real_model
     target = impl.Target(model, len(repeat_prompt) + 24)
@@ -366,6 +376,7 @@ class LabProposer:
         return self.ngram_propose(token_ids, k, ngram_min=1, ngram_max=3)
 
 
+@pytest.mark.engine("2 requests through the real engine drafting with your ngram_propose, then with its own")
 def test_the_engine_serves_requests_with_your_proposer(impl, real_model, repeat_prompt):
     model, tok = real_model
     chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Give me two ideas for a rainy day."}]))
@@ -413,6 +424,16 @@ def loop_verifying_by_the_engine(target, prompt_ids, propose, k, max_new_tokens,
     return out, rounds
 
 
+def rejection_sample_by_the_kernel(target_probs, draft_token_ids, draft_probs=None, generator=None):
+    """The student's own random numbers, but the engine's Triton kernel does the accepting and the drawing."""
+    (s, k), vocab = draft_token_ids.shape, target_probs.shape[-1]
+    uniforms = torch.rand(s, k, generator=generator)
+    inv_exponentials = 1 / torch.empty(s, vocab).exponential_(generator=generator)
+    out = KERNEL.rejection_sampler(target_probs.float(), draft_token_ids, torch.full((s,), k, dtype=torch.int32),
+                                   draft_probs, uniforms, inv_exponentials)
+    return [[t for t in row if t >= 0] for row in out.tolist()]
+
+
 # Each part of the lab handed to something that already does it, and a grading test that must fail it.
 HAND_OFFS = [
     ("ngram_propose", lambda token_ids, k, ngram_min=1, ngram_max=3:
@@ -421,6 +442,7 @@ HAND_OFFS = [
     ("rejection_sample", lambda target_probs, draft_token_ids, draft_probs=None, generator=None:
         speculative.rejection_sample(target_probs, draft_token_ids, draft_probs, generator),
      test_greedy_target_accepts_while_the_draft_is_the_argmax, {}),
+    ("rejection_sample", rejection_sample_by_the_kernel, test_greedy_target_accepts_while_the_draft_is_the_argmax, {}),
     ("generate_speculative", loop_verifying_by_the_engine, test_loop_gives_greedy_decodings_tokens, {"seed": 0}),
     ("generate_speculative", loop_by_the_engine, test_loop_gives_the_engines_tokens_on_the_real_model, {}),
 ]
@@ -435,3 +457,29 @@ def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
                          ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
 def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
     hand_off(part, replacement, test, **args)
+
+
+# ---------------------------------------------------------------- wrong answers, and the one line each prints
+
+solution = importlib.import_module(f"solutions.{LAB}")
+
+
+def loop_without_empty_rounds(target, prompt_ids, propose, k, max_new_tokens, temperature=0.0, stop_token_id=None,
+                              generator=None):
+    """The solution's loop, but a round with no drafts is left out of `rounds`."""
+    out, rounds = solution.generate_speculative(target, prompt_ids, propose, k, max_new_tokens, temperature,
+                                                stop_token_id, generator)
+    return out, [r for r in rounds if r != (0, 0)]
+
+
+WRONG_ANSWERS = [
+    ({"generate_speculative": loop_without_empty_rounds}, test_loop_verifies_each_round_in_one_pass_after_rolling_back,
+     r"\d+ forward passes for \d+ rounds, and [1-9]\d* of the passes ran a round with no drafts while your rounds hold "
+     r"0 \(0, 0\): record every round, one without drafts as \(0, 0\)"),
+]
+
+
+@pytest.mark.parametrize("replacements,test,line", WRONG_ANSWERS,
+                         ids=[f"{t.__name__.removeprefix('test_')}-{i}" for i, (_, t, _) in enumerate(WRONG_ANSWERS)])
+def test_a_wrong_answer_fails_with_one_line_that_says_what_to_fix(wrong_answer, replacements, test, line):
+    wrong_answer(test, replacements, line)
