@@ -407,10 +407,12 @@ plt.show()
 # chunks, the same work is spread over several steps: each stall is shorter, the running requests keep
 # streaming, and the long prompt's own first token comes a little later (its prefill now shares steps).
 #
-# On a CPU a step's weight products turn compute-bound after a few rows (chapter 02's ridge point), so each
-# sequence added to a batch costs real arithmetic, and how fast those products run shows in every number of
-# this chapter. How the engine multiplies a batch's rows by each weight matrix as fast as a CPU allows is the
-# subject of the optional appendix [A1](A1_fast_on_a_cpu.ipynb).
+# What the CPU changes here: chapter 02 found that on a CPU a decode step turns compute-bound after a few
+# sequences (its ridge point is low), so each sequence added to a batch costs real arithmetic, and the
+# throughput this chapter gains by batching is smaller than a GPU's, whose steps stay memory-bound, with each
+# extra sequence nearly free, up to far larger batches. The ideas are the same on both: keep every lane of the
+# batch busy, and let no long prompt stall the others. (How the engine multiplies a batch's rows by the weights
+# on a CPU is the subject of the optional appendix [A1](A1_fast_on_a_cpu.ipynb).)
 
 # %% [markdown]
 # ## What you measured

@@ -354,12 +354,11 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# A paged decode has to find each sequence's blocks wherever they lie. On a GPU the Triton kernel reads them
-# in place, following the block table. PyTorch's own attention wants each sequence's keys and values side by
-# side, so the plain CPU path first copies a sequence's blocks out of the pool and then reads the copy: the
-# cached keys and values cross memory twice, a cost the contiguous cache does not pay. A kernel that follows
-# the block table itself, as the GPU's does, avoids the copy; where the optional CPU backend has one and it is
-# faster on this machine, the steps above used it (appendix [A1](A1_fast_on_a_cpu.ipynb) says how it works).
+# What the last panel means for paging: a paged step reads the same keys and values as a contiguous one, only
+# from blocks scattered through the pool. Where it costs more, the difference is the price of finding those
+# blocks through the block table, which is what an attention kernel that reads them in place keeps small (the
+# GPU's Triton kernel does; appendix [A1](A1_fast_on_a_cpu.ipynb) shows the CPU's). Paging is not a speed-up
+# of the step: its gain is the memory it does not reserve, measured earlier in this chapter.
 #
 # ## 7. The other preemption: swapping to host memory
 #

@@ -359,13 +359,13 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Why the measured ratio stays below the FLOP ratio on a CPU, as the milliseconds a token above show: the
-# uncached prompt's prefill multiplies the weights by hundreds of rows at a time, near the CPU's peak; the
-# cached request's short step multiplies them by a few dozen rows at most, and there the step is neither
-# compute-bound nor memory-bound alone. The FLOP ratio prices every token the same, and cannot see this. On a
-# CPU a short step costs more per token because it still reads all the weights once, and because the dozens
-# of small operations per layer (norms, RoPE, the cache write) each cost a fixed few microseconds whatever the
-# number of rows. The FLOP ratio above is a ceiling no engine reaches.
+# Why the measured ratio stays below the FLOP ratio, as the milliseconds a token above show: the FLOP ratio
+# prices every token the same, but a step also pays costs that do not shrink with its tokens. The cached
+# request's short step still reads all the weights once and still runs every small operation of every layer,
+# for a few dozen tokens instead of hundreds, so each of its tokens costs more than a token of the long
+# uncached prefill. Skipping the prefix's FLOPs is real; the fixed cost of a step is not skipped. The FLOP
+# ratio above is a ceiling no engine reaches. (What those fixed costs are on a CPU, and how the engine keeps
+# them down: appendix [A1](A1_fast_on_a_cpu.ipynb).)
 #
 # The calculator below prices the same trade on any model and GPU: the seed's 2,000-token system prompt
 # and 50-token questions on Llama-2-13B give its "about 40×" as a FLOP ratio, but on an A100's roofline so

@@ -329,8 +329,8 @@ print(f"weights: {formulas.weight_bytes(shape, nbytes) / 1e6:.0f} MB per decode 
 # Offline `LLM.generate` knows every request in advance. A server does not: requests arrive whenever users send
 # them, each streams its answer back, and a new one joins the running batch at the next step. `start_server`
 # runs `python -m mini_engine serve` in the background (a subprocess on 127.0.0.1), and a few bursts of requests
-# warm it up. (`tuned_env()` hands the server the choices the optional CPU backend made in this notebook, so that
-# its first requests are not slowed by making them again; it does nothing where the backend is absent.)
+# warm it up. (`tuned_env()` hands the server the one-time choices this notebook made before timing anything,
+# so that its first requests are not slowed by making them again.)
 
 # %%
 from openai import OpenAI
@@ -439,10 +439,11 @@ display(load_widget(step_s, prompt_s, max_batch=SERVER_SEQS, tokens=SWEEP_TOKENS
 # `python -m mini_engine bench --workload server` measures the same at full size: the server's throughput
 # against offline `LLM.generate` on the same requests, and whether every request is answered at twice the rate
 # the engine sustains (results in `benchmarks/RESULTS.md`). On a two-core CPU the load generator's streaming
-# clients share the cores with the server, which is part of what the curve measures. A server on a CPU also
-# has to step the engine on the thread that loaded it: stepped from a second thread, its products waited for
-# idle worker threads to wake, and it streamed a quarter fewer tokens per second (appendix
-# [A1](A1_fast_on_a_cpu.ipynb) tells the story).
+# clients share the cores with the server, which is part of what the curve measures. The gap between the
+# server and the offline engine on the same requests is the cost of serving itself: HTTP, streaming every
+# token, clients on the same machine. Measuring one against the other is how such costs are found, and not all
+# of them are where one would look: one found this way cost the server a quarter of its speed and had nothing
+# to do with HTTP (appendix [A1](A1_fast_on_a_cpu.ipynb), section 7).
 #
 # ## 6. The same primitives in production engines
 #

@@ -381,14 +381,14 @@ else:
 #   norms, sampling and Python's bookkeeping per step are not quantized, and they are a larger share of a
 #   faster step (Amdahl's law). bf16 sits in between; on CPUs without bf16 arithmetic it can even be slower
 #   than fp32.
-# - **Batch 16**: on a CPU, int4 usually gains much less, or nothing. As the ceilings of section 1 predicted,
-#   16 rows make a CPU step compute-bound, and an int4 product must also turn every code back into a number
-#   before it multiplies, work a float product does not have: when that is repeated for every few rows of
-#   activations, 16 rows cost *more* arithmetic than a float product. int8 may hold up better (compare its
-#   row): once the arithmetic, not the bytes, sets the speed, which format wins is a fact about the kernels
-#   and this machine, not about the bits. The Triton kernel of `mini_engine/kernels/quant_matmul.py`
-#   dequantizes a tile once for 16 to 64 rows, and a GPU's ridge point is far higher, so on a GPU int4 keeps
-#   paying at batch 16.
+# - **Batch 16**: on a CPU, int4 usually gains much less, or nothing. Quantization saves bytes, and bytes set
+#   the speed only while a step is memory-bound. As the ceilings of section 1 predicted, 16 rows make a CPU
+#   step compute-bound, and an int4 product also has to turn its codes back into numbers before it
+#   multiplies: arithmetic a float product does not do. int8 may hold up better (compare its row): once the
+#   arithmetic, not the bytes, sets the speed, which format wins is a fact about the kernels and this machine,
+#   not about the bits. A GPU's ridge point is far higher, so there a step of 16 rows is still memory-bound and
+#   int4 keeps paying at batch 16. (How the kernels turn codes back into numbers, on a GPU and on a CPU:
+#   `mini_engine/kernels/quant_matmul.py` and appendix [A1](A1_fast_on_a_cpu.ipynb).)
 # - **Quality**: int4 keeps the checkpoint's own 4-bit codes, so against the dequantized fp32 model (which holds
 #   the same values) it differs only by the bf16 scales, the bf16 activations (compare the bf16 row) and the
 #   int8 head. int8 per row can come out *worse* than int4 here: it re-quantizes weights that sat on 4-bit

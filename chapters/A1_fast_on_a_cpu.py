@@ -135,8 +135,11 @@ print(f"matmul {ceil.peak_flops / 1e9:.0f} GFLOP/s, memory {ceil.peak_bw / 1e9:.
 # - The choices are kept in a file per machine (`~/.cache/mini_engine`), named by what they depend on (the
 #   CPU, PyTorch's version, the thread count, the backend's source), so the next notebook starts with them.
 #
-# `warm_up(model, rows)` makes these decisions now, off the clock, which is why the chapters call it once
-# before they time anything. The choices for one row (a decode step) and for 16 (a batch), with every
+# `warm_up(model, rows)` makes these decisions now, off the clock. The chapters never call the backend
+# themselves: the course's helper `mini_engine.course.devices.warm_up` calls it for them before they time
+# anything, and does nothing where the backend is off or the model is on a GPU. A server the chapters start
+# (chapter 09) is handed the same choices in a file (`mini_engine.bench.server.tuned_env`), so that its first
+# requests do not make them again. The choices for one row (a decode step) and for 16 (a batch), with every
 # candidate's best time over the copies:
 
 # %%
@@ -275,7 +278,8 @@ for n, t_sdpa, t_kernel, error in chunk_rows:
 #
 # PyTorch's int4 CPU kernel (chapter 10) takes bfloat16 activations and turns each tile of codes back into
 # numbers again for every few rows of activations: right at one row, wasteful at 16, where a step is already
-# compute-bound. The backend adds int4 and int8 kernels of its own that keep float32 activations and read the
+# compute-bound. (The course's Triton kernel for a GPU, `mini_engine/kernels/quant_matmul.py`, turns a tile
+# back once for 16 to 64 rows, and a GPU's step of 16 rows is memory-bound anyway.) The backend adds int4 and int8 kernels of its own that keep float32 activations and read the
 # same codes (on x86 CPUs with AVX2); they also run the 8-bit scales of chapter 10's optional section without
 # first turning the weights back into floats. On Intel CPUs with AMX, a second pair turns each weight into bfloat16 once and feeds it
 # to the tiles, 16 rows of activations per instruction: the arithmetic then costs so little that int4 is again
