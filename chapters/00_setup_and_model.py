@@ -19,6 +19,17 @@
 # Llama-family chat model that ships inside a Python package, so nothing is downloaded at run time), and
 # the two numbers about your hardware that bound everything later: how fast it multiplies and how fast it
 # moves bytes.
+#
+# **The textbook.** The course accompanies a textbook's part on inference efficiency, Part 3, "Inference
+# Efficiency Core". Its thesis fits in one sentence: "decode is memory-bound, so the game is to read each
+# weight from HBM as few times as possible and serve as many tokens as possible per read" (HBM is a GPU's
+# main memory). It then puts a number on each technique: a KV cache worth "an ~700× speedup over re-computing
+# past tokens", continuous batching "lifting utilization ~50% → ~90%", PagedAttention "cutting waste from
+# 60–80% to ≤15 tokens per request", prefix caching cutting "TTFT ~40×", and a 7B model on an A100 that runs
+# at "5 to 10 tokens per second" naive and "200 to 500" on an optimised stack. You do not need the book.
+# Whenever a chapter takes up one of these claims, it calls it "the textbook", quotes it, and then does one of
+# three things: reproduces it on the real model, corrects it where the textbook's own numbers disagree, or
+# explains which assumptions the figure rests on, so that you can tell when it applies to your machine.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -46,6 +57,7 @@ import torch
 
 import mini_engine as me
 from mini_engine import formulas
+from mini_engine.config import PRESETS
 from mini_engine.course.devices import default_device, timed
 from mini_engine.course.hardware import cpu_info, describe_machine, measure_ceilings
 
@@ -57,9 +69,11 @@ print(describe_machine(device))  # every measurement in this course depends on i
 # %% [markdown]
 # ## Load the model
 #
-# The checkpoint is a GGUF file (the llama.cpp format), quantized to 4 bits. `load_model` reads it with the
-# `gguf` package, dequantizes every tensor to floating point, rebuilds the tokenizer from the file's
-# metadata, and returns a plain PyTorch module.
+# The checkpoint is a GGUF file (the llama.cpp format), quantized to 4 bits. `load_model` reads the file
+# itself (`mini_engine/loading/gguf_file.py`: a header, the metadata, a table of tensors, then their bytes,
+# about a hundred lines; the `gguf` package, llama.cpp's own reader, is kept only to check it in the tests),
+# dequantizes every tensor to floating point, rebuilds the tokenizer from the file's metadata with the
+# `tokenizers` library, and returns a plain PyTorch module.
 
 # %%
 t0 = time.perf_counter()
@@ -72,7 +86,7 @@ print(cfg)
 # %% [markdown]
 # Nine query heads share three key/value heads: this is **grouped-query attention** (GQA), which will
 # matter in chapter 03 because only the K/V heads are cached. The input embedding and the output
-# projection share one matrix (tied embeddings).
+# projection share one matrix (tied embeddings). Where do the parameters live?
 
 # %%
 n_params = sum(p.numel() for p in model.parameters())
@@ -88,6 +102,22 @@ groups = {
 for name, n in groups.items():
     print(f"{name:<30} {n / 1e6:7.2f} M  ({100 * n / n_params:4.1f} %)")
 print(f"{'total':<30} {n_params / 1e6:7.2f} M  = {n_params * bytes_per / 2**20:.0f} MiB in {dtype}")
+embedding_share = groups["embedding (tied with output)"] / n_params
+print(f"the embedding is {cfg.vocab_size:,} tokens × {cfg.hidden_size} = {embedding_share:.0%} of the model, "
+      f"about 1/{1 / embedding_share:.0f}")
+llama = PRESETS["llama-7b"]  # for scale: a 7B model, whose input and output matrices are separate
+llama_embedding = llama.vocab_size * llama.hidden_size * (1 if llama.tie_word_embeddings else 2)
+print(f"Llama-7B: {llama.vocab_size:,} tokens × {llama.hidden_size}, input and output matrices "
+      f"{llama_embedding / llama.num_params:.1%} of its {llama.num_params / 1e9:.1f} B parameters")
+
+# %% [markdown]
+# The embedding is about a fifth of this model. That is a mark of a small model: the table has one row of
+# `hidden` numbers per vocabulary entry, and a vocabulary of about 50,000 tokens costs the same whether the
+# layers behind it are small or large, while the layers' share grows with hidden² · layers. In Llama-7B
+# the embedding and its separate output matrix together are a few percent of the weights (the second line
+# above). Here the one matrix serves twice: at the input, where each token looks up one row, and at the
+# output, where every row scores the next token, so each decode step reads all of it like a layer's
+# weights. Chapter 10 meets it again when it quantizes the weights.
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3))
@@ -192,9 +222,9 @@ plt.show()
 # | chapter | what it changes | phase | bottleneck it attacks |
 # | --- | --- | --- | --- |
 # | 01 naive baseline | nothing yet: the whole sequence is recomputed at every step | both | none: it measures the waste, O(N³) work for N tokens |
-# | 02 prefill vs decode | several sequences advance in one decode step | decode | memory bandwidth: one weight read serves the whole batch |
+# | 02 prefill vs decode | nothing yet: it times the two phases and places each on the roofline | both | none: it says which of the two ceilings above binds each phase |
 # | 03 KV cache | each position's keys and values are kept | decode | redundant compute, paid for in memory capacity |
-# | 04 batching | finished sequences leave the batch and new ones join at every step | decode | idle batch slots, so each weight read serves fewer tokens than it could |
+# | 04 batching | several sequences advance in one decode step; finished ones leave and new ones join at every step | decode | memory bandwidth: one weight read serves the whole batch, and no slot of it idles |
 # | 05 FlashAttention | attention runs in tiles held in on-chip memory | prefill (long prompts) | memory traffic and memory size of the N × N attention scores |
 # | 06 speculative decoding | a small model drafts tokens, the large one checks them in one pass | decode | memory bandwidth: idle arithmetic verifies several tokens per weight read |
 # | 07 PagedAttention | the cache lives in fixed-size blocks, allocated as needed | decode | memory capacity: cache reserved for tokens that never come |

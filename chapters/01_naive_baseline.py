@@ -202,10 +202,12 @@ print(f"attention work ratio Σi²/Σi at 1024 tokens: {formulas.attention_work_
 # cache and measures where the real loop lands. The naive column has no such gap: every naive step
 # pushes the whole sequence through the weights, enough tokens to keep the arithmetic busy.
 #
-# ## The seed's "about 10⁹ redundant multiply-adds"
+# ## The textbook's "roughly 10⁹ redundant multiply-adds"
 #
-# The textbook behind this course says that for one 1,024-token completion the attention term alone
-# contributes roughly 10⁹ redundant multiply-adds. *Redundant* means what the naive loop computes minus
+# The textbook this course accompanies (chapter 00 introduces it) says: "For a single 1024-token completion,
+# the attention term alone contributes roughly 10⁹ redundant multiply-adds, on top of the far larger
+# redundant weight-matmul cost from re-running every layer on every previous token at every step."
+# *Redundant* means what the naive loop computes minus
 # what a cache needs. At the step where the sequence holds *i* tokens, naive attention scores all *i*
 # queries against *i* keys (*i²* pairs, counted over the full square as `formulas.attention_flops` does),
 # while a cached step scores one query against *i* keys: *i² − i* pairs are repeats. Each pair costs two
@@ -214,7 +216,7 @@ print(f"attention work ratio Σi²/Σi at 1024 tokens: {formulas.attention_work_
 # the naive one.
 
 # %%
-completion = 1024  # from a one-token prompt, as the seed's sums Σ i² and Σ i over i = 1..1024 assume
+completion = 1024  # from a one-token prompt, as the textbook's sums Σ i² and Σ i over i = 1..1024 assume
 shape = formulas.ModelShape.of(cfg)
 
 
@@ -228,36 +230,38 @@ per_unit = redundant_macs(unit)
 attention_waste = redundant_macs(dataclasses.replace(shape, n_params=0))  # all layers, heads and dimensions
 matmul_waste = redundant_macs(dataclasses.replace(shape, n_heads=0))      # the weight matmuls only
 print(f"one layer, one head, one dimension: {per_unit:.2e} redundant multiply-adds "
-      f"(10^{np.log10(per_unit):.1f}, the seed's 'roughly 10^9')")
+      f"(10^{np.log10(per_unit):.1f}, the textbook's 'roughly 10^9')")
 print(f"SmolLM2's {shape.n_layers} layers × {shape.n_heads} heads × {shape.head_dim} dims: "
       f"{attention_waste:.2e} in attention")
 print(f"its weight matmuls, recomputed for every earlier token: {matmul_waste:.2e}, "
       f"{matmul_waste / attention_waste:.1f}× the attention's")
 
 # %% [markdown]
-# So the seed's figure is the count for one unit of the model's width: the order of magnitude of
+# So the textbook's figure is the count for one unit of the model's width: the order of magnitude of
 # Σ *i²*. A real model multiplies it by layers × heads × head dimension, and the weight matmuls, which
-# the naive loop also recomputes for every earlier token, waste more still at this length, as the seed
-# says.
+# the naive loop also recomputes for every earlier token, waste more still at this length, as the
+# textbook says.
 #
-# ## A note on the seed's ratios
+# ## A note on the textbook's ratios
 #
-# The same section of the seed puts a 7B model on an A100 at 5 to 10 tokens/s without optimisations and
-# 200 to 500 with them, and calls that "a 5 to 50× throughput gap"; its closing section says the
-# combination gives "roughly 5× to 10×". Its own endpoints give neither:
+# The same section of the textbook says that naive code on an A100 runs "somewhere around 5 to 10 tokens
+# per second", and "the same model, same hardware, with a fully optimized inference stack: 200 to 500
+# tokens per second. A 5 to 50× throughput gap". Its closing section says the combined effect is "roughly
+# 5× to 10× throughput versus a naive baseline". Its own endpoints give neither:
 
 # %%
-naive_tok_s_seed, optimised_tok_s_seed = (5, 10), (200, 500)  # the seed's ranges, tokens/s
-low = optimised_tok_s_seed[0] / naive_tok_s_seed[1]   # slowest optimised stack over the fastest naive one
-high = optimised_tok_s_seed[1] / naive_tok_s_seed[0]  # fastest over slowest
-print(f"{optimised_tok_s_seed[0]} / {naive_tok_s_seed[1]} = {low:.0f}x  up to  "
-      f"{optimised_tok_s_seed[1]} / {naive_tok_s_seed[0]} = {high:.0f}x")
+naive_tok_s_book, optimised_tok_s_book = (5, 10), (200, 500)  # the textbook's ranges, tokens/s
+low = optimised_tok_s_book[0] / naive_tok_s_book[1]   # slowest optimised stack over the fastest naive one
+high = optimised_tok_s_book[1] / naive_tok_s_book[0]  # fastest over slowest
+print(f"{optimised_tok_s_book[0]} / {naive_tok_s_book[1]} = {low:.0f}x  up to  "
+      f"{optimised_tok_s_book[1]} / {naive_tok_s_book[0]} = {high:.0f}x")
 
 # %% [markdown]
-# Only part of the "5 to 50×" falls inside the range the seed's own endpoints give, and none of the
+# Only part of the "5 to 50×" falls inside the range the textbook's own endpoints give, and none of the
 # "5× to 10×" does, so at least two of the three figures cannot describe the same comparison. This
 # course does not settle it by picking one: every ratio it reports is measured on one machine in one
-# run, rung by rung, the cache in chapter 03 and the whole ladder in chapter 09.
+# run, rung by rung, the cache in chapter 03 and the whole ladder in chapter 09. Exercise 5 below puts the
+# same figures to a third test, the textbook's own price of a service.
 
 # %% [markdown]
 # ## What you measured
@@ -374,6 +378,49 @@ for name in ("smollm2-135m", "llama-7b", "llama-2-13b", "llama-70b-gqa"):
 # SmolLM2). Grouped-query attention changes nothing here: it shrinks the keys and values, not the
 # queries. For the models people serve, prompts of a few thousand tokens are still in the linear regime,
 # and attention's quadratic term matters mostly at long contexts.
+# </details>
+#
+# **5. What a billion tokens a day costs.** The textbook prices the gap between naive and optimised
+# serving: "A service handling one billion tokens per day on naive inference might need a hundred A100s; on
+# a production stack, five." Take its own per-GPU rates from the section above (5 to 10 tokens/s naive, 200
+# to 500 optimised) and predict how many A100s each stack needs for a billion tokens a day, spread evenly
+# over the day. Do your counts agree with 100 and 5? If not, what rate per GPU would the textbook's counts
+# need, and can one stream on an A100 reach it?
+
+# %%
+import math
+
+A100 = dict(peak_flops=312e12, peak_bw=2.039e12)  # dense bf16 FLOP/s and HBM bytes/s, A100-80GB SXM
+demand = 1e9 / (24 * 3600)  # tokens per second, a day's billion spread evenly
+print(f"a billion tokens a day = {demand:,.0f} tokens/s on average")
+stacks = {"naive": (naive_tok_s_book, 100), "optimised": (optimised_tok_s_book, 5)}  # (tok/s per A100, A100s)
+for stack, ((slow, fast), book_gpus) in stacks.items():
+    print(f"{stack:>9}: at {slow}-{fast} tok/s per A100, {math.ceil(demand / fast):,}-{math.ceil(demand / slow):,} "
+          f"A100s; the textbook's {book_gpus} need {demand / book_gpus:,.0f} tok/s each")
+print(f"the textbook's two counts: 100 / 5 = {100 / 5:.0f}x; its rates: {low:.0f}x to {high:.0f}x")
+
+# What one A100 can do at most with Llama-7B in fp16 (512-token prompts, 512 new tokens each), on the roofline:
+naive_roof = formulas.generation_tok_s("llama-7b", 512, 512, 2, **A100, cache=False)
+print(f"roofline, naive loop, one stream: {naive_roof:,.0f} tok/s")
+for b in (1, 4, 16, 64):
+    print(f"roofline, KV cache, batch {b:2d}: {formulas.generation_tok_s('llama-7b', 512, 512, 2, **A100, batch=b):,.0f} "
+          f"tok/s in all")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Far more GPUs than the textbook says, for both stacks. A billion tokens a day is about 11,600 tokens every
+# second; at 5 to 10 tokens/s per A100 that takes over a thousand A100s, and at 200 to 500 tokens/s a few
+# dozen, not 100 and 5. The two counts are consistent with each other (their ratio, 20×, is the ratio of 200
+# to 10), but each one needs about 20 times the rate the textbook gives per GPU: about 116 tokens/s for the
+# naive stack and 2,300 for the optimised one. The roofline lines say which of those one A100 can deliver. No
+# single naive stream gets near 116: recomputing the sequence makes every step compute-bound, and its ceiling
+# for one stream is a few dozen tokens/s. One cached stream cannot pass about 150 (every token reads all 13.5
+# GB of weights once); only a batch, whose streams share each weight read, reaches thousands of tokens/s in
+# all. So the 5 to 10 and 200 to 500 describe one stream, what one user sees, and the 100 and 5 GPUs describe
+# a server that batches many streams: the same mismatch as the ratios above. A real fleet also needs more than
+# this average, since traffic peaks in the daytime and a GPU is sized for the peak. Chapter 04 builds the
+# batching, and chapter 09 runs this arithmetic against the full engine.
 # </details>
 #
 # **Lab.** [Lab 01](../labs/lab01_notebook.ipynb) has you write the naive decode loop and the FLOP

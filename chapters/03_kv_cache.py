@@ -246,7 +246,10 @@ print(f"predicted at 1024 tokens: roofline {roofline_long[1023]:.0f}x, FLOPs {fl
 
 # %% [markdown]
 # Both ratios keep growing with the length, because the naive loop's attention work is O(N³) in total.
-# For the seed's example, 1024 tokens:
+# The textbook calls the cache "an ~700× speedup over re-computing past tokens", from one example: "Summed
+# across a 1024-token decode, the total attention work collapses from Σi² ≈ 3.6 × 10⁸ to Σi ≈ 5.2 × 10⁵,
+# roughly a 700× reduction in attention FLOPs". Its 700× counts attention alone; the whole model's FLOPs
+# at the same length, weight products included, give a smaller ratio:
 
 # %%
 print(f"1024 tokens from a 1-token prompt: {formulas.naive_generation_flops(cfg, 1, 1024) / formulas.cached_generation_flops(cfg, 1, 1024):.0f}x "
@@ -315,11 +318,14 @@ gqa_saving = sizes["MHA"] / sizes["GQA (SmolLM2)"]
 print(f"GQA cache is {gqa_saving:.0f}x smaller than MHA's")
 
 # %% [markdown]
-# ## At scale: the seed's numbers
+# ## At scale: the textbook's numbers
 #
-# The same formula for the larger models of the seed chapter, in fp16, one sequence. Llama-7B keeps a
-# KV head per query head; the two Llama-70B rows are the same model with its 8 GQA KV heads and with
-# all 64.
+# The textbook applies the same formula to larger models, in 2-byte numbers, one sequence: Llama-7B at 4K
+# context "gives roughly 2 GB per sequence", and Llama-70B at 128K, "with the true GQA count of H = 8 KV
+# heads, the number jumps to roughly 40 GB per sequence; with the full 64 query heads (no GQA) it would be
+# roughly 320 GB". Llama-7B keeps a KV head per query head; the two Llama-70B rows are the same model with
+# its 8 GQA KV heads and with all 64. (The textbook's "GB" are binary gigabytes, GiB: its 2 GB is exactly 2
+# GiB.)
 
 # %%
 contexts = [1024, 4096, 32768, 131072]
@@ -345,15 +351,26 @@ for name in big_models:
     print(f"{name:<15}{weights / 2**30:12.1f}{fits[name, 2048]:12d}{fits[name, 4096]:12d}")
 
 # %% [markdown]
-# Llama-2-13B is the seed's example: the row above is its "about 35 requests on an 80 GB A100"
+# Llama-2-13B is the textbook's example: its cache takes "~0.78 MB/token", and it, "not the weights, caps
+# how many requests a GPU holds (~35 on an 80 GB A100)": the 2K row above
 # (`formulas.max_concurrent_requests` spells out the assumptions). A 70B model does not fit on one such
 # card at all: its fp16 weights alone exceed 80 GiB, which is why it is sharded across GPUs.
 #
-# ### The seed's GQA case: Llama-2-13B with 8 KV heads instead of 40
+# ### The textbook's GQA case: a 13B model with 8 KV heads instead of 40
 #
-# The seed says that cutting the KV heads fivefold buys about five times the concurrent requests. Take
-# Llama-2-13B and give it 8 KV heads (each shared by 5 of its 40 query heads). Its K and V projections
-# shrink too, so the weights get a little lighter; everything else is the same model.
+# The textbook says that cutting the KV heads "shrinks KV proportionally while keeping full query heads for
+# quality; a 5× cut buys ~5× concurrency, baked in at training time". The last words matter. The KV heads
+# are part of the trained model, not a serving setting: the key and value projections of a GQA model have
+# one output per KV head, and the query heads of a group learned to read the same keys. Llama-2-13B was
+# trained with 40 KV heads, so running it with 8 means building a new model. Ainslie et al. (2023, "GQA:
+# Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints") show how: average the
+# key and value projections of each group of heads into one, then *up-train*, that is, continue
+# pre-training for a small fraction (5%) of the original budget so the model recovers its quality; or
+# train with GQA from the start, as Llama-2-70B and SmolLM2 were. What follows prices such a model, a
+# Llama-2-13B up-trained to 8 KV heads (each shared by 5 of its 40 query heads): its K and V projections
+# shrink, so the weights get a little lighter, and the rest of its shape is the same. The memory arithmetic
+# is exact; whether the up-trained model answers as well is a question for its training, not for this
+# formula.
 
 # %%
 mha13 = PRESETS["llama-2-13b"]
@@ -383,7 +400,8 @@ for i, (n, color) in enumerate(((2048, "C0"), (4096, "C1"))):
     counts = [fits[name, n] for name in order]
     bars = ax.bar(x + (i - 0.5) * 0.38, counts, 0.38, color=color, label=f"{n // 1024}K-token requests")
     ax.bar_label(bars, labels=[str(c) if c else "0: weights\ndo not fit" for c in counts], fontsize=7)
-ax.set(xticks=x, xticklabels=order, ylabel="requests that fit",
+labels = [n.replace("-gqa8", "\n8 KV heads, up-trained") for n in order]  # that one is a model to train
+ax.set(xticks=x, xticklabels=labels, ylabel="requests that fit",
        title="Concurrent requests on an 80 GiB GPU beside fp16 weights")
 ax.tick_params(axis="x", labelsize=8)
 ax.legend(fontsize=8)
@@ -393,10 +411,11 @@ plt.show()
 # %% [markdown]
 # ## Slider: the KV memory calculator
 #
-# Pick a model (the seed's presets and SmolLM2), a context length, a batch, a dtype and a number of KV
-# heads (MHA, GQA or MQA groupings of the model's query heads). The table under the controls
-# reproduces the seed's per-sequence numbers; the right plot shows how many requests fit beside the
-# weights.
+# Pick a model (the textbook's examples and SmolLM2), a context length, a batch, a dtype and a number of
+# KV heads (MHA, GQA or MQA groupings of the model's query heads; any number other than the model's own
+# describes a differently trained model, as above). The table under the controls reproduces the
+# textbook's per-sequence numbers quoted above (2 GB, 40 GB, 320 GB); the right plot shows how many
+# requests fit beside the weights.
 
 # %%
 display(kv_memory_widget("llama-2-13b", gpu_gib=80.0))

@@ -85,21 +85,22 @@ for run in (static_run, continuous_run):
 sim_rows = {r.policy: r.utilisation for r in (static_run, continuous_run)}
 
 # %% [markdown]
-# ### Our numbers against the seed's 50% → 90%
+# ### Our numbers against the textbook's 50% → 90%
 #
-# The seed says continuous batching lifts utilisation from about 50% to about 90%, "≈1.8× more
-# tokens/sec". The simulator's numbers above are close but not the same; each comes from a few
+# The textbook (chapter 00 introduces it) says of continuous batching: "iteration-level scheduling evicts
+# finished requests and admits waiting ones every token step, lifting utilization ~50% → ~90% (≈1.8× more
+# tokens/sec)". The simulator's numbers above are close but not the same; each comes from a few
 # assumptions we can check.
 #
 # **Static.** A batch lasts as long as its longest request. With lengths uniform in [1, L], a request
 # needs about L/2 steps on average and the longest of B needs about L·B/(B + 1), so the share of busy
 # lane-steps is about (B + 1) / (2B): a little over one half for 32 lanes, and exactly one half only in
-# the limit of a very large batch. The seed's 50% is that limit.
+# the limit of a very large batch. The textbook's 50% is that limit.
 #
 # **Continuous.** A lane idles only at the very end, while the last requests drain and no one waits to
 # take a free lane. That drain costs about the same number of idle lane-steps however long the queue
 # was, so the share it wastes shrinks as more requests are queued per lane. Our 1000 requests give 32
-# lanes a long queue; the seed's 90% is what a shorter queue gives:
+# lanes a long queue; the textbook's 90% is what a shorter queue gives:
 
 # %%
 batch_lanes = static_run.batch_size
@@ -113,8 +114,8 @@ for n, u in queue_util.items():
 ninety = next(n for n, u in queue_util.items() if u >= 0.9)
 below = max(n for n, u in queue_util.items() if n < ninety)
 print(f"continuous crosses 90% between {below} and {ninety} queued requests ({below / batch_lanes:.0f} to "
-      f"{ninety / batch_lanes:.0f} per lane): the seed's figure fits a queue of that size")
-print(f"the seed's gain: 90% / 50% = {0.9 / 0.5:.1f}x; the simulator's: {100 * continuous_run.utilisation:.0f}% / "
+      f"{ninety / batch_lanes:.0f} per lane): the textbook's figure fits a queue of that size")
+print(f"the textbook's gain: 90% / 50% = {0.9 / 0.5:.1f}x; the simulator's: {100 * continuous_run.utilisation:.0f}% / "
       f"{100 * static_run.utilisation:.0f}% = {continuous_run.utilisation / static_run.utilisation:.2f}x "
       f"(tokens per step: {continuous_run.tokens_per_step / static_run.tokens_per_step:.2f}x)")
 
@@ -329,17 +330,18 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ### A note on the seed's "5 to 50×"
+# ### A note on the textbook's "5 to 50×"
 #
-# The seed puts a naive 7B model on an A100 at 5 to 10 tokens per second and an optimised stack on the
-# same card at 200 to 500, and calls the difference a "5 to 50×" gap; later it calls the combined effect
-# "5× to 10×". Its own endpoints give neither. And 200 to 500 tok/s is more than *one* stream of a 7B
+# The textbook puts naive code for a 7B model on an A100 at "somewhere around 5 to 10 tokens per second"
+# and "the same model, same hardware, with a fully optimized inference stack" at "200 to 500 tokens per
+# second", and calls the difference "a 5 to 50× throughput gap"; later it calls the combined effect
+# "roughly 5× to 10×". Its own endpoints give neither (chapter 01 did the division). And 200 to 500 tok/s is more than *one* stream of a 7B
 # model can decode on an A100 at all: each token must read the fp16 weights once, so the roofline of
 # chapter 02 caps a single stream, and only a batch, which shares each read, gets past it.
 
 # %%
 A100 = dict(peak_flops=312e12, peak_bw=2.039e12)  # dense bf16 FLOP/s and HBM bytes/s, A100-80GB SXM
-print(f"the seed's endpoints: 200 / 10 = {200 / 10:.0f}x to 500 / 5 = {500 / 5:.0f}x")
+print(f"the textbook's endpoints: 200 / 10 = {200 / 10:.0f}x to 500 / 5 = {500 / 5:.0f}x")
 for b in (1, 4, 16, 64):
     ceiling = formulas.predicted_decode_tok_s("llama-7b", b, 1024, 2, **A100)
     print(f"llama-7b fp16 on an A100, batch {b:3d}, 1K context: roofline ceiling {ceiling:7.0f} tok/s in all")
@@ -347,10 +349,15 @@ print(f"on this machine, the sweep above: batch {sweep_batches[-1]} gives "
       f"{sweep[sweep_batches[-1]]['tok/s'] / sweep[sweep_batches[0]]['tok/s']:.1f}x the tok/s of batch {sweep_batches[0]}")
 
 # %% [markdown]
-# So the seed's 200 to 500 tok/s is the throughput of a batched server, summed over its streams, set
+# So the textbook's 200 to 500 tok/s is the throughput of a batched server, summed over its streams, set
 # against the 5 to 10 tok/s of one naive stream; the ratio of its endpoints is 20× to 100×, and most of
-# it is batching, the subject of this chapter. What one user sees (tokens per second of their own
-# stream) can never pass the batch-1 ceiling, whatever the server does with batching.
+# it is batching, the subject of this chapter. Batching raises what all users get together, not what one
+# user sees: the tokens per second of one stream stay under the batch-1 ceiling whatever the batch, and
+# even fall a little as the batch grows. Two later chapters do lift one stream, by changing what a weight
+# read buys. Speculative decoding (Leviathan et al. 2023; chapter 06) gets several of one stream's tokens
+# out of a single read of the weights, so one stream can pass bandwidth / model bytes; quantization
+# (weight-only int4, as in GPTQ, Frantar et al. 2023; chapter 10) makes the read itself smaller, which
+# raises the ceiling.
 
 # %% [markdown]
 # ## 5. Chunked prefill: a long prompt arrives mid-stream

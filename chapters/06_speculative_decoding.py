@@ -29,7 +29,8 @@
 #
 # This chapter:
 #
-# 1. puts the closed form under sliders and reproduces the seed's k × α table from code;
+# 1. puts the closed form under sliders and reproduces the textbook's k × α table from code (chapter 00
+#    introduces the textbook);
 # 2. walks through one round by hand;
 # 3. measures, on the real model, α, tokens per target pass and tokens/s with and without speculation, on
 #    a task that repeats its input and on open chat, beside the formula's prediction;
@@ -93,20 +94,23 @@ print(f"device: {device}, dtype: {dtype}, {NEW} new tokens per run")
 #
 # A round costs one target pass, *k* draft passes at `draft_cost` each (in units of a target pass) and some
 # bookkeeping (`overhead`), so the speedup over plain decoding is that expectation divided by
-# 1 + k · draft_cost + overhead. The seed's example, α = 0.8 and k = 4:
+# 1 + k · draft_cost + overhead. The textbook's example: "at α=0.8, k=4 that yields ~3.36 tokens per target
+# step"; and "with k = 5, acceptance rate α = 0.7, and a draft model 50× cheaper than the big one, the
+# formula gives roughly 2.5× speedup":
 
 # %%
 print(f"α = 0.8, k = 4: {formulas.expected_tokens_per_step(4, 0.8):.2f} tokens per target pass")
 print(f"α = 0.7, k = 5, draft 50x cheaper, 5% overhead: {formulas.speculative_speedup(5, 0.7, 0.02, 0.05):.2f}x")
 
 # %% [markdown]
-# The seed's table, rows k and columns α, for a draft 50 times cheaper than the target and 5% overhead per
-# round, computed by `formulas.speculative_speedup_table`:
+# The textbook prints a table of this speedup, rows k and columns α, for a draft 50 times cheaper than the
+# target and 5% overhead per round. `formulas.speculative_speedup_table` computes it; its cells match the
+# textbook's to the two decimals it prints (1.21× at k = 1, α = 0.3, up to 5.49× at k = 10, α = 0.9):
 
 # %%
 table = formulas.speculative_speedup_table()
-print("  k | " + "  ".join(f"α={a:.1f}" for a in formulas.SEED_ALPHAS))
-for k, row in zip(formulas.SEED_KS, table):
+print("  k | " + "  ".join(f"α={a:.1f}" for a in formulas.TEXTBOOK_ALPHAS))
+for k, row in zip(formulas.TEXTBOOK_KS, table):
     print(f"{k:3d} | " + "  ".join(f"{s:5.2f}" for s in row))
 
 # %% [markdown]
@@ -118,20 +122,21 @@ for k, row in zip(formulas.SEED_KS, table):
 display(speculative_widget())
 
 # %% [markdown]
-# ### The seed contradicts itself about α < 0.5
+# ### The textbook contradicts itself about α < 0.5
 #
-# The seed's prose says that below α = 0.5 "the technique struggles to break even". Its own table says
-# otherwise: with the table's assumptions every cell is a gain, even at α = 0.3. Speculation loses only
+# The textbook's prose says: "Acceptance rates of 0.6 to 0.8 are typical for a well-chosen draft model;
+# below 0.5 the technique struggles to break even because the draft cost and the rejection probability
+# conspire against you." Its own table says otherwise: with the table's assumptions every cell is a gain, even at α = 0.3. Speculation loses only
 # when a round costs more target passes than it yields tokens, that is when
 # draft_cost > (E − 1 − overhead) / k. The break-even draft cost, from the same formula:
 
 # %%
 print("break-even draft cost (relative to one target pass), overhead 0.05")
-print("  k | " + "  ".join(f"α={a:.1f}" for a in formulas.SEED_ALPHAS))
-for k in formulas.SEED_KS:
-    cells = [(formulas.expected_tokens_per_step(k, a) - 1 - 0.05) / k for a in formulas.SEED_ALPHAS]
+print("  k | " + "  ".join(f"α={a:.1f}" for a in formulas.TEXTBOOK_ALPHAS))
+for k in formulas.TEXTBOOK_KS:
+    cells = [(formulas.expected_tokens_per_step(k, a) - 1 - 0.05) / k for a in formulas.TEXTBOOK_ALPHAS]
     print(f"{k:3d} | " + "  ".join(f"{c:5.3f}" for c in cells))
-print(f"α = 0.3, k = 1: (1 + 0.3) / (1 + 0.02 + 0.05) = {1.3 / 1.07:.2f}x, a gain with the seed's own numbers")
+print(f"α = 0.3, k = 1: (1 + 0.3) / (1 + 0.02 + 0.05) = {1.3 / 1.07:.2f}x, a gain with the textbook's own numbers")
 
 # %% [markdown]
 # At α = 0.3 and k = 1 the round yields 1.3 tokens for 1.07 target passes: a 1.21× gain, and the draft
@@ -363,11 +368,11 @@ print(f"measured speedup {plain_s / half_s:.2f}x, formula {speed_f:.2f}x; identi
 # Near-perfect agreement and still no gain: k draft passes at a sizeable fraction of a target pass each (on
 # some CPUs a bf16 step is not cheaper than an fp32 one at all: the cost printed above is measured, not
 # assumed) cost as much as the tokens they save, or more. The formula says it plainly: with draft_cost c, the
-# round costs 1 + k·c, and no α can push (1 − α^(k+1)) / (1 − α) past k + 1. Real deployments pick drafts
-# 10 to 100 times smaller than the target (the seed's 50× is the table's assumption), or drafts that cost
-# almost nothing: prompt lookup, extra decoding heads on the target itself (Medusa), or a one-layer head
-# that reuses the target's hidden states (EAGLE). The GPU cell in section 8 tries a 135M draft for a 360M
-# target; even that is only 2.7× smaller.
+# round costs 1 + k·c, and no α can push (1 − α^(k+1)) / (1 − α) past k + 1. Real deployments pick drafts 10
+# to 100 times smaller than the target (the textbook says "typically 30× to 100× smaller", and its table
+# assumes a draft 50× cheaper), or drafts that cost almost nothing: prompt lookup, extra decoding heads on the
+# target itself (Medusa), or a one-layer head that reuses the target's hidden states (EAGLE). The GPU cell in
+# section 8 tries a 135M draft for a 360M target; even that is only 2.7× smaller.
 #
 # ## 6. Lossless: the distribution does not change
 #
@@ -525,7 +530,7 @@ else:
 edit, chat = results["input-grounded"], results["open chat"]
 summary = [
     ("formula: α = 0.8, k = 4", f"{formulas.expected_tokens_per_step(4, 0.8):.2f} tokens per target pass"),
-    ("seed's table: k = 5, α = 0.7 (draft 50x cheaper)", f"{formulas.speculative_speedup(5, 0.7, 0.02, 0.05):.2f}x"),
+    ("textbook's table: k = 5, α = 0.7 (draft 50x cheaper)", f"{formulas.speculative_speedup(5, 0.7, 0.02, 0.05):.2f}x"),
 ]
 for name, r in (("input-grounded", edit), ("open chat", chat)):
     st, (tokens_f, speed_f, _, _) = r["stats"], r["prediction"]

@@ -27,7 +27,8 @@
 #
 # This chapter:
 #
-# 1. explores the waste and the concurrency on paper, with sliders;
+# 1. defines the two kinds of waste, internal and external fragmentation, and explores them on paper, with
+#    pictures and sliders;
 # 2. reads the block manager, the bookkeeping behind it (you build it yourself in lab 07);
 # 3. watches the block pool of the real engine as requests arrive, grow, finish and get preempted;
 # 4. serves one workload from the contiguous cache and from the paged one *at the same KV memory*;
@@ -79,7 +80,7 @@ from mini_engine.engine import LLM, LLMEngine
 from mini_engine.course.hardware import describe_machine
 from mini_engine.course.metrics import percentile
 from mini_engine.paging import BlockManager
-from mini_engine.course.widgets import fragmentation_widget, kv_budget_widget
+from mini_engine.course.widgets import draw_kv_layout, fragmentation_widget, kv_layout_legend
 
 device = default_device()
 dtype = me.default_dtype(device)
@@ -92,8 +93,27 @@ print(f"device: {device}, dtype: {dtype}; KV cache: {per_token / 1024:.0f} KiB p
 # %% [markdown]
 # ## 1. On paper: what reservation wastes
 #
-# A fixed KV budget (in token slots), a queue of requests whose final lengths follow some mix, and two
-# ways to hold them. Contiguous: each request reserves `max_model_len` slots. Paged: each request holds
+# Memory allocators waste memory in two ways, and both have names:
+#
+# * **Internal fragmentation**: memory handed to a request that the request never uses. It sits *inside* an
+#   allocation, so nobody else can have it. A request that reserves 2,048 positions and ends after 300 wastes
+#   1,748 of them.
+# * **External fragmentation**: free memory that no request can use, because it lies *between* allocations
+#   in pieces each too small for the next one. The free total is large enough; no single piece is.
+#
+# The textbook (chapter 00 introduces it) describes the second one: "A naive KV cache allocator reserves a
+# contiguous memory block per sequence, sized for the maximum context that sequence might reach. Sequences
+# arrive and finish at different times with different actual lengths, so the freed-up blocks are different
+# sizes than the incoming ones need, classic memory fragmentation". At scale "the GPU ends up unable to admit
+# new requests despite having plenty of total free memory". Its summary puts the total: paging "replaces
+# contiguous max-length reservation, cutting waste from 60–80% to ≤15 tokens per request and buying ~8×
+# concurrency". Kwon et al. (2023), who introduced PagedAttention, counted three kinds of waste in the
+# serving systems before theirs: slots reserved for tokens a request will write later, internal
+# fragmentation, and external fragmentation left by the allocator; only about 20 to 40% of the KV memory held
+# tokens.
+#
+# A fixed KV budget (in token slots), a queue of requests whose final lengths follow some mix, and two ways
+# to hold them. Contiguous: each request reserves `max_model_len` slots. Paged: each request holds
 # ⌈length / block_size⌉ blocks. The simulator (`simulate.simulate_kv_budget`) admits requests in order until
 # the next one does not fit, and counts. With a chat-like mix averaging 512 tokens against 2048-token
 # reservations:
@@ -102,24 +122,63 @@ print(f"device: {device}, dtype: {dtype}; KV cache: {per_token / 1024:.0f} KiB p
 run = simulate.simulate_kv_budget(budget_tokens=64 * 2048, max_model_len=2048, block_size=16, mix="lognormal",
                                   mean_len=512)
 print(f"contiguous: {run.contiguous_fit} requests at once, {100 * run.waste_fraction_contiguous:.0f}% of each "
-      f"reservation empty on average")
+      f"reservation empty on average (internal fragmentation)")
 print(f"paged (16): {run.paged_fit} requests at once ({run.concurrency_multiple:.1f}x), "
-      f"{run.waste_paged_tokens.mean():.1f} slots wasted per request ({100 * run.waste_fraction_paged:.1f}%)")
+      f"{run.waste_paged_tokens.mean():.1f} slots wasted per request ({100 * run.waste_fraction_paged:.1f}%), "
+      f"at most {run.waste_paged_tokens.max()}")
 sim_summary = (run.waste_fraction_contiguous, run.waste_fraction_paged, run.concurrency_multiple)
 
 # %% [markdown]
-# The seed chapter's "60–80% of the KV memory wasted, under one block per request when paged, 2–4× (up to
-# about 8×) more requests" all follow from three assumptions you can move: how long answers are compared
-# with the reservation, the mix, and the block size. Try a uniform mix, or `max_model_len` 4096:
+# That is the first admission. Over time requests finish and others take their place, and the picture
+# changes. `simulate.simulate_kv_layouts` serves a queue first come, first served from the same budget, each
+# request writing one token a step, and lets us look at the memory at one moment. Two contiguous policies:
+# every request reserves `max_model_len` (what this engine's contiguous cache does), or each reserves what it
+# asks for, its prompt plus its `max_tokens`, drawn here as twice its final length. Below, a budget of 16
+# reservations, at the moment the most free memory was stranded (or halfway, when none was):
 
 # %%
-display(kv_budget_widget())
+small = dict(budget_tokens=16 * 2048, max_model_len=2048, block_size=16, mix="lognormal", mean_len=512)
+layouts = {reserve: simulate.simulate_kv_layouts(**small, reserve=reserve) for reserve in simulate.RESERVATIONS}
+fig, ax = plt.subplots(figsize=(11, 2.8))
+rows = [("paged, blocks of 16", layouts["max_model_len"][1]), ("contiguous, max_model_len each",
+        layouts["max_model_len"][0]), ("contiguous, as asked", layouts["per request"][0])]
+for row, (name, lay) in enumerate(rows):
+    halfway = np.searchsorted(lay.events[:, 0], lay.filling_until // 2)
+    moment = lay.stranded.argmax() if lay.stranded.max() > 0 else halfway
+    step_shown = int(lay.events[moment, 0])
+    draw_kv_layout(ax, row, lay, step_shown)
+    print(f"{name:<31} step {step_shown:4d}: {len(lay.snapshot(step_shown)[0]):3d} requests running, "
+          f"{100 * lay.internal_waste_fraction:4.1f}% of held slots never filled, "
+          f"{lay.stranded[moment]:5d} free slots stranded")
+ax.set(yticks=range(len(rows)), xlim=(0, small["budget_tokens"]), ylim=(-0.5, len(rows) + 0.4),
+       xlabel="KV slots (tokens)", title="One KV budget at one moment under three layouts")
+ax.set_yticklabels([name for name, _ in rows], fontsize=8)
+ax.legend(handles=kv_layout_legend(), fontsize=7, loc="upper center", ncol=5, frameon=False)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
-# The same comparison per request: what each one reserves, uses and wastes.
+# Start with the middle strip. With `max_model_len` reserved for everyone, red dominates: most of every
+# reservation is internal fragmentation. There is no external fragmentation, because every reservation has the
+# same size, and a freed one always fits the next request exactly. Reserving what each request asks for (the
+# top strip) cuts the red, but reservations now differ in size, requests leave in another order than they
+# came, and the free slots end up in holes between reservations (dark), each too small for the request at the
+# head of the queue although together they would hold it: external fragmentation, the textbook's "unable to
+# admit new requests despite having plenty of total free memory". The paged strip (its blocks drawn side by
+# side; in the pool they lie anywhere) has neither: a request wastes at most the tail of its last block, and
+# any free block serves any request.
+#
+# The widget runs the same comparison on a budget you choose. Things to find: the waste figures of the
+# textbook follow from how long answers are compared with the reservation (move `mean length` and
+# `max_model_len`; `max_model_len` 4096 with the chat mix wastes nearly 90%); `reserve` "per request" trades
+# internal for external fragmentation; a large block brings back internal fragmentation inside the last block.
+# The requests running at once over time (right) come out lower than at the first admission above, for
+# paging most of all: long requests stay longer, so at any moment the running requests are longer than the
+# queue's average. That is why the textbook's "~8× concurrency" is a best case, and the 2 to 4× of its
+# chapter the more common one.
 
 # %%
-display(fragmentation_widget(max_len=2048, block_size=16, mean_fill=0.25, requests=100))
+display(fragmentation_widget())
 
 # %% [markdown]
 # ## 2. The block manager
@@ -381,6 +440,8 @@ summary = [
     ("simulator, chat mix vs 2048 reservations: waste contiguous / paged",
      f"{100 * sim_summary[0]:.0f}% / {100 * sim_summary[1]:.1f}%"),
     ("simulator: requests at once, paged / contiguous", f"{sim_summary[2]:.1f}x"),
+    ("simulator, reserving as asked: free slots stranded at worst (external)",
+     f"{layouts['per request'][0].stranded.max()} of {small['budget_tokens']}"),
     (f"pool picture: {pool_blocks} blocks of {pool_block_size}", f"{len(history)} steps, "
      f"{history[-1][0].num_preemptions} preemptions, {history[-1][0].num_free_blocks} blocks free at the end"),
     *((f"{work.name}, {name}: peak requests, tok/s", f"{r.peak_running}, {r.tok_s:.1f}") for name, r in serving.items()),

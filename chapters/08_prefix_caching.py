@@ -367,13 +367,44 @@ plt.show()
 # ratio above is a ceiling no engine reaches. (What those fixed costs are on a CPU, and how the engine keeps
 # them down: appendix [A1](A1_fast_on_a_cpu.ipynb).)
 #
-# The calculator below prices the same trade on any model and GPU: the seed's 2,000-token system prompt
-# and 50-token questions on Llama-2-13B give its "about 40×" as a FLOP ratio, but on an A100's roofline so
-# short a suffix is memory-bound (it still reads every weight once), which caps the TTFT gain near 13×.
-# Move the sliders to see where the suffix turns compute-bound.
+# ## The textbook's 40× and 52 PFLOP
+#
+# The textbook (chapter 00 introduces it) sums prefix caching up in one sentence: "because transformers are
+# causal, a shared prefix's KV is bit-for-bit identical across requests, so caching it once cuts TTFT ~40× and
+# skips ~52 PFLOP of redundant prefill across 1,000 requests; the same mechanism the Claude API exposes as
+# prompt caching". Its figures fit a 13B model (Llama-2-13B here) answering 1,000 requests that share a
+# 2,000-token system prompt, each with a 50-token question of its own. The formulas give both:
+
+# %%
+book = formulas.prefix_cache_savings(2000, 50, 1000, "llama-2-13b", block_size=16)
+weights_only = 2 * formulas.ModelShape.of("llama-2-13b").n_params * 2000 * 999  # the prefix's weight products
+print(f"Llama-2-13B, 1,000 requests, 2,000 shared tokens + 50 own: {book.cached_tokens} tokens served from the "
+      f"cache per hit")
+print(f"prefill skipped: {weights_only / 1e15:.0f} PFLOP in the weight products, {book.flops_skipped / 1e15:.0f} "
+      f"with attention, of {book.flops_without / 1e15:.0f} without the cache")
+print(f"TTFT ratio if prefill time follows its FLOPs: {book.ttft_ratio:.0f}x")
+
+# %% [markdown]
+# The 52 PFLOP are the prefix's weight products, two FLOPs per weight per token, counted again for each of
+# the 999 requests after the first: 2 × 13 billion × 2,000 × 999. Attention over the prefix adds a few more.
+# The 41× is the whole prompt against the 50 tokens a hit still computes. Both assume that prefill time follows its FLOPs. The calculator below prices
+# the same trade on any model and GPU: on an A100's roofline a 50-token suffix is memory-bound (it still
+# reads every weight once), which caps the TTFT gain near 13×. Move the sliders to see where the suffix turns
+# compute-bound.
 
 # %%
 display(prefix_cache_widget())
+
+# %% [markdown]
+# **The same mechanism behind an API.** Hosted model APIs sell this chapter as a feature, as the textbook
+# says. Anthropic's API calls it prompt caching: a request marks the end of a prefix it will send again (a
+# system prompt, a long document, tool definitions), and later requests that start with exactly the same
+# tokens are served that prefix from a cache, at a lower price and a shorter time to first token; OpenAI's
+# API does the same automatically for long prompts. Whatever each provider runs inside, the rules they
+# publish are this chapter's: the cache is keyed by the exact prefix, so one different token makes
+# everything after it a miss; entries live for minutes and are evicted when unused; and a hit counts in
+# whole units (blocks of 16 tokens here; at OpenAI the first 1,024 tokens, then steps of 128). So put what
+# is shared first and what changes last.
 
 # %% [markdown]
 # ## What you measured

@@ -14,11 +14,13 @@
 # %% [markdown]
 # # 09 · The full stack: from a naive loop to a serving engine, on one workload
 #
-# Eight chapters each added one idea to the same engine and measured it on its own workload. The seed closes on
-# a stronger claim: the ideas *stack*. A naive loop that recomputes everything turns out a few tokens per
-# second; the same model on the same hardware under a serving stack turns out hundreds, and vLLM, TGI, SGLang
-# and TensorRT-LLM are recombinations of the same few primitives. Whether the gains really multiply is a
-# question to measure, not to assume.
+# Eight chapters each added one idea to the same engine and measured it on its own workload. The textbook
+# (chapter 00 introduces it) closes on a stronger claim: "These stack, they aren't alternatives — production
+# engines like vLLM run PagedAttention, continuous batching, FlashAttention kernels, and automatic prefix
+# caching together, with speculative decoding on top, and the gains multiply". A naive loop that recomputes
+# everything turns out a few tokens per second; the same model on the same hardware under a serving stack
+# turns out hundreds, and vLLM, TGI, SGLang and TensorRT-LLM are recombinations of the same few primitives.
+# Whether the gains really multiply is a question to measure, not to assume.
 #
 # This chapter:
 #
@@ -27,9 +29,10 @@
 # 2. runs it up the **ladder**, one rung per idea, from HF transformers and the naive loop through static and
 #    continuous batching to the full engine (`python -m mini_engine bench --ladder` prints the same table at full
 #    size);
-# 3. sets each rung's gain beside the seed's claim, measured alone and on top of the rungs below: where the
+# 3. sets each rung's gain beside the textbook's claim, measured alone and on top of the rungs below: where the
 #    gains multiply and where they do not;
-# 4. connects the seed's "5-10 tok/s naive, 200-500 optimised, for a 7B model on an A100" with the roofline
+# 4. connects the textbook's "5 to 10 tokens per second" naive and "200 to 500" optimised, for a 7B model on an
+#    A100, with the roofline
 #    arithmetic, and the same arithmetic with the ladder measured here;
 # 5. serves the engine over HTTP as users meet it: an OpenAI-compatible server in the background, a streamed
 #    answer through the official `openai` client, and the throughput-latency curve, measured and then under
@@ -63,7 +66,7 @@ from tqdm.auto import tqdm
 
 import mini_engine as me
 from mini_engine import formulas
-from mini_engine.bench.ladder import (LABELS, RUNGS, SEED_CLAIMS, SHORT_SYSTEM_PROMPT, SYSTEM_PROMPT, LadderWorkload,
+from mini_engine.bench.ladder import (LABELS, RUNGS, TEXTBOOK_CLAIMS, SHORT_SYSTEM_PROMPT, SYSTEM_PROMPT, LadderWorkload,
                                       agreement, bench_ladder)
 from mini_engine.course.devices import default_device, fitting, pick, warm_up
 from mini_engine.engine import LLM
@@ -116,7 +119,8 @@ for i in range(2):
 # The serving engine enters with **static batching**: it takes `batch` requests, runs them until the last one has
 # finished, then takes the next `batch`. The rung below it, **continuous batching**, changes only that: a place
 # freed by a finished request is refilled at the next step. Same places, same requests, same engine, so their
-# ratio is the seed's comparison (lanes about 50% busy against 90%, about 1.8x), measured like for like.
+# ratio is the textbook's comparison ("lifting utilization ~50% → ~90% (≈1.8× more tokens/sec)"), measured like
+# for like.
 # The starred rungs run one request at a time, on a sample of the requests: their tokens/s is what **one user**
 # gets; the other rows serve every request together, and their tokens/s is what **all users together** get.
 # That difference is the point of a serving engine, and the footnotes under the table say it again.
@@ -139,7 +143,7 @@ for x in ladder.rows:
     if x.rung in ("compiled", "compiled_engine"):  # a graph compiled inside the timing would be counted in it
         print(f"{x.label}: {x.notes}")
 print()
-print(ladder.batching_beside_seed())
+print(ladder.batching_beside_textbook())
 
 # %%
 ladder.plot()
@@ -150,7 +154,7 @@ plt.show()
 # the blue ones (everyone at once) answer different questions; the gap between the last orange bar and the
 # first blue one is what batching buys a machine, not what it buys a user, whose tokens arrive no faster.
 #
-# ## 3. Each rung's gain beside the seed's claim, and whether they multiply
+# ## 3. Each rung's gain beside the textbook's claim, and whether they multiply
 #
 # Down the ladder the gains multiply by construction: each rung's ratio to the one above it, multiplied down
 # the column, is the top rung's ratio to the bottom one. The real question is whether each idea keeps, on top of
@@ -158,7 +162,7 @@ plt.show()
 # on one stream: speculation (n-gram, on `generate_speculative`), prefix caching (the time to first token of one
 # request whose system prompt is cached, against one whose is not), and the KV cache itself. Batching is measured
 # alone by its first rung (static batches against one user at a time), and continuous batching by its ratio to
-# static batching on the same places: the seed's own comparison.
+# static batching on the same places: the textbook's own comparison.
 
 # %%
 GREEDY = me.SamplingParams(temperature=0.0)
@@ -209,12 +213,12 @@ alone = {"cached": gain("cached", "naive"), "compiled": gain("compiled", "cached
 alone_what = {"cached": "tok/s, one stream", "compiled": "tok/s, one stream", "static": "tok/s, all vs one user",
               "continuous": "tok/s, same places", "paged": "tok/s, equal KV memory", "prefix": "TTFT, one request",
               "speculative": "tok/s, one stream", "compiled_engine": "-"}
-print(f"{'rung':<34}{'alone':>8}  {'(measured as)':<24}{'on the rungs below':>19}  seed's claim")
+print(f"{'rung':<34}{'alone':>8}  {'(measured as)':<24}{'on the rungs below':>19}  the textbook's claim")
 for rung in ladder_order[1:]:
     print(f"{LABELS[rung]:<34}{alone[rung]:>7.2f}x  {alone_what[rung]:<24}{gain(rung, below[rung]):>18.2f}x  "
-          f"{SEED_CLAIMS[rung]}")
+          f"{TEXTBOOK_CLAIMS[rung]}")
 paged, prefix, spec_row = r("paged"), r("prefix"), r("speculative")
-print(f"\n{ladder.batching_beside_seed()}")
+print(f"\n{ladder.batching_beside_textbook()}")
 print(f"paging: {r('continuous').peak_running} -> {paged.peak_running} requests at once on the same KV memory")
 print(f"prefix caching in the batch: hit rate {prefix.stats['cached_tokens'] / prefix.stats['prompt_tokens']:.0%} "
       f"of prompt tokens; TTFT p50 {percentile(paged.ttft, 50) * 1e3:.0f} -> {percentile(prefix.ttft, 50) * 1e3:.0f} ms")
@@ -228,21 +232,21 @@ print(f"\nproduct of the tok/s gains measured alone: {isolated:.0f}x; measured t
 #
 # - **The KV cache** is the largest single step, and it grows with the prompt: the naive loop runs the whole
 #   sequence (the prompt and the answer so far, over a hundred tokens) through the model for every new token, the
-#   cached loop one token. The seed's "700×" counts attention work over 1,024 tokens; on tokens/s the weight
+#   cached loop one token. The textbook's "~700×" counts attention work over 1,024 tokens; on tokens/s the weight
 #   products, which the naive loop also repeats, set the ratio (chapter 01).
 # - **Batching** (static batches, one user → a batch of users) buys what the machine had spare. On a GPU a
 #   decode step is memory-bound and 16 sequences cost about what one does; on a CPU the products turn
 #   compute-bound after a few rows (chapter 02), so the gain is real but well below the batch size.
-# - **Continuous batching** against static batching, on the same places, is the seed's comparison. A static batch
+# - **Continuous batching** against static batching, on the same places, is the textbook's comparison. A static batch
 #   keeps its places until its longest request ends, so the places of the requests that finished early sit idle
 #   (the "places busy" line); continuous batching gives them to waiting requests at the next step. How idle a
 #   static batch is depends on how much the lengths differ within it, which is why the workload mixes them. The
-#   seed's 50% → 90% turns into 1.8× tokens/s only if a fuller step costs no more than an emptier one: true of a
-#   memory-bound GPU step, not of a CPU step, where more requests per step make the step slower. So on a CPU the
+#   textbook's 50% → 90% turns into 1.8× tokens/s only if a fuller step costs no more than an emptier one: true of
+#   a memory-bound GPU step, not of a CPU step, where more requests per step make the step slower. So on a CPU the
 #   tokens/s gain falls short of the rise in busy places; on a GPU the two come close.
-# - **Paging** lets more requests in at once on the same memory (the concurrency line), which the seed prices
-#   at 2-4×. On this CPU more requests per step no longer buy much, so its tokens/s gain is small; its wins here
-#   are concurrency and time to first token (chapter 07).
+# - **Paging** lets more requests in at once on the same memory (the concurrency line), which the textbook
+#   prices at "2 to 4× more sequences". On this CPU more requests per step no longer buy much, so its tokens/s
+#   gain is small; its wins here are concurrency and time to first token (chapter 07).
 # - **Prefix caching** cuts time to first token by roughly the prompt's share that is shared (alone, one
 #   request), but it only removes prefill work. In a batch that is mostly decoding, prefill is a small part of
 #   the total time, so its tokens/s gain is small: Amdahl's law, not a failure.
@@ -261,12 +265,13 @@ print(f"\nproduct of the tok/s gains measured alone: {isolated:.0f}x; measured t
 # prefill), and they do not where two of them spend the same spare capacity, or where one removes time that
 # others have already made small.
 #
-# ## 4. The seed's A100 figures, and the arithmetic that connects them
+# ## 4. The textbook's A100 figures, and the arithmetic that connects them
 #
-# The seed: a 7B model on an A100 runs at "5 to 10 tokens per second" naively and "200 to 500" on an optimised
-# stack. The roofline of chapter 02 says where such numbers come from. A decode step must move every weight from
-# memory once (13.5 GB for Llama-7B in fp16), and a naive step must also do the arithmetic for the whole
-# sequence again. `formulas.generation_tok_s` puts both on the roofline of an A100-80GB (312 TFLOP/s, 2.04 TB/s):
+# The textbook: "A 7B model on a single A100 with a naive stack delivers around 5 to 10 tokens per second; the
+# same hardware running a fully optimized stack delivers 200 to 500". The roofline of chapter 02 says where
+# such numbers come from. A decode step must move every weight from memory once (13.5 GB for Llama-7B in
+# fp16), and a naive step must also do the arithmetic for the whole sequence again.
+# `formulas.generation_tok_s` puts both on the roofline of an A100-80GB (312 TFLOP/s, 2.04 TB/s):
 
 # %%
 A100 = dict(peak_flops=312e12, peak_bw=2.039e12)
@@ -279,15 +284,16 @@ print(f"Llama-7B, fp16, {P}-token prompts, {T} new tokens each, on an A100-80GB'
 print(f"{'':72}{'ceiling tok/s':>14}{'bytes / token':>15}")
 for name, tok_s, bytes_per_token in rows:
     print(f"{name:<72}{tok_s:>14.0f}{bytes_per_token / 1e9:>12.2f} GB")
-print("seed: naive 5-10 tok/s, optimised stack 200-500 tok/s")
+print("the textbook: naive 5-10 tok/s, optimised stack 200-500 tok/s")
 
 # %% [markdown]
 # The naive ceiling (about 29 tok/s at these lengths, 14 at 1,024 + 1,024) is set by FLOPs, and eager code
-# reaches a third to two thirds of it at best: the seed's 5-10. One cached stream cannot pass bandwidth / model bytes,
-# 2.04 TB/s / 13.5 GB ≈ 150 tok/s, *below* the seed's optimised 200-500. So the optimised figure is a batched
-# one: with 16 streams each token carries a sixteenth of the weight read (plus its own keys and values), and the
-# roof rises tenfold. 200-500 tok/s is 13-33% of that roof; vLLM on such a GPU serves thousands of tokens per
-# second in aggregate. The 5-50× of the seed is therefore mostly batching, and a roofline says how much is left.
+# reaches a third to two thirds of it at best: the textbook's 5-10. One cached stream cannot pass bandwidth /
+# model bytes, 2.04 TB/s / 13.5 GB ≈ 150 tok/s, *below* the textbook's optimised 200-500. So the optimised
+# figure is a batched one: with 16 streams each token carries a sixteenth of the weight read (plus its own
+# keys and values), and the roof rises tenfold. 200-500 tok/s is 13-33% of that roof; vLLM on such a GPU
+# serves thousands of tokens per second in aggregate. The textbook's "5 to 50×" is therefore mostly batching,
+# and a roofline says how much is left.
 #
 # The same arithmetic on this machine, with its own measured ceilings, beside the ladder:
 
@@ -447,7 +453,8 @@ display(load_widget(step_s, prompt_s, max_batch=SERVER_SEQS, tokens=SWEEP_TOKENS
 #
 # ## 6. The same primitives in production engines
 #
-# The seed says the major serving systems are recombinations of a few primitives. Here is where each of ours
+# The textbook says that with these primitives in hand "the modern serving stacks (vLLM, TGI, SGLang,
+# TensorRT-LLM) start to read as recombinations of a small number of primitives". Here is where each of ours
 # lives in them (as of their 2025 releases; every one of them moves fast, so check the project's documentation):
 #
 # | primitive (chapter) | mini_engine | vLLM | TGI | SGLang | TensorRT-LLM |
@@ -493,7 +500,7 @@ summary = [
     ("prefix caching alone: TTFT off -> on", f"{ttft_off * 1e3:.0f} -> {ttft_on * 1e3:.0f} ms ({ttft_off / ttft_on:.1f}x)"),
     ("continuous / static batching: tok/s, places busy",
      f"{gain('continuous', 'static'):.2f}x, {r('static').stats['lanes_busy']:.0%} -> "
-     f"{r('continuous').stats['lanes_busy']:.0%} (seed: about 1.8x, 50% -> 90%)"),
+     f"{r('continuous').stats['lanes_busy']:.0%} (the textbook: about 1.8x, 50% -> 90%)"),
     ("paging: requests at once, contiguous -> paged", f"{r('continuous').peak_running} -> {paged.peak_running}"),
     ("roofline here: naive, cached, top (share reached)",
      ", ".join(f"{row.tok_s / ceiling:.0%}" for _, row, ceiling in cases)),
@@ -574,8 +581,9 @@ for name, wbytes in (("fp16", 2), ("int4 weights", 0.5)):
 #
 # fp16: 26 GB of weights plus 0.8 GB of KV at 1K tokens, so about 76 tok/s: a bigger model is slower per stream
 # in direct proportion to its bytes. int4 divides the weight bytes by four (chapter 10): about 280 tok/s, but not
-# 4× the fp16 figure, because the KV cache is not smaller. This is the seed's "quantization stacks with the
-# serving stack, another 2 to 4×": it attacks the bytes per token that every rung above still pays.
+# 4× the fp16 figure, because the KV cache is not smaller. This is the textbook's "quantization stacks
+# multiplicatively with the inference-stack optimizations here, often giving another 2 to 4× throughput
+# improvement on top": it attacks the bytes per token that every rung above still pays.
 # </details>
 #
 # **4. Where is the knee?** From the throughput-latency curve above, estimate the highest request rate this

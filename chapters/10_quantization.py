@@ -18,8 +18,10 @@
 # changed the weights themselves. A decode step at batch 1 reads every weight once to produce one token
 # (chapter 02), so its time is roughly model bytes / memory bandwidth. Store each weight in 4 bits instead of
 # 32 and a step reads an eighth of the bytes: decoding speeds up almost in proportion, as long as it stays
-# memory-bound. The seed closes its serving chapter by pointing here: INT8, INT4, NF4, AWQ and GPTQ reduce
-# bits per parameter, and stack "another 2 to 4× throughput improvement on top" of the serving stack.
+# memory-bound. The textbook (chapter 00 introduces it) closes its serving chapter by pointing here: its
+# next chapter "targets bits per parameter, INT8, INT4, NF4, AWQ, GPTQ", and "quantization stacks
+# multiplicatively with the inference-stack optimizations here, often giving another 2 to 4× throughput
+# improvement on top".
 #
 # This course's model is already quantized on disk: every linear layer of the embedded GGUF is **Q4_1**
 # (blocks of 32 four-bit codes, each block with an fp16 scale and an fp16 minimum) and the tied embedding is
@@ -32,7 +34,7 @@
 # 3. measures fp32, bf16, int8 and int4 side by side: tok/s at batch 1 and 16, memory, perplexity and agreement
 #    with the fp32 model (and llama.cpp on the same file, where it is installed);
 # 4. explains NF4, AWQ and GPTQ by what each one changes, with NF4's grid measured on real weights;
-# 5. sets the seed's "2–4× on top" beside the multiple measured here, and says why they differ;
+# 5. sets the textbook's "another 2 to 4×" beside the multiple measured here, and says why they differ;
 # 6. (optional) quantizes the scales themselves, the idea QLoRA calls double quantization, and measures what
 #    it saves and what it costs on this model's weights;
 # 7. ends with the "what you measured" table and exercises (an int4 draft model, the group size, the LM head).
@@ -175,7 +177,7 @@ plt.show()
 # FLOP/s and memory bandwidth) and this CPU (its ceilings measured above). Bits per weight is the slider: the
 # left plot splits the bytes a decode step moves per token into the weights' share, which the bits shrink and
 # the batch divides, and the rest (keys, values, activations), which neither touches; the right one is each
-# machine's ceiling. It opens on Llama-7B, the model the seed's GPU numbers are about; the menu has this
+# machine's ceiling. It opens on Llama-7B, the model the textbook's GPU numbers are about; the menu has this
 # chapter's SmolLM2-135M too. Things to find: at batch 1 every GPU gains almost 4× from 16 bits to 4, and the
 # gain melts as the batch and the context grow; the CPU's low ridge makes its step compute-bound at a few bits
 # ("compute-bound below" in the table), where fewer bits buy nothing more.
@@ -399,7 +401,7 @@ else:
 # ## 4. NF4, AWQ and GPTQ: what each one changes
 #
 # Every weight-only format above rounds each weight to the nearest level of a uniform grid. The three names
-# the seed lists keep the idea and change one piece of it:
+# the textbook lists keep the idea and change one piece of it:
 #
 # | method | what it changes | storage | needs | runs on |
 # | --- | --- | --- | --- | --- |
@@ -441,12 +443,12 @@ print(f"asymmetric int4 (Q4_1-like), groups of 32 (5 bits/weight): {rel_rms(rtn_
 # asymmetric grid with groups of 32 (Q4_1's form) does better still, but pays 5 bits a weight against NF4's
 # 4.5: the same trade as in section 2.
 #
-# ## 5. The seed's "2–4× on top", beside what was measured here
+# ## 5. The textbook's "another 2 to 4×", beside what was measured here
 #
-# The seed's claim is about a serving stack on a GPU, and its arithmetic is the roofline's: below, Llama-7B
-# on an A100-80GB (as in chapter 09), fp16 against int4 in groups of 128, at batch 1 and 16 with 1,024 tokens
-# of context. The KV cache stays fp16, so the larger the batch and the context, the smaller the share of the
-# bytes that int4 shrinks.
+# The textbook's claim ("another 2 to 4× throughput improvement on top" of the serving stack) is about a
+# serving stack on a GPU, and its arithmetic is the roofline's: below, Llama-7B on an A100-80GB (as in chapter
+# 09), fp16 against int4 in groups of 128, at batch 1 and 16 with 1,024 tokens of context. The KV cache stays
+# fp16, so the larger the batch and the context, the smaller the share of the bytes that int4 shrinks.
 
 # %%
 A100 = dict(peak_flops=312e12, peak_bw=2.039e12)
@@ -458,18 +460,18 @@ for b in (1, 16, 64):
                   for w in (16, int4_bits))
     a100[b] = int4 / fp16
     print(f"batch {b:3d}: {fp16:7.0f} -> {int4:7.0f} tok/s, {int4 / fp16:.2f}x")
-seed_vs_here = [("seed: quantization on top of the serving stack", "2-4x"),
+book_vs_here = [("the textbook: quantization on top of the serving stack", "2-4x"),
                 ("A100 roofline, Llama-7B int4 vs fp16, batch 1 / 16 / 64",
                  " / ".join(f"{a100[b]:.2f}x" for b in (1, 16, 64))),
                 ("measured here, int4 vs fp32, batch 1", f"{measured['int4']['b1'] / measured['fp32']['b1']:.2f}x"),
                 ("measured here, int4 vs bf16, batch 1", f"{measured['int4']['b1'] / measured['bf16']['b1']:.2f}x"),
                 (f"measured here, int4 vs fp32, batch {BATCH}",
                  f"{measured['int4']['b16'] / measured['fp32']['b16']:.2f}x")]
-for k, v in seed_vs_here:
+for k, v in book_vs_here:
     print(f"{k:<58}{v}")
 
 # %% [markdown]
-# The seed's range falls out of the roofline: close to 4× against fp16 while the weights dominate the bytes
+# The textbook's range falls out of the roofline: close to 4× against fp16 while the weights dominate the bytes
 # (batch 1, short contexts), about 2× once the batch's KV reads are as large as the weights. Measured here,
 # against fp32 (4 bytes → 5/8 of a byte per weight with the scales) and bf16, batch 1 gains a multiple in or near
 # that range, and batch 16 does not: a CPU step of 16 rows is compute-bound, where the roofline promises
@@ -574,7 +576,7 @@ summary = [
      else "not installed"),
     ("NF4 vs uniform int4 (blocks of 64), rel. RMS error on the embedding",
      f"{rel_rms(absmax_quantize(E, NF4), E):.4f} vs {rel_rms(absmax_quantize(E, UNIFORM), E):.4f}"),
-    *seed_vs_here,
+    *book_vs_here,
 ]
 width = max(len(k) for k, _ in summary)
 for k, v in summary:
@@ -689,7 +691,7 @@ for context in (1024, 4096):
 # Long before the step turns compute-bound, the KV cache takes over the bytes: every sequence reads its own
 # keys and values, in fp16, at every step, and int4 weights do nothing for them. The longer the context, the
 # sooner (in batch) that happens. This is why serving engines quantize the KV cache too (FP8 KV in vLLM and
-# TensorRT-LLM), and why the seed's "2–4×" is a range and not a constant.
+# TensorRT-LLM), and why the textbook's "2 to 4×" is a range and not a constant.
 # </details>
 #
 # **Lab.** [Lab 10](../labs/lab10_notebook.ipynb) has you write group-wise int4 quantize / dequantize, the

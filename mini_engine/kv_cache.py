@@ -1,7 +1,8 @@
 """The two KV caches the engine can run on (chapter 03, and chapter 07 for the paged one).
 
 `ContiguousKVCache`: every slot reserves `max_len` positions up front, [layers, K/V, slots, kv_heads, positions,
-head_dim] as in the seed chapter. Simple to index, but a slot's unused tail is wasted: the "before" picture.
+head_dim], the textbook's "typical layout" "(layers, 2, batch, heads, seq_len, head_dim)". Simple to index, but a
+slot's unused tail is wasted: the "before" picture.
 `PagedKVCache`: one pool of fixed-size blocks, [layers, K/V, num_blocks, block_size, kv_heads, head_dim]; which
 blocks hold which sequence is the block tables' business (`paging.BlockManager`): the cache only stores rows.
 """

@@ -36,8 +36,8 @@ def test_length_scale_keeps_the_mix_of_lengths():
         LadderWorkload.build(tok, 8, length_scale=0)
 
 
-def test_ladder_prints_a_static_rung_and_its_ratio_beside_the_seeds():
-    # Continuous against static batching on the same places and the same requests: the seed's comparison (lanes
+def test_ladder_prints_a_static_rung_and_its_ratio_beside_the_textbooks():
+    # Continuous against static batching on the same places and the same requests: the textbook's comparison (lanes
     # about 50% -> 90% busy, about 1.8x tokens/s), like for like. Mixed lengths, so a static batch has idle places.
     lines = []
     res = bench_ladder(requests=6, batch=2, sample=1, rungs=["static", "continuous"], length_scale=0.1, tune=False,
@@ -51,14 +51,14 @@ def test_ladder_prints_a_static_rung_and_its_ratio_beside_the_seeds():
     assert continuous.outputs == static.outputs, "the policy decides when a request runs, not what it says"
     for row in (static, continuous):
         assert 0 < row.stats["lanes_busy"] <= 1
-    line = res.batching_beside_seed()
-    assert line in text, f"the report lacks the seed's comparison:\n{text}"
+    line = res.batching_beside_textbook()
+    assert line in text, f"the report lacks the textbook's comparison:\n{text}"
     assert f"{continuous.tok_s / static.tok_s:.2f}x tokens/s" in line
     assert f"{static.stats['lanes_busy']:.0%} -> {continuous.stats['lanes_busy']:.0%}" in line
-    assert "(seed: about 50% -> 90%, about 1.8x)" in line
+    assert '(the textbook: utilization "~50% → ~90%", "≈1.8×")' in line
     # Chapter 09 runs the static rung (it leaves out only the compiled ones on a CPU) and prints this line.
     chapter = (ROOT / "chapters" / "09_full_stack.py").read_text()
-    assert "ladder.batching_beside_seed()" in chapter and '"static"' not in chapter.split("rungs = [")[1].split("]")[0]
+    assert "ladder.batching_beside_textbook()" in chapter and '"static"' not in chapter.split("rungs = [")[1].split("]")[0]
 
 
 @pytest.mark.slow

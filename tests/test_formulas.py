@@ -1,4 +1,4 @@
-"""The closed forms reproduce the seed chapters' numbers and agree with brute-force sums."""
+"""The closed forms reproduce the textbook's numbers and agree with brute-force sums."""
 import numpy as np
 import pytest
 
@@ -13,15 +13,15 @@ MATMUL_ONLY = F.ModelShape(n_params=1000, n_layers=2, n_heads=0, n_kv_heads=2, h
 
 # ---------------------------------------------------------------- KV memory
 
-def test_kv_cache_seed_numbers():
+def test_kv_cache_textbook_numbers():
     assert F.kv_cache_bytes(32, 32, 128, seq_len=4096, dtype_bytes=2) == 2 * F.GiB  # Llama-7B at 4K
     assert F.kv_bytes_per_token(40, 40, 128, 2) / F.MiB == pytest.approx(0.78, abs=0.005)  # Llama-2-13B
     assert F.kv_cache_bytes(80, 8, 128, 131072) / F.GiB == pytest.approx(40)  # Llama-70B, GQA
     assert F.kv_cache_bytes(80, 64, 128, 131072) / F.GiB == pytest.approx(320)  # Llama-70B, 64 KV heads
 
 
-def test_kv_cache_seed_table():
-    # The seed's exercise table (GiB, fp16, batch 1), rows Llama-7B / 13B / 70B with 64 heads.
+def test_kv_cache_textbook_table():
+    # The textbook's exercise table (GiB, fp16, batch 1), rows Llama-7B / 13B / 70B with 64 heads.
     expected = {"llama-7b": [0.50, 2.00, 16.00, 64.00],
                 "llama-2-13b": [0.78, 3.12, 25.00, 100.00],
                 "llama-70b-mha": [2.50, 10.00, 80.00, 320.00]}
@@ -114,7 +114,7 @@ def test_attention_work_ratio_is_about_700_at_1024():
     n = 1024
     brute = sum(i * i for i in range(1, n + 1)) / sum(range(1, n + 1))
     assert F.attention_work_ratio(n) == pytest.approx(brute)
-    assert round(F.attention_work_ratio(n)) == 683  # the seed rounds it to "about 700"
+    assert round(F.attention_work_ratio(n)) == 683  # the textbook rounds it to "roughly a 700× reduction"
     # The same ratio falls out of the cost model once the matmuls are taken away.
     assert F.naive_generation_flops(ATTENTION_ONLY, 1, n) / F.cached_generation_flops(ATTENTION_ONLY, 1, n) \
         == pytest.approx(brute)
@@ -186,20 +186,20 @@ def test_expected_tokens_per_step():
     assert F.expected_tokens_per_step(5, 1.0) == 6
 
 
-def test_speculative_speedup_reproduces_the_seed_table():
+def test_speculative_speedup_reproduces_the_textbook_table():
     ks, alphas = [1, 3, 5, 7, 10], [0.3, 0.5, 0.7, 0.9]
-    seed = [[1.21, 1.40, 1.59, 1.78],
+    book = [[1.21, 1.40, 1.59, 1.78],
             [1.28, 1.69, 2.28, 3.10],
             [1.24, 1.71, 2.56, 4.07],
             [1.20, 1.67, 2.64, 4.79],
             [1.14, 1.60, 2.61, 5.49]]
     table = F.speculative_speedup_table(ks, alphas, draft_cost=0.02, overhead=0.05)
     assert table.shape == (5, 4)
-    np.testing.assert_allclose(table, seed, atol=0.006)
+    np.testing.assert_allclose(table, book, atol=0.006)
     assert table[2, 2] == F.speculative_speedup(k=5, alpha=0.7, draft_cost=0.02, overhead=0.05)
-    # The defaults are the seed's grid and costs.
+    # The defaults are the textbook's grid and costs.
     np.testing.assert_array_equal(F.speculative_speedup_table(), table)
-    assert (F.SEED_KS, F.SEED_ALPHAS) == (tuple(ks), tuple(alphas))
+    assert (F.TEXTBOOK_KS, F.TEXTBOOK_ALPHAS) == (tuple(ks), tuple(alphas))
 
 
 def test_acceptance_rate_is_the_overlap_of_p_and_q():
@@ -244,7 +244,7 @@ def test_contiguous_waste_fraction():
         F.contiguous_waste_fraction([3000], 2048)
 
 
-def test_prefix_cache_savings_match_the_seed():
+def test_prefix_cache_savings_match_the_textbook():
     # Llama-2-13B, a 2000-token shared prompt, 50-token questions, 1000 requests.
     s = F.prefix_cache_savings(2000, 50, 1000, "llama-2-13b")
     assert s.ttft_ratio == pytest.approx(40, rel=0.05)
@@ -326,7 +326,7 @@ def test_prefill_time_is_the_roofline_of_a_prefill():
     assert F.prefill_time(TINY, 5, 3, 2, 1e3, 1e2) == max(flops / 1e3, moved / 1e2)
 
 
-def test_prefix_cache_ttft_explains_the_seeds_40x():
+def test_prefix_cache_ttft_explains_the_textbooks_40x():
     m = "llama-2-13b"
     without, with_hit = F.prefix_cache_ttft(m, 2000, 50, 2, **A100)
     assert without == pytest.approx(0.182, rel=0.01)
@@ -417,11 +417,11 @@ def test_cached_generation_time_is_one_prefill_then_decode_steps():
     assert F.cached_generation_time(TINY, 5, 1, 2, **A100) == pytest.approx(F.prefill_time(TINY, 5, 0, 2, **A100))
 
 
-def test_the_seeds_naive_and_optimised_7b_figures_on_an_a100():
-    # Naive: compute-bound steps that grow with the sequence. The seed's 5-10 tok/s is a fraction of this roof.
+def test_the_textbooks_naive_and_optimised_7b_figures_on_an_a100():
+    # Naive: compute-bound steps that grow with the sequence. The textbook's 5-10 tok/s is a fraction of this roof.
     assert F.generation_tok_s("llama-7b", 128, 512, 2, **A100, cache=False) == pytest.approx(59.2, abs=0.5)
     assert F.generation_tok_s("llama-7b", 512, 1024, 2, **A100, cache=False) == pytest.approx(21.7, abs=0.5)
-    # One cached stream reads all 13.5 GB of weights per token: at most about 146 tok/s, below the seed's 200-500,
+    # One cached stream reads all 13.5 GB of weights per token: at most about 146 tok/s, below the textbook's 200-500,
     one = F.generation_tok_s("llama-7b", 512, 512, 2, **A100)
     assert one == pytest.approx(146, abs=2)
     assert F.weight_bytes("llama-7b", 2) / 2.039e12 == pytest.approx(1 / 151, rel=0.01)

@@ -1,4 +1,4 @@
-"""Invariants of the batching and fragmentation simulators, and the seed's utilisation figures."""
+"""Invariants of the batching and KV-memory simulators, and the textbook's utilisation and waste figures."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -98,32 +98,6 @@ def test_bad_batches_are_rejected():
         S.simulate_continuous([], 2)
 
 
-def test_fragmentation_by_hand():
-    # max_len 64, blocks of 16: reservations 64 each vs blocks [1, 1, 2, 3].
-    frag = S.simulate_fragmentation([5, 16, 17, 40], max_len=64, block_size=16)
-    assert frag.used == 78
-    assert frag.reserved_contiguous == 256 and frag.wasted_contiguous == 178
-    assert frag.reserved_paged == 7 * 16 and frag.wasted_paged == 11 + 0 + 15 + 8
-    assert frag.pool_tokens == 256
-    assert frag.max_concurrent_contiguous == 4
-    assert frag.max_concurrent_paged == 9  # 16 blocks / 1.75 blocks per request
-    assert frag.waste_fraction_contiguous == pytest.approx(178 / 256)
-
-
-def test_fragmentation_at_the_seed_scale():
-    # Requests use a quarter of a 2048-token reservation on average.
-    lengths = S.sample_lengths(500, mean=512, spread=1.0, seed=0)
-    frag = S.simulate_fragmentation(lengths, max_len=2048, block_size=16)
-    assert 0.6 < frag.waste_fraction_contiguous < 0.8
-    assert frag.wasted_paged < 16 * len(lengths)
-    assert 2 <= frag.max_concurrent_paged / frag.max_concurrent_contiguous <= 8
-
-
-def test_fragmentation_rejects_requests_longer_than_the_reservation():
-    with pytest.raises(ValueError, match="max_len"):
-        S.simulate_fragmentation([10, 100], max_len=64, block_size=16)
-
-
 # ---------------------------------------------------------------- a fixed KV budget (chapter 07)
 
 @settings(max_examples=40, deadline=None)
@@ -152,7 +126,7 @@ def test_kv_budget_by_hand():
 
 
 @pytest.mark.parametrize("mix", S.LENGTH_MIXES)
-def test_seed_figures_a_quarter_full_reservation(mix):
+def test_textbook_figures_a_quarter_full_reservation(mix):
     # Requests average a quarter of a 2048-token reservation: 60–80% waste, about 4× the concurrency.
     for seed in range(3):
         run = S.simulate_kv_budget(64 * 2048, 2048, 16, mix=mix, mean_len=512, seed=seed)
@@ -162,13 +136,13 @@ def test_seed_figures_a_quarter_full_reservation(mix):
         assert run.waste_paged_tokens.max() <= 15 and 6 < run.waste_paged_tokens.mean() < 9  # about half a block
 
 
-def test_seed_figures_less_waste_means_less_gain():
+def test_textbook_figures_less_waste_means_less_gain():
     run = S.simulate_kv_budget(64 * 2048, 2048, 16, mix="uniform", mean_len=768)
     assert 0.6 < run.waste_fraction_contiguous < 0.65
     assert 2.2 < run.concurrency_multiple < 2.8
 
 
-def test_seed_figures_up_to_8x_for_chat_against_a_long_reservation():
+def test_textbook_figures_up_to_8x_for_chat_against_a_long_reservation():
     run = S.simulate_kv_budget(64 * 4096, 4096, 16, mix="lognormal", mean_len=512)
     assert 7 < run.concurrency_multiple < 9.5
     assert run.waste_fraction_paged < 0.02
@@ -192,3 +166,64 @@ def test_kv_budget_rejects_bad_parameters():
         S.simulate_kv_budget(block_size=0)
     with pytest.raises(ValueError, match="sigma"):
         S.simulate_kv_budget(sigma=0)
+
+
+# ---------------------------------------------------------------- the same budget over time (chapter 07)
+
+def test_kv_layouts_by_hand():
+    # A budget of 8 slots; requests A-D of 2, 5, 1 and 3 tokens reserve 4, 4, 2 and 6 slots.
+    lengths = np.array([2, 5, 1, 3])
+    contiguous = S._serve("contiguous", lengths, np.array([4, 4, 2, 6]), 8)
+    # A at 0-3 and B at 4-7; C waits for A to leave at step 2 and takes 0-1; D (6) waits: at step 3, when C
+    # leaves, 4 slots are free, really too few; at step 5 B leaves and D takes 0-5.
+    np.testing.assert_array_equal(contiguous.start, [0, 0, 2, 5])
+    np.testing.assert_array_equal(contiguous.offset, [0, 4, 0, 0])
+    assert contiguous.events.tolist() == [[0, 2, 0, 0, 2], [2, 2, 2, 2, 6], [3, 1, 4, 4, 6], [5, 1, 2, 2, 0],
+                                          [8, 0, 8, 8, 0]]
+    assert contiguous.stranded.max() == 0 and contiguous.filling_until == 5
+    assert contiguous.internal_waste_fraction == pytest.approx(1 - 11 / 16)
+    # Paged in blocks of 2: A holds 2 slots, B 6, C 2, D 4.
+    paged = S._serve("paged", lengths, -(-lengths // 2) * 2, 8)
+    np.testing.assert_array_equal(paged.start, [0, 0, 2, 5])
+    assert paged.internal_waste_fraction == pytest.approx(1 - 11 / 14)
+    assert paged.mean_running == pytest.approx((2 * 2 + 2 * 1 + 1 * 2) / 5)  # steps 0-1, 2, 3-4
+
+
+def test_kv_layouts_strand_memory_only_with_reservations_of_different_sizes():
+    # Three 4-slot reservations, A and C leave first: 8 slots free, in two holes of 4; D needs 6.
+    lengths, held = np.array([1, 9, 1, 3]), np.array([4, 4, 4, 6])
+    run = S._serve("contiguous", lengths, held, 12)
+    first = run.events[0]
+    assert tuple(first[1:]) == (3, 0, 0, 6)  # three running, nothing free, the next needs 6
+    after = run.events[1]
+    assert tuple(after[1:]) == (1, 8, 4, 6) and run.stranded[1] == 8  # 8 free, but no hole of 6
+    assert run.start[3] == 9  # it waits for B
+    equal, _ = S.simulate_kv_layouts(reserve="max_model_len")
+    assert equal.stranded.max() == 0
+
+
+@pytest.mark.parametrize("reserve", S.RESERVATIONS)
+def test_kv_layouts_conserve_memory_and_never_exceed_the_budget(reserve):
+    contiguous, paged = S.simulate_kv_layouts(16 * 1024, 1024, 16, "lognormal", 256, reserve, seed=3)
+    for run in (contiguous, paged):
+        assert np.all(run.start >= 0) and np.all(np.diff(run.start) >= 0)  # first come, first served
+        for step in run.events[:, 0]:
+            ids, written = run.snapshot(step)
+            assert run.held[ids].sum() <= run.budget_tokens
+            assert np.all((written >= 0) & (written < run.lengths[ids]))
+        assert np.all(run.events[:, 2] == run.budget_tokens - np.array(
+            [run.held[run.snapshot(t)[0]].sum() for t in run.events[:, 0]]))
+    ids, _ = contiguous.snapshot(int(contiguous.events[len(contiguous.events) // 2, 0]))
+    spans = sorted(zip(contiguous.offset[ids], contiguous.offset[ids] + contiguous.held[ids]))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # reservations never overlap
+    assert paged.mean_running >= contiguous.mean_running
+
+
+def test_kv_layouts_textbook_waste_and_concurrency():
+    contiguous, paged = S.simulate_kv_layouts()  # a chat mix averaging 512 against 2048-token reservations
+    assert 0.6 < contiguous.internal_waste_fraction < 0.8  # the textbook's "waste from 60–80%"
+    assert paged.internal_waste_fraction < 0.02 and np.all(paged.held - paged.lengths <= 15)  # "≤15 tokens"
+    assert contiguous.mean_running == 64 and 2 < paged.mean_running / contiguous.mean_running < 4
+    uneven, _ = S.simulate_kv_layouts(reserve="per request")
+    assert uneven.stranded_time_fraction > 0.5  # uneven reservations leave holes most of the time
+

@@ -41,13 +41,13 @@ def test_roofline_widget():
     view.move("dtype", "fp32")
 
 
-def test_kv_memory_widget_reproduces_the_seed():
+def test_kv_memory_widget_reproduces_the_textbook():
     view = View(widgets.kv_memory_widget())
     text = view.summary.value
     assert "<b>35</b> such requests fit" in text  # Llama-2-13B, 2048 tokens, 80 GiB
     assert "0.781 MiB per token" in text
-    for seed_value in ("2.00", "40.00", "320.00"):  # Llama-7B at 4K, Llama-70B at 128K with 8 and 64 KV heads
-        assert seed_value in text
+    for book_value in ("2.00", "40.00", "320.00"):  # Llama-7B at 4K, Llama-70B at 128K with 8 and 64 KV heads
+        assert book_value in text
     text = view.move("KV heads", 1)
     assert "0.020 MiB per token" in text  # MQA keeps one of 40 KV heads
     view.move("model", "llama-70b-gqa")
@@ -68,14 +68,25 @@ def test_speculative_widget():
     assert "3.36 tokens per target pass" in view.summary.value
     text = view.move("k", 5)
     view.move("alpha", 0.7)
-    assert "2.56×" in view.summary.value  # the seed: k = 5, α = 0.7, draft 50× cheaper, 5% overhead
+    assert "2.56×" in view.summary.value  # the textbook's table: k = 5, α = 0.7, draft 50× cheaper, 5% overhead
     assert text != view.summary.value
 
 
-def test_fragmentation_widget():
+def test_fragmentation_widget_shows_internal_and_external_fragmentation():
     view = View(widgets.fragmentation_widget())
-    assert "75%" in view.summary.value
+    text = view.summary.value
+    # 64 reservations of 2048 in the budget, a chat mix averaging 512: inside the textbook's "60–80%" waste.
+    assert "<b>78%</b> of the reserved slots never hold a token" in text and "<b>64</b> contiguous" in text
+    assert "never more than block_size − 1 = 15 per request" in text
+    assert "no external fragmentation" in text  # equal reservations: a freed one always fits
+    text = view.move("reserve", "per request")
+    assert "<b>external fragmentation</b>" in text and "no external" not in text
+    text = view.move("max_model_len", 4096)
+    view.move("reserve", "max_model_len")
+    view.move("length mix", "uniform")
     view.move("block", 64)
+    view.move("mean length", 1024)
+    view.move("KV budget (tokens)", 1 << 18)
 
 
 def test_prefix_cache_widget():
@@ -83,19 +94,6 @@ def test_prefix_cache_widget():
     assert "41×" in view.summary.value
     view.move("own tokens", 500)
 
-
-
-def test_kv_budget_widget_reproduces_the_seed():
-    view = View(widgets.kv_budget_widget())
-    text = view.summary.value
-    assert "fits <b>64</b> requests" in text and "<b>77%</b>" in text  # 64 reservations of 2048 in the budget
-    assert "never more than block_size − 1 = 15" in text
-    text = view.move("max_model_len", 4096)
-    assert "fits <b>32</b> requests" in text and "<b>8.0×</b>" in text  # the seed's "up to ~8×"
-    view.move("length mix", "uniform")
-    view.move("block", 64)
-    view.move("mean length", 1024)
-    view.move("KV budget (tokens)", 1 << 20)
 
 
 def test_prefix_cache_widget_counts_full_blocks_and_prices_ttft_on_a_roofline():

@@ -5,8 +5,9 @@ Plain numbers in, plain numbers out. Wherever an argument is a length or a count
 so a notebook can plot a whole curve in one call. Functions that need the shape of a model take `model`:
 a `ModelConfig`, a preset name from `mini_engine.config.PRESETS`, or a hand-built `ModelShape`.
 
-Units: the seed chapters write "GB" for what are binary gigabytes (2 × 32 × 32 × 128 × 4096 × 2 bytes is
-exactly 2 GiB), so the course reports memory in GiB / MiB and says so.
+Units: the textbook the course accompanies writes "GB" for what are binary gigabytes (its "roughly 2 GB per
+sequence" for Llama-7B at 4K is 2 × 32 × 32 × 128 × 4096 × 2 bytes, exactly 2 GiB), so the course reports
+memory in GiB / MiB and says so.
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def weight_bytes(model, dtype_bytes=2):
 def max_concurrent_requests(gpu_bytes, weight_bytes, kv_bytes_per_request):
     """How many requests' KV caches fit beside the weights: ⌊(GPU memory − weights) / KV per request⌋.
 
-    The seed's "about 35 requests for Llama-2-13B on an 80 GB A100" comes out of these assumptions:
+    The textbook's "~35 on an 80 GB A100" (Llama-2-13B's KV cache "caps how many requests a GPU holds") comes
+    out of these assumptions:
     the "80 GB" A100 holds 80 GiB (81,920 MiB), the fp16 weights take 13.0B × 2 bytes ≈ 26 GB, each request
     reserves 2048 tokens of fp16 KV (1.5625 GiB), and nothing else (activations, CUDA context, allocator
     slack) is counted: (85.9 GB − 26.0 GB) / 1.68 GB = 35.7, so 35. Real servers reserve 5–10% more.
@@ -290,7 +292,7 @@ def attention_work_ratio(n):
     """Attention work without a cache over with one, for a decode reaching n tokens from a 1-token prompt:
     Σ i² / Σ i for i = 1..n = (n(n+1)(2n+1)/6) / (n(n+1)/2) = (2n + 1) / 3.
 
-    At n = 1024 that is 683: the seed's "about 700×".
+    At n = 1024 that is 683: the textbook's "roughly a 700× reduction in attention FLOPs".
     """
     _check_at_least("n", n, 1)
     return (2 * _arr(n) + 1) / 3
@@ -345,14 +347,14 @@ def speculative_speedup(k, alpha, draft_cost, overhead=0.0):
     return _out(expected_tokens_per_step(k, alpha) / (1 + np.asarray(k) * draft_cost + overhead))
 
 
-# The grid of the seed's table: k drafts per round by acceptance rate α, for a draft 50× cheaper than the
-# target (draft_cost 0.02) and 5% per-round overhead.
-SEED_KS, SEED_ALPHAS = (1, 3, 5, 7, 10), (0.3, 0.5, 0.7, 0.9)
+# The grid of the textbook's speedup table: k drafts per round by acceptance rate α, for a draft 50× cheaper
+# than the target (draft_cost 0.02) and 5% per-round overhead.
+TEXTBOOK_KS, TEXTBOOK_ALPHAS = (1, 3, 5, 7, 10), (0.3, 0.5, 0.7, 0.9)
 
 
-def speculative_speedup_table(ks=SEED_KS, alphas=SEED_ALPHAS, draft_cost=0.02, overhead=0.05):
+def speculative_speedup_table(ks=TEXTBOOK_KS, alphas=TEXTBOOK_ALPHAS, draft_cost=0.02, overhead=0.05):
     """Speedups on the grid ks × alphas, shape [len(ks), len(alphas)] (rows k, columns α). The defaults
-    reproduce the seed's k × α table: 2.56× at k = 5, α = 0.7; 5.49× at k = 10, α = 0.9."""
+    reproduce the textbook's k × α table: 2.56× at k = 5, α = 0.7; 5.49× at k = 10, α = 0.9."""
     k = np.asarray(ks, dtype=np.float64)[:, None]
     alpha = np.asarray(alphas, dtype=np.float64)[None, :]
     return np.asarray(speculative_speedup(k, alpha, draft_cost, overhead))
@@ -426,11 +428,11 @@ def prefix_cache_savings(prefix_len, suffix_len, n_requests, model, block_size=1
     (P + S − C)(P + S) query-key pairs.
 
     TTFT ratio = prefill_flops(P + S) / prefill_flops(P + S − C, past=C), which is exactly (P + S) / (P + S − C)
-    here (both terms of a prefill of n tokens against P + S keys scale with n). The seed's "~52 PFLOP across
-    1,000 requests" is 2 · 13.0e9 weight FLOPs per token for 2000 shared tokens, 1000 times (999 here: the
-    prefix is computed once), so a 13B model and a 2000-token system prompt; its "~40×" is then (2000 + S) / S
-    with S = 50-token questions: 41×. That is the compute-bound ratio; `prefix_cache_ttft` prices both
-    prefills on a roofline, where so short a suffix is memory-bound on a GPU.
+    here (both terms of a prefill of n tokens against P + S keys scale with n). The textbook's "skips ~52 PFLOP
+    of redundant prefill across 1,000 requests" is 2 · 13.0e9 weight FLOPs per token for 2000 shared tokens,
+    1000 times (999 here: the prefix is computed once), so a 13B model and a 2000-token system prompt; its
+    "cuts TTFT ~40×" is then (2000 + S) / S with S = 50-token questions: 41×. That is the compute-bound ratio;
+    `prefix_cache_ttft` prices both prefills on a roofline, where so short a suffix is memory-bound on a GPU.
     """
     _check_at_least("prefix_len", prefix_len, 0)
     _check_at_least("suffix_len", suffix_len, 1)
@@ -454,7 +456,7 @@ def prefix_cache_ttft(model, prefix_len, suffix_len, dtype_bytes, peak_flops, pe
     Their ratio reaches the FLOP ratio of `prefix_cache_savings` only when the uncached tail is itself
     compute-bound, i.e. longer than the ridge point in tokens (fp16 prefill does about n FLOP/byte). On an
     A100 (ridge about 153 FLOP/byte) Llama-2-13B's 50-token suffix is memory-bound: it still reads all 26 GB
-    of weights, about 13.6 ms, so the seed's 2000 + 50 case drops TTFT from 182 ms by about 13×, not 41×;
+    of weights, about 13.6 ms, so the textbook's 2000 + 50 case drops TTFT from 182 ms by about 13×, not 41×;
     40× there takes a compute-bound suffix and P ≈ 39 · S (6240 + 160 tokens). On a CPU, whose ridge is a
     few FLOP/byte, the 50-token suffix is compute-bound and the ratio is the full 41×.
     """
@@ -475,8 +477,9 @@ def attention_hbm_bytes(n, head_dim, dtype_bytes=2, block_m=None):
     and V, write O: 4·N·d + 4·N² numbers. Tiled, as FlashAttention does (`block_m` queries per tile): read
     each Q tile once, read all of K and V once per Q tile (⌈N / block_m⌉ passes), write O: 2·N·d +
     2·N·d·⌈N / block_m⌉ numbers, and no N × N term. Causal masking, which lets both skip about half of the
-    work above the diagonal, is not counted. The seed's N = 8192 example, naive, d = 128, fp16: the two
-    score-sized tensors alone account for 4 · 8192² · 2 B ≈ 537 MB of traffic per head.
+    work above the diagonal, is not counted. The textbook's N = 8192 example (a score matrix of "67M entries,
+    occupying 134 MB in BF16"), naive, d = 128, fp16: the two score-sized tensors alone account for
+    4 · 8192² · 2 B ≈ 537 MB of traffic per head.
     """
     n, d = _arr(n), _arr(head_dim)
     if block_m is None:
@@ -540,7 +543,7 @@ def naive_generation_time(model, prompt_len, new_tokens, dtype_bytes, peak_flops
     step s is a forward pass over all n = P + s − 1 tokens so far, `prefill_time(n)` with nothing cached. Past a
     few hundred tokens each step is compute-bound, and the steps grow with n: Llama-7B on an A100-80GB (312
     TFLOP/s, 2.04 TB/s, fp16) reaches at most 59 tok/s for 512 tokens after a 128-token prompt and 22 tok/s for
-    1,024 after 512; the seed's "5 to 10 tokens per second" is 25-50% of that second roof, what eager code
+    1,024 after 512; the textbook's "5 to 10 tokens per second" is 25-50% of that second roof, what eager code
     attains."""
     _check_at_least("prompt_len", prompt_len, 1)
     _check_at_least("new_tokens", new_tokens, 1)

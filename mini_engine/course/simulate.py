@@ -10,11 +10,13 @@ What differs between policies is only when a free lane may take the next waiting
 - continuous (Orca's iteration-level scheduling): a lane that frees up takes the next request at once.
 
 With lengths uniform in [1, 200] (`sample_lengths(1000, mean=100, spread=1.0)`) and 32 lanes, static
-batching keeps about 51% of lane-steps busy and continuous batching about 97%: the seed's "~50% → ~90%".
+batching keeps about 51% of lane-steps busy and continuous batching about 97%: the textbook's "lifting
+utilization ~50% → ~90%".
 
-Memory model (chapter 07): a KV budget of token slots, filled either by contiguous max-length
-reservations or by fixed-size blocks; `simulate_fragmentation` compares the two for a given set of
-requests, `simulate_kv_budget` counts how many requests of a length mix each layout admits at once.
+Memory model (chapter 07): a KV budget of token slots, filled either by contiguous reservations or by
+fixed-size blocks. `simulate_kv_budget` counts how many requests of a length mix each layout admits at once;
+`simulate_kv_layouts` runs a queue through the budget over time, requests finishing and new ones taking their
+place, which is where a contiguous layout's free memory can end up in holes too small to use.
 """
 from __future__ import annotations
 
@@ -120,83 +122,6 @@ def simulate_continuous(lengths, batch_size: int) -> BatchRun:
     return _run("continuous", lengths, batch_size, start, lane)
 
 
-@dataclass(frozen=True)
-class Fragmentation:
-    """KV memory of a set of requests under contiguous max-length reservation vs paged blocks (chapter 07).
-
-    Memory is counted in token slots (multiply by `formulas.kv_bytes_per_token` for bytes).
-    """
-
-    lengths: np.ndarray
-    max_len: int
-    block_size: int
-    pool_tokens: int
-
-    @property
-    def used(self) -> int:
-        return int(self.lengths.sum())
-
-    @property
-    def reserved_contiguous(self) -> int:
-        return len(self.lengths) * self.max_len
-
-    @property
-    def reserved_paged(self) -> int:
-        return int(self.blocks_per_request.sum()) * self.block_size
-
-    @property
-    def blocks_per_request(self) -> np.ndarray:
-        return -(-self.lengths // self.block_size)
-
-    @property
-    def wasted_contiguous(self) -> int:
-        return self.reserved_contiguous - self.used
-
-    @property
-    def wasted_paged(self) -> int:
-        """Only the tail of each request's last block: under one block per request."""
-        return self.reserved_paged - self.used
-
-    @property
-    def waste_fraction_contiguous(self) -> float:
-        return self.wasted_contiguous / self.reserved_contiguous
-
-    @property
-    def waste_fraction_paged(self) -> float:
-        return self.wasted_paged / self.reserved_paged
-
-    @property
-    def max_concurrent_contiguous(self) -> int:
-        """Requests the pool holds when each reserves `max_len` slots."""
-        return self.pool_tokens // self.max_len
-
-    @property
-    def max_concurrent_paged(self) -> int:
-        """Requests of this length mix the pool holds when each takes only the blocks it fills:
-        ⌊pool blocks / mean blocks per request⌋."""
-        pool_blocks = self.pool_tokens // self.block_size
-        return int(pool_blocks * len(self.lengths) // self.blocks_per_request.sum())
-
-
-def simulate_fragmentation(lengths, max_len: int, block_size: int, pool_tokens: int | None = None) -> Fragmentation:
-    """Compare reserving `max_len` contiguous slots per request with allocating `block_size`-token blocks.
-
-    `pool_tokens` is the KV pool in token slots; by default the memory the contiguous layout reserves for
-    these requests, so `max_concurrent_paged / max_concurrent_contiguous` reads as "how many more fit".
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.ndim != 1 or lengths.size == 0:
-        raise ValueError("lengths must be a non-empty 1-D sequence")
-    if np.any(lengths < 1) or np.any(lengths > max_len):
-        raise ValueError(f"lengths must lie in [1, max_len = {max_len}]")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    pool = len(lengths) * max_len if pool_tokens is None else pool_tokens
-    if pool < 0:
-        raise ValueError(f"pool_tokens must be >= 0, got {pool_tokens}")
-    return Fragmentation(lengths=lengths, max_len=max_len, block_size=block_size, pool_tokens=pool)
-
-
 # ---------------------------------------------------------------- chapter 07: a fixed KV budget
 
 LENGTH_MIXES = ("uniform", "lognormal")
@@ -291,9 +216,10 @@ def simulate_kv_budget(budget_tokens: int = 64 * 2048, max_model_len: int = 2048
     1 − fill and the concurrency multiple about max_model_len / (mean_len + block_size / 2), so:
     - the defaults (a chat-like lognormal mix averaging 512 tokens against a 2048-token reservation, the
       budget of 64 such reservations) waste about 77% and fit 4–5× more requests when paged;
-    - fills of 25–37% waste 63–75% and fit 2.5–4× more (the seed's 60–80% and 2–4×): "uniform" with
-      mean_len 768 to 512 against 2048;
-    - the same chat mix against max_model_len = 4096 gives about 8× (at 88% waste): the seed's "up to ~8×";
+    - fills of 25–37% waste 63–75% and fit 2.5–4× more (the textbook's "waste from 60–80%" and "2 to 4× more
+      sequences"): "uniform" with mean_len 768 to 512 against 2048;
+    - the same chat mix against max_model_len = 4096 gives about 8× (at 88% waste): the textbook's "~8×
+      concurrency";
     - paged waste is under one block per request whatever the mix: at most block_size − 1 slots.
     The queue holds budget_tokens // block_size requests, enough that paging is never short of requests.
     """
@@ -304,3 +230,153 @@ def simulate_kv_budget(budget_tokens: int = 64 * 2048, max_model_len: int = 2048
                          f"and one block, got {budget_tokens}")
     lengths = sample_context_lengths(budget_tokens // block_size, mix, mean_len, max_model_len, sigma, seed)
     return KVBudgetRun(lengths, budget_tokens, max_model_len, block_size)
+
+
+# ---------------------------------------------------------------- chapter 07: the same budget over time
+
+RESERVATIONS = ("max_model_len", "per request")
+
+
+@dataclass(frozen=True)
+class LayoutRun:
+    """One queue served first come, first served from a KV budget under one layout (chapter 07).
+
+    Request i needs `lengths[i]` token slots by its end; it is admitted at step `start[i]`, writes one token
+    per step and leaves at step start[i] + lengths[i]. While it runs it holds `held[i]` slots: a contiguous
+    reservation (from slot `offset[i]` on), or under paging the blocks of its final length (the most it ever
+    holds, so paging's figures are its worst case). A request that does not fit waits, and so does every
+    request behind it. `events` holds, at every step where something finished or was admitted, the state after
+    admission: (step, requests running, free slots, largest run of adjacent free slots, slots the queue's next
+    request needs, 0 once the queue is empty).
+    """
+
+    layout: str
+    budget_tokens: int
+    lengths: np.ndarray
+    held: np.ndarray
+    start: np.ndarray
+    offset: np.ndarray  # first slot of the reservation (contiguous), -1 under paging
+    events: np.ndarray  # [n, 5] int64: step, running, free, largest free run, next request's need
+
+    @property
+    def filling_until(self) -> int:
+        """The step the last request is admitted: until then the queue is never empty."""
+        return int(self.start.max())
+
+    def _between_events(self, column: int) -> tuple[np.ndarray, np.ndarray]:
+        """A column of `events` and how many steps each value lasted, over steps [0, filling_until)."""
+        steps = self.events[:, 0]
+        keep = steps < self.filling_until
+        durations = np.diff(np.append(steps[keep], self.filling_until))
+        return self.events[keep, column], durations
+
+    @property
+    def mean_running(self) -> float:
+        """Requests running at once, averaged over the steps while requests still wait."""
+        running, durations = self._between_events(1)
+        return float((running * durations).sum() / max(durations.sum(), 1))
+
+    @property
+    def internal_waste_fraction(self) -> float:
+        """Share of the slots requests hold that never receive a token (internal fragmentation)."""
+        return float(1 - self.lengths.sum() / self.held.sum())
+
+    @property
+    def stranded(self) -> np.ndarray:
+        """Per event: free slots the next request could not use because none of the holes was large enough
+        although together they were (external fragmentation); 0 where it fit or the memory was really full."""
+        _, running, free, largest, need = self.events.T
+        return np.where((need > largest) & (need <= free), free, 0)
+
+    @property
+    def stranded_time_fraction(self) -> float:
+        """Share of the steps while requests wait in which the next one waits only because of fragmentation."""
+        _, durations = self._between_events(1)
+        keep = self.events[:, 0] < self.filling_until
+        return float((durations * (self.stranded[keep] > 0)).sum() / max(durations.sum(), 1))
+
+    def snapshot(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of the requests running at `step`, tokens each has written)."""
+        ids = np.flatnonzero((self.start <= step) & (step < self.start + self.lengths))
+        return ids, step - self.start[ids]
+
+
+def _first_fit(spans: list[tuple[int, int]], need: int, budget: int) -> tuple[int, int]:
+    """(first slot of the first free run of `need` slots or -1, largest free run) in a budget whose taken spans
+    are `spans`, sorted (start, end)."""
+    at, largest, found = 0, 0, -1
+    for lo, hi in spans + [(budget, budget)]:
+        largest = max(largest, lo - at)
+        if found < 0 and lo - at >= need:
+            found = at
+        at = hi
+    return found, largest
+
+
+def _serve(layout: str, lengths: np.ndarray, held: np.ndarray, budget_tokens: int) -> LayoutRun:
+    n = len(lengths)
+    start, offset = np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+    spans: list[tuple[int, int]] = []  # contiguous: taken (start, end) slots, sorted
+    finishing: list[tuple[int, int]] = []  # heap of (step it leaves, request)
+    free, step, nxt, events = budget_tokens, 0, 0, []
+    while nxt < n or finishing:
+        while finishing and finishing[0][0] == step:
+            _, i = heapq.heappop(finishing)
+            free += held[i]
+            if offset[i] >= 0:
+                spans.remove((offset[i], offset[i] + held[i]))
+        largest = free
+        while nxt < n:
+            if layout == "contiguous":
+                at, largest = _first_fit(spans, held[nxt], budget_tokens)
+                if at < 0:
+                    break
+                offset[nxt] = at
+                spans.append((at, at + held[nxt]))
+                spans.sort()
+            elif held[nxt] > free:
+                largest = free
+                break
+            start[nxt], free = step, free - held[nxt]
+            heapq.heappush(finishing, (step + int(lengths[nxt]), nxt))
+            nxt += 1
+        if layout == "contiguous" and nxt < n:
+            largest = _first_fit(spans, held[nxt], budget_tokens)[1]
+        events.append((step, len(finishing), free, largest if nxt < n else free, held[nxt] if nxt < n else 0))
+        if not finishing:
+            break
+        step = finishing[0][0]
+    return LayoutRun(layout, budget_tokens, lengths, held, start, offset, np.array(events, dtype=np.int64))
+
+
+def simulate_kv_layouts(budget_tokens: int = 64 * 2048, max_model_len: int = 2048, block_size: int = 16,
+                        mix: str = "lognormal", mean_len: float = 512, reserve: str = "max_model_len",
+                        requests: int | None = None, seed: int = 0) -> tuple[LayoutRun, LayoutRun]:
+    """(contiguous, paged): one queue of requests served from the same KV budget under each layout.
+
+    Contiguous: each request reserves adjacent slots when it starts, `max_model_len` of them (`reserve=
+    "max_model_len"`, what this engine's contiguous cache does) or what it says it may need (`"per request"`:
+    the prompt plus the max_tokens it asked for, drawn here as twice its final length, at most max_model_len),
+    placed in the first run of free slots long enough (first fit). Paged: each request holds the blocks of its
+    final length, anywhere in the pool. Lengths are `sample_context_lengths(requests, mix, mean_len, ...)`;
+    by default enough requests to fill the budget about four times over.
+
+    Equal reservations can never strand free memory: a freed one fits the next request exactly. Reservations of
+    different sizes can: requests leave in another order than they came, and the free slots end up in holes
+    between reservations, each too small for the next request although together they are not.
+    """
+    if reserve not in RESERVATIONS:
+        raise ValueError(f"reserve must be one of {RESERVATIONS}, got {reserve!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if budget_tokens < max(max_model_len, block_size):
+        raise ValueError(f"budget_tokens must hold at least one max_model_len reservation ({max_model_len}) "
+                         f"and one block, got {budget_tokens}")
+    n = requests if requests is not None else min(4000, max(8, 4 * budget_tokens // max(1, int(mean_len))))
+    lengths = sample_context_lengths(n, mix, mean_len, max_model_len, seed=seed)
+    reserved = (np.full(n, max_model_len, dtype=np.int64) if reserve == "max_model_len"
+                else np.minimum(2 * lengths, max_model_len))
+    blocks = -(-lengths // block_size) * block_size
+    return (_serve("contiguous", lengths, reserved, budget_tokens),
+            _serve("paged", lengths, blocks, budget_tokens // block_size * block_size))
+

@@ -14,6 +14,7 @@ from typing import Callable
 import ipywidgets as W
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from . import formulas as F
@@ -164,7 +165,7 @@ def roofline_widget(peak_flops: float = 312e12, peak_bw: float = 2.039e12, model
 
 # ---------------------------------------------------------------- chapter 03: KV memory calculator
 
-_SEED_CONTEXTS = (1024, 4096, 32768, 131072)
+_TEXTBOOK_CONTEXTS = (1024, 4096, 32768, 131072)  # the columns of the textbook's KV-cache exercise
 
 
 def _kv_head_options(model: str) -> list[tuple[str, int]]:
@@ -202,21 +203,22 @@ def _render_kv_memory(model: str, context: int, batch: int, dtype: str, kv_heads
     right.legend(fontsize=8)
 
     verdict = "fits" if needed <= gpu else "does <b>not</b> fit"
-    seed_rows = [[name] + [f"{F.kv_cache_bytes_for(name, c, 1, nbytes) / F.GiB:.2f}" for c in _SEED_CONTEXTS]
+    book_rows = [[name] + [f"{F.kv_cache_bytes_for(name, c, 1, nbytes) / F.GiB:.2f}" for c in _TEXTBOOK_CONTEXTS]
                  for name in PRESETS]
     text = (f"KV cache: {per_token / F.MiB:.3f} MiB per token, {F.human_bytes(per_request)} per {context}-token "
             f"request, {F.human_bytes(batch * per_request)} for a batch of {batch}; weights "
             f"{F.human_bytes(weights)}. Total {F.human_bytes(needed)}: {verdict} in {gpu_gib:g} GiB. "
             f"<b>{fits}</b> such requests fit beside the weights."
-            + _table(["KV GiB per sequence", "1K", "4K", "32K", "128K"], seed_rows))
+            + _table(["KV GiB per sequence", "1K", "4K", "32K", "128K"], book_rows))
     return text, fig
 
 
 def kv_memory_widget(model: str = "llama-2-13b", gpu_gib: float = 80.0) -> W.VBox:
     """Chapter 03: KV-cache bytes per token, per request and per batch, and how many requests fit.
 
-    The "80 GB" A100/H100 cards hold 80 GiB, hence the GiB default. The table reproduces the seed's
-    (at fp16: Llama-7B 2 GiB at 4K, Llama-70B 40 GiB with GQA and 320 GiB with MHA at 128K).
+    The "80 GB" A100/H100 cards hold 80 GiB, hence the GiB default. The table reproduces the textbook's figures
+    (at fp16: Llama-7B "roughly 2 GB per sequence" at 4K; Llama-70B at 128K "roughly 40 GB" with its 8 GQA KV
+    heads and "roughly 320 GB" with 64).
     """
     model_box = _model_dropdown(model)
     kv_heads = W.Dropdown(options=_kv_head_options(model), value=0, description="KV heads")
@@ -303,94 +305,105 @@ def speculative_widget(k: int = 4, alpha: float = 0.8, draft_cost: float = 0.02,
 
 # ---------------------------------------------------------------- chapter 07: fragmentation
 
-def _render_fragmentation(max_len: int, block_size: int, mean_fill: float, requests: int, seed: int = 0):
-    lengths = np.minimum(S.sample_lengths(requests, max(1, mean_fill * max_len), 1.0, seed), max_len)
-    frag = S.simulate_fragmentation(lengths, max_len, block_size)
+_LAYOUT_COLOURS = {"written": "C0", "later": "#9ecae1", "internal": "C3", "external": "#444444", "free": "#dddddd"}
 
-    fig, (left, right) = _figure(2, 10, 3.4)
-    shown = np.arange(min(requests, 24))
-    left.bar(shown, max_len, color="lightgrey", label="contiguous reservation")
-    left.bar(shown, frag.blocks_per_request[shown] * block_size, color="C1", alpha=0.6, label="paged blocks")
-    left.bar(shown, lengths[shown], color="C0", label="tokens used", width=0.5)
-    left.set(xlabel="request", ylabel="token slots", title="per request")
-    left.legend(fontsize=8)
-    right.bar(["contiguous", "paged"], [frag.max_concurrent_contiguous, frag.max_concurrent_paged],
-              color=["grey", "C1"])
-    right.set(ylabel="requests at once", title=f"same pool: {frag.pool_tokens} token slots")
 
-    gain = frag.max_concurrent_paged / max(frag.max_concurrent_contiguous, 1)
-    text = (f"Contiguous reservation wastes <b>{100 * frag.waste_fraction_contiguous:.0f}%</b> of its slots; "
-            f"{block_size}-token blocks waste {100 * frag.waste_fraction_paged:.1f}% "
-            f"({frag.wasted_paged / requests:.1f} slots per request, always under one block). "
-            f"The same pool holds {frag.max_concurrent_paged} requests instead of "
-            f"{frag.max_concurrent_contiguous}: <b>{gain:.1f}×</b>.")
+def kv_layout_legend() -> list[Patch]:
+    """Legend entries for `draw_kv_layout`'s colours."""
+    names = {"written": "tokens written", "later": "held for later tokens", "internal": "held, never filled: internal",
+             "external": "free, too small: external", "free": "free"}
+    return [Patch(color=_LAYOUT_COLOURS[k], label=label) for k, label in names.items()]
+
+
+def draw_kv_layout(ax, row: int, run: S.LayoutRun, step: int) -> None:
+    """One layout's KV budget at `step` as a strip of slots: each running request's written tokens, the
+    slots it will fill later, the slots it holds but never fills, and the free slots (dark where they are
+    stranded: free, but in holes too small for the next request)."""
+    ids, written = run.snapshot(step)
+    if run.layout == "contiguous":
+        at = run.offset[ids]
+        spans = sorted(zip(at, at + run.held[ids]))
+        holes, edge = [], 0
+        for lo, hi in spans + [(run.budget_tokens, run.budget_tokens)]:
+            if lo > edge:
+                holes.append((edge, lo - edge))
+            edge = hi
+        stranded = run.stranded[np.searchsorted(run.events[:, 0], step, side="right") - 1] > 0
+        ax.broken_barh(holes, (row - 0.35, 0.7), color=_LAYOUT_COLOURS["external" if stranded else "free"], lw=0)
+    else:  # drawn packed; in the pool a request's blocks lie anywhere
+        at = np.concatenate([[0], np.cumsum(run.held[ids])[:-1]]).astype(np.int64)
+        used = int(run.held[ids].sum())
+        ax.broken_barh([(used, run.budget_tokens - used)], (row - 0.35, 0.7), color=_LAYOUT_COLOURS["free"], lw=0)
+    length = run.lengths[ids]
+    for colour, lo, width in (("written", at, written), ("later", at + written, length - written),
+                              ("internal", at + length, run.held[ids] - length)):
+        ax.broken_barh(list(zip(lo, width)), (row - 0.35, 0.7), color=_LAYOUT_COLOURS[colour], lw=0)
+
+
+def _render_fragmentation(budget_tokens: int, max_model_len: int, block_size: int, mix: str, mean_len: int,
+                          reserve: str):
+    contiguous, paged = S.simulate_kv_layouts(budget_tokens, max_model_len, block_size, mix, mean_len, reserve)
+    # The picture's moment, while both layouts still have requests waiting: where the most free memory was
+    # stranded, else halfway through.
+    until = min(contiguous.filling_until, paged.filling_until)
+    stranded = np.where(contiguous.events[:, 0] < until, contiguous.stranded, 0)
+    step = int(contiguous.events[stranded.argmax(), 0]) if stranded.max() > 0 else until // 2
+
+    fig, (left, right) = _figure(2, 10, 3.8)
+    for row, run in enumerate((paged, contiguous)):
+        draw_kv_layout(left, row, run, step)
+    left.set(yticks=[0, 1], xlim=(0, budget_tokens), ylim=(-0.5, 2.4), xlabel=f"KV slots (tokens), step {step}",
+             title="the budget at one moment")
+    left.set_yticklabels([f"paged\n({block_size})", "contiguous"], fontsize=8)
+    left.legend(handles=kv_layout_legend(), fontsize=7, loc="upper center", ncol=3, frameon=False)
+    for run, colour in ((contiguous, "grey"), (paged, "C1")):
+        steps, running = run.events[:, 0], run.events[:, 1]
+        keep = steps <= run.filling_until
+        right.step(steps[keep], running[keep], where="post", color=colour, label=run.layout)
+    right.axvline(step, color="k", lw=0.6, ls=":")
+    right.set(xlabel="step", ylabel="requests running", title="while requests wait")
+    right.legend(fontsize=8)
+
+    gain = paged.mean_running / contiguous.mean_running
+    held = "its own max_model_len" if reserve == "max_model_len" else "what it asks for (2× its length here)"
+    if contiguous.stranded.max() > 0:
+        external = (f"Reservations differ in size, so free memory breaks into holes: <b>"
+                    f"{100 * contiguous.stranded_time_fraction:.0f}%</b> of the time the next request waited "
+                    f"although enough slots were free, up to {contiguous.stranded.max()} of them "
+                    f"(<b>external fragmentation</b>).")
+    else:
+        external = ("Every reservation is the same size, so a freed one always fits the next request: no "
+                    "external fragmentation.")
+    text = (f"Contiguous: each request reserves {held}; <b>{100 * contiguous.internal_waste_fraction:.0f}%</b> "
+            f"of the reserved slots never hold a token (<b>internal fragmentation</b>). {external} "
+            f"Paged, {block_size}-token blocks: {100 * paged.internal_waste_fraction:.1f}% of the held slots "
+            f"stay empty, never more than block_size − 1 = {block_size - 1} per request, and any free block "
+            f"serves any request. Requests running at once, on average while others wait: "
+            f"<b>{contiguous.mean_running:.0f}</b> contiguous, <b>{paged.mean_running:.0f}</b> paged "
+            f"(<b>{gain:.1f}×</b>).")
     return text, fig
 
 
-def fragmentation_widget(max_len: int = 2048, block_size: int = 16, mean_fill: float = 0.25,
-                         requests: int = 100) -> W.VBox:
-    """Chapter 07: KV slots reserved, used and wasted per request, contiguous vs paged.
+def fragmentation_widget(budget_tokens: int = 64 * 2048, max_model_len: int = 2048, block_size: int = 16,
+                         mix: str = "lognormal", mean_len: int = 512, reserve: str = "max_model_len") -> W.VBox:
+    """Chapter 07: one queue of requests served from a fixed KV budget, contiguous reservations against paged
+    blocks (`simulate.simulate_kv_layouts`): the budget at one moment, and requests running over time.
 
-    Lengths are uniform in [1, 2 · mean_fill · max_len] (capped at max_len): mean_fill 0.25 wastes about
-    75% under contiguous reservation, inside the seed's 60–80%.
+    The defaults (a chat-like lognormal mix averaging 512 tokens, 2048-token reservations, 64 of them in the
+    budget) leave about 78% of every reservation empty, inside the textbook's "waste from 60–80%", and paged
+    blocks waste under one block per request, its "≤15 tokens per request". Reserving per request shows the
+    external fragmentation that equal reservations cannot have.
     """
-    controls = {"max_len": W.IntSlider(value=max_len, min=256, max=8192, step=256, description="max_len", **_SLIDER),
-                "block_size": W.Dropdown(options=[1, 8, 16, 32, 64, 128, 256], value=block_size, description="block"),
-                "mean_fill": W.FloatSlider(value=mean_fill, min=0.05, max=0.5, step=0.05,
-                                           description="mean length / max_len", **_SLIDER),
-                "requests": W.IntSlider(value=requests, min=1, max=500, description="requests", **_SLIDER)}
-    return _live(controls, _render_fragmentation)
-
-
-def _render_kv_budget(budget_tokens: int, max_model_len: int, block_size: int, mix: str, mean_len: int):
-    run = S.simulate_kv_budget(budget_tokens, max_model_len, block_size, mix, mean_len)
-    contiguous, paged = run.contiguous_fit, run.paged_fit
-    used_c, used_p = run.lengths[:contiguous].sum(), run.lengths[:paged].sum()
-    held_p = run.blocks[:paged].sum() * block_size
-
-    fig, (left, right) = _figure(2, 10, 3.4)
-    left.hist(run.lengths, bins=60, color="C0")
-    left.axvline(max_model_len, color="r", ls="--", label=f"reservation {max_model_len}")
-    left.axvline(run.lengths.mean(), color="k", lw=0.8, label=f"mean {run.lengths.mean():.0f}")
-    left.set(xlabel="context length (tokens)", ylabel="requests", title=f"{mix} length mix")
-    left.legend(fontsize=8)
-    # Where the budget goes: tokens, reserved-but-empty slots, and what is left free.
-    layouts = ["contiguous", f"paged ({block_size})"]
-    used = np.array([used_c, used_p]) / budget_tokens
-    wasted = np.array([contiguous * max_model_len - used_c, held_p - used_p]) / budget_tokens
-    right.barh(layouts, used, height=0.5, color="C0", label="tokens")
-    right.barh(layouts, wasted, height=0.5, left=used, color="C3", label="reserved, empty")
-    right.barh(layouts, 1 - used - wasted, height=0.5, left=used + wasted, color="lightgrey", label="free")
-    for row, fit in enumerate((contiguous, paged)):
-        right.text(0.01, row, f"{fit} requests", va="center", color="white", fontsize=9)
-    right.set(xlim=(0, 1), xlabel=f"share of the {budget_tokens}-slot KV budget", title="requests at once")
-    right.legend(fontsize=7, loc="center", ncol=3, frameon=False)
-
-    text = (f"A KV budget of {budget_tokens} token slots. Reserving {max_model_len} slots per request fits "
-            f"<b>{contiguous}</b> requests and leaves <b>{100 * run.waste_fraction_contiguous:.0f}%</b> of every "
-            f"reservation empty on average. {block_size}-token blocks fit <b>{paged}</b> "
-            f"(<b>{run.concurrency_multiple:.1f}×</b>), wasting {run.waste_paged_tokens.mean():.1f} slots per "
-            f"request ({100 * run.waste_fraction_paged:.1f}%; never more than block_size − 1 = {block_size - 1}).")
-    return text, fig
-
-
-def kv_budget_widget(budget_tokens: int = 64 * 2048, max_model_len: int = 2048, block_size: int = 16,
-                     mix: str = "lognormal", mean_len: int = 512) -> W.VBox:
-    """Chapter 07: how many requests of a length mix a fixed KV budget holds, contiguous vs paged.
-
-    The defaults (a chat-like lognormal mix averaging 512 tokens, 2048-token reservations, 64 of them in
-    the budget) waste about 77% of each reservation and fit about 4× more requests when paged; raise
-    max_model_len to 4096 for the seed's "up to ~8×". See `simulate.simulate_kv_budget`.
-    """
-    controls = {"budget_tokens": W.IntSlider(value=budget_tokens, min=16384, max=1 << 20, step=16384,
+    controls = {"budget_tokens": W.IntSlider(value=budget_tokens, min=16384, max=1 << 19, step=16384,
                                              description="KV budget (tokens)", **_SLIDER),
                 "max_model_len": W.IntSlider(value=max_model_len, min=256, max=16384, step=256,
                                              description="max_model_len", **_SLIDER),
                 "block_size": W.Dropdown(options=[1, 8, 16, 32, 64, 128, 256], value=block_size, description="block"),
                 "mix": W.Dropdown(options=list(S.LENGTH_MIXES), value=mix, description="length mix"),
                 "mean_len": W.IntSlider(value=mean_len, min=16, max=4096, step=16, description="mean length",
-                                        **_SLIDER)}
-    return _live(controls, _render_kv_budget)
+                                        **_SLIDER),
+                "reserve": W.Dropdown(options=list(S.RESERVATIONS), value=reserve, description="reserve")}
+    return _live(controls, _render_fragmentation)
 
 
 # ---------------------------------------------------------------- chapter 08: prefix caching
@@ -438,7 +451,8 @@ def prefix_cache_widget(model: str = "llama-2-13b", prefix: int = 2000, suffix: 
                         block_size: int = 16, peak_flops: float = 312e12, peak_bw: float = 2.039e12) -> W.VBox:
     """Chapter 08's savings calculator: hit rate, FLOPs skipped and TTFT gained by caching a shared prefix.
 
-    The seed's ~40× and ~52 PFLOP are the defaults' compute-bound figures (41×). The roofline TTFT uses an
+    The textbook's "cuts TTFT ~40×" and "~52 PFLOP of redundant prefill across 1,000 requests" are the
+    defaults' compute-bound figures (41×). The roofline TTFT uses an
     A100-80GB SXM unless told otherwise; there a 50-token suffix is memory-bound and the gain about 13×
     (see `formulas.prefix_cache_ttft`).
     """
