@@ -11,7 +11,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # A2 · Appendix: from a Triton kernel to GPU instructions (optional)
 #
@@ -83,8 +82,8 @@ print(f"device: {device}" + (f" ({torch.cuda.get_device_name(0)}, compiled for i
 #
 # - **Registers**, private to each thread and the fastest storage there is. A thread may hold at most 255 of
 #   them (4 bytes each). Values that do not fit are *spilled* to local memory, which is device memory: slow.
-# - **Shared memory**, a few hundred KiB per SM, shared by the threads of a block. The kernel stages its K and V
-#   tiles there; the most one block may take depends on the GPU.
+# - **Shared memory**, on chip, 64 to 228 KiB per SM depending on the GPU, shared by the threads of a block. The
+#   kernel stages its K and V tiles there; how much one block may take is set per GPU.
 # - **Tensor cores**, units that multiply small matrix tiles in one instruction, an order of magnitude faster
 #   than the ordinary multiply-add units (the "CUDA cores"). Which tile shapes and dtypes they take changes
 #   from one GPU generation to the next.
