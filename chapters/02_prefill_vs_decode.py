@@ -187,8 +187,9 @@ plt.show()
 # `2 · params` FLOPs in the weight matmuls, and those FLOPs are most of the work. Attention adds
 # `4 · L · H · D · n²`, which grows with the square of the prompt, so it takes over past a crossover,
 # `params / (2 · L · H · D)` tokens (`formulas.attention_crossover_tokens`). Below it TTFT is close to
-# linear in the prompt; well above it, close to quadratic. That is the regime the textbook has in mind
-# when it writes that "long prompts move TTFT up roughly quadratically because of the attention term".
+# linear in the prompt; well above it, close to quadratic. That is the regime the textbook the course
+# accompanies (chapter 00) has in mind when it writes that "long prompts move TTFT up roughly quadratically
+# because of the attention term".
 # The FLOP count of the whole range, priced at this machine's matmul rate, with the measured points on top:
 
 # %%

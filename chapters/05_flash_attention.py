@@ -139,8 +139,9 @@ for n in (4096, 32768, 131072):
           f"flash {human_bytes(linear_bytes(llama.num_heads, n, llama.head_dim, 2)):>10}")
 
 # %% [markdown]
-# The textbook's own example is one head at N = 8192 in 2-byte numbers (fp16 or bf16): "For a sequence of
-# length N = 8192, that intermediate has 67M entries, occupying 134 MB in BF16." Its megabytes are decimal.
+# The textbook the course accompanies (chapter 00) gives its own example, one head at N = 8192 in 2-byte
+# numbers (fp16 or bf16): "For a sequence of length N = 8192, that intermediate has 67M entries, occupying
+# 134 MB in BF16." Its megabytes are decimal.
 
 # %%
 n_book = 8192
