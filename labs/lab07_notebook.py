@@ -16,12 +16,12 @@
 #
 # Open `labs/lab07_paging.py` and fill in the functions marked `TODO`: `can_allocate`, `allocate`, `share` and
 # `free` of `BlockAllocator`; `blocks_needed`, `append_tokens`, `slot` and `release` of `BlockTable`;
-# `slot_mapping`; `store_kv` and `paged_attention`, the tensor side; and `preempt` and `make_room`, recompute
-# preemption. This notebook grows a few sequences in one small pool with your code, draws who owns which
+# `slot_mapping`; `store_kv` and `paged_attention`, the tensor side (optional: a week's lab is the rest); and
+# `preempt` and `make_room`, recompute preemption. This notebook grows a few sequences in one small pool with your code, draws who owns which
 # block, stores keys and values in a real tensor cache through your slot mappings, checks that your attention
 # through the block tables equals attention over a contiguous cache, runs a small pool into preemption, then
-# serves requests with the real engine on your blocks, and finally runs the grader, the same tests CI runs
-# against the reference solution:
+# serves requests with the real engine on your blocks and your preemption, and finally runs the grader, the same
+# tests CI runs against the reference solution:
 #
 #     pytest tests/labs/test_lab07.py --impl=labs
 #
@@ -234,14 +234,17 @@ print(f"16-token blocks:        {run.paged_fit} requests at once ({run.concurren
       f"{run.waste_paged_tokens.mean():.1f} slots wasted per request (at most 15)")
 
 # %% [markdown]
-# ## 5. Your blocks serve requests
+# ## 5. Your blocks and your preemption serve requests
 # `EngineBlockManager` (given, in your lab file) runs the engine's paged pool on your `BlockAllocator` and
-# `BlockTable`s: every block a request takes comes from your `append_tokens`, and a finished or preempted
-# request gives its blocks back through your `release`. The engine takes it through a hook,
-# `LLM(..., block_manager=lab.EngineBlockManager)`. Chapter 07's preemption workload, smaller: eight requests,
-# some greedy and some sampling with their own seeds, in a pool of 12 blocks of 16 positions, far less than
-# they need together. The engine preempts and recomputes on your blocks; every output must be the one it
-# gives on its own block manager.
+# `BlockTable`s: every block a request takes comes from your `append_tokens`, and a finished request gives its
+# blocks back through your `release`. The engine takes it through a hook,
+# `LLM(..., block_manager=lab.EngineBlockManager)`, and a second hook hands it preemption: when a request finds
+# no room for its next token, the engine's scheduler calls the block manager's `make_room`
+# (`Scheduler._make_room` in `mini_engine/scheduler.py`), which runs YOUR `make_room` on the running requests;
+# your `preempt` gives each victim's blocks back, and the engine then requeues the same requests. Chapter 07's
+# preemption workload, smaller: eight requests, some greedy and some sampling with their own seeds, in a pool
+# of 12 blocks of 16 positions, far less than they need together. Every output must be the one the engine gives
+# on its own block manager and its own preemption, and every block must be back in your pool at the end.
 
 # %%
 from mini_engine.bench.runs import ServingWorkload
@@ -265,11 +268,13 @@ result = attempt("the engine on your blocks", lambda: serve(lab.EngineBlockManag
 if result:
     yours, engine = result
     engine_own, _ = serve()
+    blocks = engine.scheduler.blocks
     print(f"{len(work.prompts)} requests, {sum(len(o.token_ids) for o in yours)} tokens; preemptions: "
           f"{sum(o.metrics.num_preemptions for o in yours)} on your blocks, "
           f"{sum(o.metrics.num_preemptions for o in engine_own)} on the engine's own")
+    print(f"requests your make_room preempted, in order: {blocks.preempted}")
     print("every output equals the engine's own:", [o.token_ids for o in yours] == [o.token_ids for o in engine_own])
-    print(f"blocks free in your pool afterwards: {engine.scheduler.blocks.allocator.num_free()} of 12")
+    print(f"blocks free in your pool afterwards: {blocks.allocator.num_free()} of 12")
 
 # %% [markdown]
 # Your attention reads the real cache too. Three requests run a few steps on your blocks; then, for each of
@@ -307,7 +312,9 @@ if errors:
 
 # %% [markdown]
 # ## 6. Grade
-# The grader prints one line per test; a failing test says what to fix.
+# The grader prints a dot per passing test and, for each failing one, one line that says what to fix (a part not
+# written yet: the line of its TODO and a hint). The optional part's tests are skipped until you write it. Its
+# slow checks, the real engine on your code, run last and say what they do before they start.
 
 # %%
 import pytest

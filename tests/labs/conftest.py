@@ -272,6 +272,13 @@ def wrong_answer(request, mutant):
 
 
 @pytest.fixture
+def reference(request):
+    """The reference solution of the module's lab, for tests of the course's own material (a lab notebook run on
+    it) rather than of the student's work: left out under --impl=labs."""
+    return importlib.import_module(f"solutions.{request.module.LAB}")
+
+
+@pytest.fixture
 def asked_for():
     """asked_for(lab): what the stub, labs/<lab>.py, leaves to write: its functions, methods ("Class.method") and
     Triton kernels whose body raises NotImplementedError."""
@@ -303,11 +310,12 @@ def is_engine_check(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     here = Path(__file__).parent
-    # Tests of the guards (they take `mutant`, `hand_off` or `asked_for`) grade the solutions' mutants: under
-    # --impl=labs they say nothing about the student's work, so they are left out.
+    # Tests of the guards (they take `mutant`, `hand_off`, `wrong_answer` or `asked_for`) grade the solutions'
+    # mutants, and tests of a lab notebook (`reference`) run it on the solution: under --impl=labs they say nothing
+    # about the student's work, so they are left out.
     if config.getoption("--impl") == "labs":
         left_out = [item for item in items if here in item.path.parents
-                    and {"mutant", "asked_for"} & set(getattr(item, "fixturenames", ()))]
+                    and {"mutant", "asked_for", "reference"} & set(getattr(item, "fixturenames", ()))]
         if left_out:
             config.hook.pytest_deselected(items=left_out)
             items[:] = [item for item in items if item not in left_out]

@@ -14,9 +14,12 @@ preempt.
 import contextlib
 import importlib
 import random
+import re
 import sys
 import types
+from pathlib import Path
 
+import jupytext
 import pytest
 import torch
 
@@ -27,6 +30,7 @@ from mini_engine.engine import LLM
 from mini_engine.kernels import kv_store, paged_attention as engine_paged_attention
 
 LAB = "lab07_paging"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "labs" / "lab07_notebook.py"
 # The engine's block manager, attention and scheduler already do these jobs: calling them fails the test.
 # The course's formulas (chapter 07's blocks_needed among them) do some of the counting: handing it to them fails too.
 SHORTCUTS = {"BlockAllocator": [paging, formulas], "BlockTable": [paging, formulas], "slot_mapping": [paging, formulas],
@@ -509,6 +513,25 @@ def test_the_engines_scheduler_preempts_with_your_make_room(impl):
         f"step that differs: {next(((i, a, b) for i, (a, b) in enumerate(zip(yours, own)) if a != b), None)} "
         "(step, yours, the engine's: (request, first position, tokens)). Preempt the latest admitted holder")
     assert manager.allocator.num_free() == 5 and manager.tables == {}, "every block is back in your pool at the end"
+
+
+@pytest.mark.engine("lab 07's notebook, every section but its grader, on the reference solution")
+def test_the_notebook_serves_requests_with_the_students_preemption(reference, capsys):
+    """The lab notebook as a student who finished the lab runs it (the solution in place of labs/): its sections,
+    the real engine on the student's blocks and preemption included, print what they promise."""
+    cells = [c.source for c in jupytext.read(NOTEBOOK).cells if c.cell_type == "code"]
+    namespace = {"__name__": "lab07_notebook"}
+    for source in cells[:-1]:  # all but the grader (the Colab setup does nothing here)
+        exec(compile(source, str(NOTEBOOK), "exec"), namespace)
+        namespace["lab"] = reference  # in place of `import labs.lab07_paging as lab`
+    shown = capsys.readouterr().out
+    assert "not implemented yet" not in shown, shown
+    for line in ("paged attention equals contiguous attention: True", "every output equals the engine's own: True",
+                 "blocks free in your pool afterwards: 12 of 12",
+                 "your paged attention reads the engine's real keys and values: True"):
+        assert line in shown, f"the notebook does not print {line!r}:\n{shown}"
+    preempted = re.search(r"requests your make_room preempted, in order: (\[.*\])", shown)
+    assert preempted and eval(preempted.group(1)), f"the student's make_room chose no preemption:\n{shown}"
 
 
 # ---------------------------------------------------------------- the guards (see conftest.py)
