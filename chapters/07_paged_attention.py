@@ -137,8 +137,8 @@ sim_summary = (run.waste_fraction_contiguous, run.waste_fraction_paged, run.conc
 # reservations, at the moment the most free memory was stranded (or halfway, when none was):
 
 # %%
-small = dict(budget_tokens=16 * 2048, max_model_len=2048, block_size=16, mix="lognormal", mean_len=512)
-layouts = {reserve: simulate.simulate_kv_layouts(**small, reserve=reserve) for reserve in simulate.RESERVATIONS}
+picture = dict(budget_tokens=16 * 2048, max_model_len=2048, block_size=16, mix="lognormal", mean_len=512)
+layouts = {reserve: simulate.simulate_kv_layouts(**picture, reserve=reserve) for reserve in simulate.RESERVATIONS}
 fig, ax = plt.subplots(figsize=(11, 2.8))
 rows = [("paged, blocks of 16", layouts["max_model_len"][1]), ("contiguous, max_model_len each",
         layouts["max_model_len"][0]), ("contiguous, as asked", layouts["per request"][0])]
@@ -150,7 +150,7 @@ for row, (name, lay) in enumerate(rows):
     print(f"{name:<31} step {step_shown:4d}: {len(lay.snapshot(step_shown)[0]):3d} requests running, "
           f"{100 * lay.internal_waste_fraction:4.1f}% of held slots never filled, "
           f"{lay.stranded[moment]:5d} free slots stranded")
-ax.set(yticks=range(len(rows)), xlim=(0, small["budget_tokens"]), ylim=(-0.5, len(rows) + 0.4),
+ax.set(yticks=range(len(rows)), xlim=(0, picture["budget_tokens"]), ylim=(-0.5, len(rows) + 0.4),
        xlabel="KV slots (tokens)", title="One KV budget at one moment under three layouts")
 ax.set_yticklabels([name for name, _ in rows], fontsize=8)
 ax.legend(handles=kv_layout_legend(), fontsize=7, loc="upper center", ncol=5, frameon=False)
@@ -441,7 +441,7 @@ summary = [
      f"{100 * sim_summary[0]:.0f}% / {100 * sim_summary[1]:.1f}%"),
     ("simulator: requests at once, paged / contiguous", f"{sim_summary[2]:.1f}x"),
     ("simulator, reserving as asked: free slots stranded at worst (external)",
-     f"{layouts['per request'][0].stranded.max()} of {small['budget_tokens']}"),
+     f"{layouts['per request'][0].stranded.max()} of {picture['budget_tokens']}"),
     (f"pool picture: {pool_blocks} blocks of {pool_block_size}", f"{len(history)} steps, "
      f"{history[-1][0].num_preemptions} preemptions, {history[-1][0].num_free_blocks} blocks free at the end"),
     *((f"{work.name}, {name}: peak requests, tok/s", f"{r.peak_running}, {r.tok_s:.1f}") for name, r in serving.items()),
