@@ -31,7 +31,6 @@ from .compiled_decode import CompiledDecode
 from .engine_config import EngineConfig, SpeculativeConfig
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .outputs import BlockPoolSnapshot, RequestOutput, StepRecord
-from .paging import BlockManager
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample, stop_tokens
 from .scheduler import Chunk, Request, Scheduler, make_policy
@@ -70,7 +69,7 @@ class LLMEngine:
         # compile=True: one more block (or slot) than the scheduler manages, for the compiled step's padded rows.
         scratch = int(bool(c.compile))
         if c.kv_cache == "paged":
-            blocks = (c.block_manager or BlockManager)(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+            blocks = c.block_manager_class()(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
             cache = PagedKVCache(model.config, c.num_kv_blocks + scratch, c.block_size, model.device, model.dtype)
         else:
             blocks = None
@@ -110,7 +109,7 @@ class LLMEngine:
         if c.kv_cache == "paged":
             cache = (f"paged KV cache: {c.num_kv_blocks} blocks x {c.block_size} positions ({size}), up to "
                      f"{c.max_num_seqs} sequences of up to {self.scheduler.max_model_len} positions, prefix caching "
-                     f"{'on' if c.enable_prefix_caching else 'off'}")
+                     f"{'on (' + c.prefix_cache + ')' if c.enable_prefix_caching else 'off'}")
         else:
             cache = f"contiguous KV cache: {c.max_num_seqs} slots x {c.max_model_len} positions ({size})"
         spec = "" if c.speculative is None else f", speculative={c.speculative.as_dict()}"

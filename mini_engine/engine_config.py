@@ -12,7 +12,8 @@ from .paging import BlockManager
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHES = ("paged", "contiguous")
-SCHEDULING = ("static", "dynamic", "continuous")
+SCHEDULING = ("static", "dynamic", "continuous", "cache_aware")
+PREFIX_CACHES = ("hashed", "radix")  # vLLM's hashed full blocks (paging.py); SGLang's radix tree (prefix/radix_cache.py)
 
 # The contiguous cache reserves max_model_len positions for each of max_num_seqs slots up front. SmolLM2-135M
 # keeps 46 KB per token in fp32, so 64 slots x 2048 positions would pin 6 GB: a CPU gets a smaller default.
@@ -116,6 +117,7 @@ class EngineConfig:
     max_num_seqs: int | None = None     # None: paged 256 on a GPU, 64 on a CPU; contiguous 64 and 16
     max_model_len: int | None = None    # None: 2048 on a GPU, 1024 on a CPU, capped by the model's positions
     enable_prefix_caching: bool | None = None  # paged: share cached full blocks (chapter 08); None: on with paged
+    prefix_cache: str = "hashed"        # with prefix caching: "hashed" full blocks, or "radix" (matches end at any token)
     chunked_prefill_tokens: int | None = 512  # tokens per step; None turns chunking off (prompts run whole)
     scheduling: str | object = "continuous"  # a name in SCHEDULING, or a policy object (see above)
     speculative: dict | SpeculativeConfig | None = None  # see SpeculativeConfig; a dict is parsed into one
@@ -152,6 +154,15 @@ class EngineConfig:
         if self.enable_prefix_caching and self.kv_cache != "paged":
             raise ValueError("enable_prefix_caching=True shares blocks of the paged KV cache; "
                              f"kv_cache={self.kv_cache!r} has none (leave it None or False)")
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
+        if self.prefix_cache == "radix" and (self.enable_prefix_caching is False or self.kv_cache != "paged"):
+            raise ValueError("prefix_cache='radix' is a prefix cache over the paged KV pool: it needs kv_cache='paged' "
+                             f"and enable_prefix_caching True or None, got kv_cache={self.kv_cache!r}, "
+                             f"enable_prefix_caching={self.enable_prefix_caching!r}")
+        if self.prefix_cache == "radix" and manager is not None:
+            raise ValueError("prefix_cache='radix' is a block manager of its own (prefix.radix_cache.RadixBlockManager): "
+                             "pass it or block_manager=..., not both")
         self.speculative = None if self.speculative is None else SpeculativeConfig.parse(self.speculative)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
@@ -166,6 +177,13 @@ class EngineConfig:
             raise ValueError(f"max_model_len must leave room for a prompt token and a new one, got {self.max_model_len}")
         if not isinstance(self.dynamic_timeout_s, (int, float)) or self.dynamic_timeout_s < 0:
             raise ValueError(f"dynamic_timeout_s must be >= 0, got {self.dynamic_timeout_s!r}")
+
+    def block_manager_class(self) -> type[BlockManager]:
+        """The paged pool's bookkeeping: your block_manager, the radix tree (prefix_cache="radix") or paging's."""
+        if self.prefix_cache == "radix":
+            from .prefix.radix_cache import RadixBlockManager  # beside the core: loaded only when asked for
+            return RadixBlockManager
+        return self.block_manager or BlockManager
 
     def resolved(self, device: str, max_positions: int) -> "EngineConfig":
         """A copy with the device's defaults filled in, checked against the model's positions. A paged pool

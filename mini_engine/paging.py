@@ -198,6 +198,11 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` a new sequence would take from the cache: here whole blocks. (A radix tree's match
+        may end inside its last block, which the sequence shares until its first write copies it.)"""
+        return len(self.lookup(token_ids)) * self.block_size
+
     def num_evictable(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` are evictable: a hit on one takes it out of the free count."""
         return sum(1 for b in blocks if b in self.evictable)

@@ -3,7 +3,7 @@
 A request's tokens are its prompt then its output so far; `num_computed` of them have their keys and values
 in the cache. Each step runs, for every scheduled request, a chunk of its uncomputed tokens: its prompt
 (prefill), part of it (chunked prefill), or the token it sampled last (decode); a chunk that reaches the
-last token samples the next. Three admission policies (below) decide when a waiting request may start.
+last token samples the next. Admission policies (below) decide when, and in what order (chapter 08), requests start.
 Chunked prefill caps a step at `token_budget` tokens, so a long prompt cannot stall everyone's decodes:
 decodes first (one token each, never skipped), then prompt chunks in arrival order, then new admissions.
 
@@ -163,14 +163,30 @@ class ContinuousPolicy:
         return 0.0
 
 
+class CacheAwarePolicy(ContinuousPolicy):
+    """SGLang's longest-prefix-match order (chapter 08): preempted requests first, then the waiting requests with
+    the most tokens in the prefix cache (they cost the step least, and start before their prefix is evicted), ties
+    in arrival order. A queue longer than `max_ranked` is taken in arrival order, as SGLang does: ranking it every
+    step costs more than it saves, and a request with no hits must not wait behind an endless stream of hits."""
+    name = "cache_aware"
+
+    def __init__(self, max_ranked: int = 128):
+        self.max_ranked = max_ranked
+
+    def admit(self, waiting, running, free_slots, budget, now) -> list[Request]:
+        if len(waiting) <= self.max_ranked:
+            waiting = sorted(waiting, key=lambda r: (r.status is not RequestStatus.PREEMPTED, -r.num_cached_hint))
+        return super().admit(waiting, running, free_slots, budget, now)
+
+
 def make_policy(name, num_slots: int, bucket_width: int = 64, timeout_s: float = 0.05):
-    if name in ("static", "continuous"):
-        return StaticPolicy() if name == "static" else ContinuousPolicy()
+    if name in ("static", "continuous", "cache_aware"):
+        return {"static": StaticPolicy, "continuous": ContinuousPolicy, "cache_aware": CacheAwarePolicy}[name]()
     if name == "dynamic":
         return DynamicPolicy(num_slots, bucket_width, timeout_s)
     if not isinstance(name, str):
         return name  # a policy object of your own (see EngineConfig)
-    raise ValueError(f"scheduling must be 'static', 'dynamic' or 'continuous', got {name!r}")
+    raise ValueError(f"scheduling must be 'static', 'dynamic', 'continuous' or 'cache_aware', got {name!r}")
 
 
 class Scheduler:
@@ -246,11 +262,14 @@ class Scheduler:
 
     def _admit(self, budget: float, chunks: list[Chunk], now: float) -> None:
         if self.blocks is not None and self.blocks.enable_prefix_caching:
-            left = budget  # tell the policy what each candidate will really compute (lookups change nothing)
-            for r in self.waiting[:len(self.free_slots)]:
-                if left <= 0:
+            # Tell the policy what each candidate will really compute (lookups change nothing): those it may start
+            # in arrival order, or every waiting request when it ranks them by their hits (CacheAwarePolicy).
+            ranks = len(self.waiting) <= getattr(self.policy, "max_ranked", -1)
+            left = budget
+            for i, r in enumerate(self.waiting):
+                if not ranks and (i == len(self.free_slots) or left <= 0):
                     break
-                r.num_cached_hint = len(self.blocks.lookup(r.lookup_tokens)) * self.blocks.block_size
+                r.num_cached_hint = self.blocks.num_cached_tokens(r.lookup_tokens)
                 left -= r.num_uncomputed - r.num_cached_hint
         promised = 0  # blocks the requests admitted in this step will still need for the rest of their prompts
         for r in self.policy.admit(self.waiting, self.running, len(self.free_slots), budget, now):
@@ -260,7 +279,8 @@ class Scheduler:
                 # A hit on an evictable block leaves the free count; a fork copies (or starts) one at its first
                 # decode. Each running request keeps a block to grow into, or the newcomer would be preempted.
                 hits = self.blocks.lookup(r.lookup_tokens)
-                need = self.blocks.blocks_for(r.num_tokens) - len(hits) + len(r.forks)
+                full = self.blocks.num_cached_tokens(r.lookup_tokens) // self.blocks.block_size  # a partly matched
+                need = self.blocks.blocks_for(r.num_tokens) - full + len(r.forks)  # last block is copied: a new one
                 if need + len(self.running) > self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - promised:
                     break  # first come, first served: nobody overtakes a request that does not fit yet
                 promised += need

@@ -14,9 +14,10 @@ OUTSIDE = ("backends", "bench", "course", "serving")  # subpackages the core mus
 
 
 def test_the_core_is_small_enough_to_read_in_an_afternoon():
-    """At most 3,000 lines in all and 450 a file, comments, docstrings and blank lines counted."""
+    """At most 3,400 lines in all (issue 54 raised it from 3,000 for the radix tree and chapter 11) and 450 a file,
+    comments, docstrings and blank lines counted."""
     lines = {p.name: len(p.read_text().splitlines()) for p in CORE}
-    assert sum(lines.values()) <= 3000, f"the core has {sum(lines.values())} lines: {lines}"
+    assert sum(lines.values()) <= 3400, f"the core has {sum(lines.values())} lines: {lines}"
     assert max(lines.values()) <= 450, f"a core file is over 450 lines: {lines}"
 
 

@@ -31,7 +31,8 @@ from ..sampling import SamplingParams
 
 # Engine options the server's command line takes, by the LLM keyword they set.
 SERVE_FLAGS = {"kv_cache": "--kv-cache", "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len",
-               "num_kv_blocks": "--num-kv-blocks", "enable_prefix_caching": "--enable-prefix-caching"}
+               "num_kv_blocks": "--num-kv-blocks", "enable_prefix_caching": "--enable-prefix-caching",
+               "prefix_cache": "--prefix-cache"}
 
 
 def serve_args(device: str, dtype: str, engine_kwargs: dict) -> list[str]:

@@ -1,0 +1,2 @@
+"""Prefix caches beside the hashed blocks of paging.py (chapter 08): `radix_cache.RadixBlockManager`, SGLang's radix
+tree, which `LLM(prefix_cache="radix")` plugs in as its block manager."""
