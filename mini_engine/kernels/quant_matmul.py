@@ -93,9 +93,8 @@ class LaunchConfig:
     num_stages: int
 
 
-def launch_config(m: int, dtype: torch.dtype, gpu: GPUSpec | None,
-                  scales_dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
-    """Tiles for `m` rows of x on `gpu` (None: the interpreter), with scales and zeros in `scales_dtype`.
+def launch_config(m: int, dtype: torch.dtype, gpu: GPUSpec | None) -> LaunchConfig:
+    """Tiles for `m` rows of x on `gpu` (None: the interpreter), whatever the dtype of the scales and zeros.
 
     Interpreter: 16 x 32 output tiles and 32 columns a step, so the tests' small shapes cross several tiles and
     steps (the masks and the group walk) in seconds.
@@ -105,8 +104,9 @@ def launch_config(m: int, dtype: torch.dtype, gpu: GPUSpec | None,
     Tensor-core GPUs (sm_80 on) pipeline 3 steps deep; a T4, where Triton's products are FMAs, 2 steps with
     smaller tiles. fp32 inputs on sm_80 and later (exact "ieee" FMA products, with the asynchronous copies of
     the pipeline holding registers too) spilled at 4 warps with every tile of 32 x 64 and more (checked with
-    aot.py): they take 16 x 64 tiles with 8 warps, whatever m. So do fp32 scales and zeros (`int4_compact`'s) in
-    a prefill tile on a tensor-core GPU: at 4 warps the two [128, 32] fp32 tiles of a step spilled."""
+    aot.py): they take 16 x 64 tiles with 8 warps, whatever m. A prefill tile on a tensor-core GPU takes 8 warps
+    too: at 4 it needed all 255 registers a thread, and spilled with fp32 scales and zeros (`int4_compact`'s) under
+    every triton and with bf16 ones on an L4 under triton 3.7 (the one PyPI's torch 2.13 pins), not 3.9."""
     if gpu is None:
         return LaunchConfig(16, 32, 32, 1, 1)
     if dtype == torch.float32 and gpu.tensor_core_dot:
@@ -114,14 +114,12 @@ def launch_config(m: int, dtype: torch.dtype, gpu: GPUSpec | None,
     fma = not gpu.tensor_core_dot or dtype == torch.float32
     if m <= 16:
         return LaunchConfig(16, 64 if fma else 128, 64, 4, 2 if fma else 3)
-    warps = 8 if scales_dtype == torch.float32 and not fma else 4
-    return LaunchConfig(32 if fma else 64, 64 if fma else 128, 64, warps, 2 if fma else 3)
+    return LaunchConfig(32 if fma else 64, 64 if fma else 128, 64, 4 if fma else 8, 2 if fma else 3)
 
 
-def _compile_time_args(m: int, group_size: int, dtype: torch.dtype, scales_dtype: torch.dtype,
-                       gpu: GPUSpec | None) -> dict:
+def _compile_time_args(m: int, group_size: int, dtype: torch.dtype, gpu: GPUSpec | None) -> dict:
     """Constexprs and launch options for one call, shared by the launch and `aot_specs`."""
-    cfg = launch_config(m, dtype, gpu, scales_dtype)
+    cfg = launch_config(m, dtype, gpu)
     return dict(GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 PRECISION="ieee" if dtype == torch.float32 else None,
                 UPCAST=gpu is None and dtype == torch.bfloat16,
@@ -157,8 +155,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    args = launch_arguments(_compile_time_args, None if INTERPRETED else x.device, m, group_size, x.dtype,
-                            scales_and_zeros.dtype)
+    args = launch_arguments(_compile_time_args, None if INTERPRETED else x.device, m, group_size, x.dtype)
     grid = (triton.cdiv(m, args["BLOCK_M"]), triton.cdiv(n, args["BLOCK_N"]))
     _w4a16_matmul[grid](x, qweight, scales_and_zeros, out, m, n, x.shape[1],
                         x.stride(0), qweight.stride(0), scales_and_zeros.stride(0), out.stride(0),
@@ -185,7 +182,7 @@ def aot_specs(gpu: GPUSpec, dtype: torch.dtype) -> list[KernelSpec]:
         signature = dict(X=ptr, W="*u8:16", SZ=f"*{TRITON_DTYPES[scales_dtype]}:16", Out=ptr, M="i32", N="i32",
                          K="i32", stride_xm="i32:16", stride_wn="i32:16", stride_sg="i32:16", stride_om="i32:16")
         for m, label in ((1, "decode, 1 row"), (256, "prefill, 256 rows")):
-            args = _compile_time_args(m, group_size, dtype, scales_dtype, gpu)
+            args = _compile_time_args(m, group_size, dtype, gpu)
             options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
             specs.append(KernelSpec(_w4a16_matmul, signature, args, options, f"{label}, group {group_size}{what}"))
     return specs
