@@ -370,6 +370,7 @@ def test_a_300_token_shared_prompt_reuses_299_tokens_with_radix_and_288_with_has
         outs[name] = run(llm, [second], params)[0]
     assert outs["radix"].num_cached_tokens >= 299 and outs["hashed"].num_cached_tokens <= 288
     assert outs["off"].num_cached_tokens == 0
+    print(f"\n300 shared tokens: radix reused {outs['radix'].num_cached_tokens}, hashed {outs['hashed'].num_cached_tokens}")
     for name in ("radix", "hashed"):
         assert_greedy_match(real[0], second, outs[name].token_ids, outs["off"].token_ids)
 
@@ -395,9 +396,9 @@ def test_a_conversations_second_turn_reuses_the_first_turns_prompt_and_answer(en
 
 def test_real_model_outputs_with_the_radix_tree_equal_the_uncached_engines(engines, real, assert_greedy_match):
     from tests.engine.test_prefix_caching import shared_prefix_stream
-    prompts = shared_prefix_stream(random.Random(0), 10, 16)
+    prompts = shared_prefix_stream(random.Random(0), 6, 16)
     params = me.SamplingParams(max_tokens=4, ignore_eos=True)
-    waves = (prompts[:6], prompts[6:])
+    waves = (prompts[:4], prompts[4:])
     radix = [o for w in waves for o in run(engines["radix"], w, params)]
     off = [o for w in waves for o in run(engines["off"], w, params)]
     assert sum(o.num_cached_tokens for o in radix) > 0
