@@ -65,7 +65,7 @@ def cmd_bench(args) -> None:
     rungs = args.rung or []
     serving = [r for r in rungs if r in SERVING_RUNGS]
     single = [r for r in rungs if r in SINGLE_STREAM_RUNGS]
-    if args.quantization and (args.ladder or args.workload in ("paging", "prefix", "speculative", "server")):
+    if args.quantization and (args.ladder or args.workload in ("paging", "prefix", "radix", "speculative", "server")):
         raise ValueError(f"--quantization adds rows to the single and serving workloads, not "
                          f"{'--ladder' if args.ladder else '--workload ' + args.workload}")
     if args.ladder or args.workload == "server":
@@ -88,6 +88,14 @@ def cmd_bench(args) -> None:
             raise ValueError("--workload server measures the HTTP server against offline LLM.generate; no --rung")
         bench_server(32 if args.requests is None else args.requests, 64 if args.tokens is None else args.tokens,
                      args.device, args.dtype, rate=args.rate)
+        return
+    if args.workload == "radix":
+        from .bench.radix import bench_radix
+        if rungs:
+            raise ValueError("--workload radix compares the two prefix caches and two admission orders; no --rung")
+        if args.scale < 1 or (args.batch is not None and args.batch < 1):
+            raise ValueError("--scale and --batch must be >= 1")
+        bench_radix(args.device, args.dtype, scale=args.scale, batch=args.batch or 4)
         return
     # Paging, by default at two KV memories: the contiguous default's 16 slots, and 4 slots, where memory (not the
     # number of requests) bounds the batch.
@@ -205,12 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one workload (a shared system prompt, input-grounded and open requests, mixed lengths) up "
                         "every rung: HF batched generate, naive, cached, compiled, continuous batching, paged, + prefix "
                         "caching, + n-gram speculation, + compiled engine step; one table and a bar chart (--plot)")
-    b.add_argument("--workload", choices=["single", "serving", "paging", "prefix", "speculative", "server"],
+    b.add_argument("--workload", choices=["single", "serving", "paging", "prefix", "radix", "speculative", "server"],
                    default="single",
                    help="single: one chat prompt, one stream; serving: many requests (implied by a policy rung); "
                         "paging: the serving workload on the contiguous vs the paged KV cache at equal memory, "
                         "and one decode step from each; prefix: a shared system prompt with prefix caching on "
-                        "vs off (TTFT, throughput) and the serving workload on vs off; speculative: n-gram "
+                        "vs off (TTFT, throughput) and the serving workload on vs off; radix: a conversation, few-shot and "
+                        "branching, on hashed blocks vs the radix tree and in arrival vs cache-aware order (reuse, "
+                        "TTFT, throughput); speculative: n-gram "
                         "speculation on vs off at batch 1 and --batch, input-grounded and open chat; server: the "
                         "OpenAI server (a subprocess) against offline LLM.generate on the same requests, all at "
                         "once, at the rate the engine sustains and at twice it")
@@ -232,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-model-len", type=int, default=2048, help="paging: max_model_len of both engines")
     b.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared prefix")
     b.add_argument("--question-len", type=int, default=32, help="prefix: each request's own tokens")
+    b.add_argument("--scale", type=int, default=1, help="radix: multiplies the users, questions and branches "
+                   "(default 1: 32 requests in all)")
     b.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged",
                    help="serving: our engine's KV cache (chapter 04 measured the contiguous one)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
