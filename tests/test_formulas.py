@@ -302,6 +302,25 @@ def test_prefix_hit_rate_of_a_shared_system_prompt():
     assert F.prefix_hit_rate([50, 50], [0, 0], 16) == 0
 
 
+def test_block_boundary_loss_of_a_300_token_system_prompt():
+    assert F.block_boundary_loss(330, 300, 16) == 12, "288 of 300 in blocks of 16, all 300 token by token"
+    assert F.block_boundary_loss(330, 300, 128) == 44
+    assert F.block_boundary_loss(330, 300, 1) == 0
+    assert F.block_boundary_loss(330, 320, 16) == 0, "a prefix that ends on a boundary loses nothing"
+    assert F.block_boundary_loss(300, 300, 16) == 299 - 288, "a whole prompt: radix keeps all but the last token"
+    np.testing.assert_array_equal(F.block_boundary_loss(100, np.array([15, 16, 17]), 16), [15, 0, 1])
+    with pytest.raises(ValueError, match="block_size"):
+        F.block_boundary_loss(10, 5, 0)
+
+
+def test_the_expected_block_boundary_loss_is_the_mean_over_every_end_in_a_block():
+    for block in (1, 2, 16, 128):
+        ends = np.arange(10 * block, 11 * block)  # one prefix ending at each position of a block
+        mean = np.mean(F.block_boundary_loss(20 * block, ends, block))
+        assert F.expected_block_boundary_loss(block) == pytest.approx(mean) == (block - 1) / 2
+    np.testing.assert_allclose(F.expected_block_boundary_loss(np.array([16, 32])), [7.5, 15.5])
+
+
 def test_prefix_cache_savings_count_whole_blocks():
     s = F.prefix_cache_savings(40, 10, 3, TINY, block_size=16)
     assert s.cached_tokens == 32

@@ -406,6 +406,24 @@ def prefix_hit_rate(prompt_lens, shared_lens, block_size=1):
     return float(cached.sum() / np.sum(prompt_lens))
 
 
+def block_boundary_loss(prompt_len, shared_len, block_size):
+    """Prompt tokens a hashed cache of whole blocks leaves to compute that a radix tree, whose match may end at any
+    token, serves: cached_prefix_tokens(N, shared, 1) − cached_prefix_tokens(N, shared, block_size). For a prefix
+    that is not the whole prompt this is shared mod block_size: a 300-token system prompt in blocks of 16 loses 12
+    (288 against 300), in blocks of 128 it loses 44 (256). Never more than block_size − 1."""
+    _check_at_least("block_size", block_size, 1)
+    return _out(np.asarray(cached_prefix_tokens(prompt_len, shared_len, 1))
+                - np.asarray(cached_prefix_tokens(prompt_len, shared_len, block_size)))
+
+
+def expected_block_boundary_loss(block_size):
+    """The mean of `block_boundary_loss` when shared prefixes end at a random point, every position of a block as
+    likely: (block_size − 1) / 2, about half a block per match. A conversation pays it at every turn, at the end
+    of the previous turn's answer; a few-shot prompt once per request, at the end of its examples."""
+    _check_at_least("block_size", block_size, 1)
+    return _out((np.asarray(block_size) - 1) / 2)
+
+
 @dataclass(frozen=True)
 class PrefixSavings:
     """What caching a shared prefix saves across a batch of requests."""

@@ -465,6 +465,53 @@ def prefix_cache_widget(model: str = "llama-2-13b", prefix: int = 2000, suffix: 
     return _live(controls, lambda **v: _render_prefix_cache(**v, peak_flops=peak_flops, peak_bw=peak_bw))
 
 
+_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _render_block_boundary(block_size: int, shared: int, matches: int):
+    own = 32  # the request's own tokens after the shared prefix (they never change what a match serves)
+    hashed = F.cached_prefix_tokens(shared + own, shared, block_size)
+    radix = F.cached_prefix_tokens(shared + own, shared, 1)
+    lost, mean = F.block_boundary_loss(shared + own, shared, block_size), F.expected_block_boundary_loss(block_size)
+
+    fig, (left, right) = _figure(2, 10, 3.4)
+    ends = np.arange(max(0, shared - 3 * block_size), shared + 3 * block_size + 1)  # three blocks either side
+    left.plot(ends, F.block_boundary_loss(ends + own, ends, block_size), lw=1, label="hashed blocks")
+    left.axhline(mean, color="C1", ls="--", label=f"mean (B − 1) / 2 = {mean:g}")
+    left.plot([shared], [lost], "o", color="C0", ms=8)
+    left.set(xlabel="shared prefix (tokens)", ylabel="tokens lost per match",
+             title=f"blocks of {block_size}: the radix tree loses none")
+    left.legend(fontsize=8, loc="upper left")
+    sizes = np.array(_BLOCK_SIZES)
+    right.plot(sizes, F.expected_block_boundary_loss(sizes), "o-", label="expected, prefixes ending anywhere")
+    right.plot([block_size], [mean], "o", color="C3", ms=9)
+    right.set(xscale="log", xlabel="block size (tokens)", ylabel="tokens lost per match",
+              title="about half a block a match")
+    right.set_xticks(sizes, [str(b) for b in sizes])
+    right.legend(fontsize=8, loc="upper left")
+
+    text = (f"A {shared}-token shared prefix in blocks of {block_size}: hashed blocks serve {hashed} tokens, the radix "
+            f"tree {radix} (a match ends at any token; the prompt's own last token is always computed): "
+            f"<b>{lost}</b> tokens lost to the block boundary. Where shared prefixes end at random points, a match "
+            f"loses (B − 1) / 2 = <b>{mean:g}</b> tokens on average, recomputed at every match: about "
+            f"{matches * mean:,.0f} tokens over {matches:,} matches, {100 * mean / max(shared, 1):.1f}% of a "
+            f"{shared}-token prefix each time. A conversation pays it every turn (its last answer ends anywhere); "
+            "smaller blocks shrink it, at the price of a longer block table and smaller pieces of work for the "
+            "attention kernel.")
+    return text, fig
+
+
+def block_boundary_widget(block_size: int = 16, shared: int = 300, matches: int = 1000) -> W.VBox:
+    """Chapter 08's block-boundary slider: what whole blocks cost a hashed prefix cache against a radix tree, for one
+    shared prefix (`formulas.block_boundary_loss`) and on average over prefixes ending at random points
+    (`formulas.expected_block_boundary_loss`: about half a block per match)."""
+    controls = {"block_size": W.SelectionSlider(options=list(_BLOCK_SIZES), value=block_size, description="block size",
+                                                **_SLIDER),
+                "shared": W.IntSlider(value=shared, min=1, max=4096, description="shared prefix", **_SLIDER),
+                "matches": W.IntSlider(value=matches, min=1, max=100000, description="matches", **_SLIDER)}
+    return _live(controls, _render_block_boundary)
+
+
 # ---------------------------------------------------------------- chapter 09: throughput against latency
 
 _LOAD_BATCHES = (1, 4, 16, 64)  # the grey curves the chosen batch limit is compared with
