@@ -146,9 +146,11 @@ def cmd_serve(args) -> None:
     llm = me.LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                  kv_cache=args.kv_cache,
                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                 enable_prefix_caching=args.enable_prefix_caching, prefix_cache=args.prefix_cache)
+                 enable_prefix_caching=args.enable_prefix_caching, prefix_cache=args.prefix_cache,
+                 tensor_parallel_size=args.tensor_parallel_size)
     print(llm, flush=True)
-    serve(llm, args.host, args.port, config)
+    with llm:  # a tensor-parallel engine's ranks end with the server
+        serve(llm, args.host, args.port, config)
 
 
 def cmd_loadtest(args) -> None:
@@ -261,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paged: share cached prompt blocks (default: on with the paged cache)")
     s.add_argument("--prefix-cache", choices=["hashed", "radix"], default="hashed",
                    help="hashed: vLLM's hashed full blocks; radix: SGLang's radix tree, matches end at any token")
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is split over, each a process (chapter 11); must divide its heads")
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which new ones get 503")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
                    help="request bodies over this size are refused with 413, unread (default 4 MiB)")

@@ -19,6 +19,7 @@ positions, and `speculative.verify` keeps the tokens, with the stop checks after
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -30,17 +31,11 @@ import torch
 from .compiled_decode import CompiledDecode
 from .engine_config import EngineConfig, SpeculativeConfig
 from .kv_cache import ContiguousKVCache, PagedKVCache
-from .outputs import BlockPoolSnapshot, RequestOutput, StepRecord
+from .outputs import BlockPoolSnapshot, RequestOutput, StepRecord, request_steps  # noqa: F401 (chapter 08's import)
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample, stop_tokens
 from .scheduler import Chunk, Request, Scheduler, make_policy
 from .speculative import DraftModelProposer, NgramProposer, verify
-
-
-def request_steps(trace: list[StepRecord], request_id: int) -> list[tuple[int, float]]:
-    """(tokens computed, seconds) of each traced step that ran a chunk of the request, in order."""
-    return [(sum(n for rid, _, n, _ in s.chunks if rid == request_id), s.end - s.start)
-            for s in trace if any(rid == request_id for rid, *_ in s.chunks)]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -81,7 +76,8 @@ class LLMEngine:
                                       scratch=c.num_kv_blocks if blocks else c.max_num_seqs,
                                       block_size=c.block_size if blocks else None, max_model_len=c.max_model_len,
                                       mode=c.compile)
-        self.runner = ModelRunner(model, cache, c.attention_backend, blocks, compiled)
+        runner = getattr(model, "runner_class", ModelRunner)  # a model split over ranks brings its own (chapter 11)
+        self.runner = runner(model, cache, c.attention_backend, blocks, compiled)
         policy = make_policy(c.scheduling, c.max_num_seqs, c.dynamic_bucket_width, c.dynamic_timeout_s)
         self.scheduler = Scheduler(policy, c.max_num_seqs, c.max_model_len, c.chunked_prefill_tokens, blocks)
         eos = tokenizer.eos_token_id if tokenizer is not None else None
@@ -367,7 +363,7 @@ def _as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
-class LLM:
+class LLM(contextlib.AbstractContextManager):
     """Offline serving in one call, vLLM style:
 
         llm = LLM("smollm2-135m", max_num_seqs=16)
@@ -392,7 +388,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, chunked_prefill_tokens=chunked_prefill_tokens,
             scheduling=scheduling, speculative=speculative, attention_backend=attention_backend, compile=compile,
             quantization=quantization, **engine_kwargs)
-        weights, tokenizer = load_model(model, device=device, dtype=dtype, quantization=quantization)
+        weights, tokenizer = load_model(model, device=device, dtype=dtype, quantization=quantization,
+                                        tensor_parallel_size=config.tensor_parallel_size)  # chapter 11
         self.engine = LLMEngine(weights, tokenizer, config)
 
     @classmethod
@@ -407,6 +404,11 @@ class LLM:
 
     def __repr__(self) -> str:
         return repr(self.engine).replace("LLMEngine", "LLM", 1)
+
+    def shutdown(self, *exc) -> None:  # end a tensor-parallel engine's ranks (chapter 11); also on leaving `with`
+        getattr(self.engine.model, "shutdown", lambda: None)()
+
+    __exit__ = shutdown  # `with LLM(...) as llm:` (contextlib.AbstractContextManager's __enter__ returns llm)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds (see `LLMEngine.reset_prefix_cache`); returns how many."""

@@ -130,12 +130,15 @@ class EngineConfig:
     # Decode-only steps through compiled graphs, one per batch-size bucket. "max-autotune": Inductor also writes
     # and times the weight products (longer to compile; see compiled_decode._MAX_AUTOTUNE_CPU).
     compile: bool | str = False
+    tensor_parallel_size: int = 1       # ranks the model is split over, each a process (mini_engine/parallel, chapter 11)
 
     def __post_init__(self):
         if not isinstance(self.record_trace, bool):
             raise ValueError(f"record_trace must be True or False, got {self.record_trace!r}")
         if not (isinstance(self.compile, bool) or self.compile == "max-autotune"):
             raise ValueError(f"compile must be False, True or 'max-autotune', got {self.compile!r}")
+        if self.compile and self.tensor_parallel_size != 1:
+            raise ValueError(f"compile={self.compile!r} is not built for tensor_parallel_size > 1; use compile=False")
         for name, allowed in (("kv_cache", KV_CACHES), ("dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -168,7 +171,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         resolve_backend(self.attention_backend, self.device)  # a bad name fails here, before any weights load
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_model_len", "chunked_prefill_tokens",
-                     "dynamic_bucket_width"):
+                     "dynamic_bucket_width", "tensor_parallel_size"):
             value = getattr(self, name)
             optional = name in ("num_kv_blocks", "max_num_seqs", "max_model_len", "chunked_prefill_tokens")
             if not (value is None and optional) and (not isinstance(value, int) or value < 1):

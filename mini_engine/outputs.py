@@ -81,6 +81,12 @@ class StepRecord:
     num_running: int  # requests admitted and unfinished during the step (some may have had no chunk in it)
 
 
+def request_steps(trace: list[StepRecord], request_id: int) -> list[tuple[int, float]]:
+    """(tokens computed, seconds) of each traced step that ran a chunk of the request, in order."""
+    return [(sum(n for rid, _, n, _ in s.chunks if rid == request_id), s.end - s.start)
+            for s in trace if any(rid == request_id for rid, *_ in s.chunks)]
+
+
 @dataclass(frozen=True)
 class BlockPoolSnapshot:
     """The paged pool between two steps (`LLMEngine.block_pool()`): who holds each block."""

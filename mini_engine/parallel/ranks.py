@@ -1,0 +1,304 @@
+"""The ranks of a tensor-parallel engine (chapter 11), vLLM's driver-worker shape: the engine's own process is rank 0
+and runs the scheduler and the sampler; ranks 1 ... size-1 are processes of their own (started with `spawn`) that
+each hold their share of the weights and of the KV cache and wait for work. Every step, rank 0 hands them the
+step's inputs (token ids and the attention metadata: positions, slot mapping, block tables) down a pipe, then all
+run the same forward pass, meeting at the parallel layers' all-reduces; rank 0 gets the gathered logits. The block
+tables are rank 0's, so every rank reads and writes the same blocks: of its own KV heads.
+
+What a serving engineer expects of processes holds here: a rank that dies or stops answering turns the next step
+into a RuntimeError within the timeout (MINI_ENGINE_TP_TIMEOUT seconds, default 60), never a hang, and every rank is
+ended by `shutdown()`, by leaving `with LLM(...)`, by an interrupted step, by garbage collection and at the
+interpreter's exit. A rank whose parent goes away finds its pipe closed and exits. No shared memory is used (the
+weights and inputs travel pickled down the pipes), and the rendezvous folder is removed.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import weakref
+
+import torch
+import torch.multiprocessing as mp
+
+from ..kv_cache import ContiguousKVCache, PagedKVCache
+from ..model import LlamaModel, rope_tables
+from ..runner import ModelRunner
+from .comm import Communicator
+from .layers import shard_model, split
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def timeout_s() -> float:
+    """Seconds a collective may wait for another rank (MINI_ENGINE_TP_TIMEOUT, default 60)."""
+    return float(os.environ.get("MINI_ENGINE_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def threads_per_rank(size: int) -> int:
+    """Each rank's share of the cores this process may use (at least one): ranks that each ran a thread per core
+    would oversubscribe the CPU, and OpenMP teams would wait on descheduled threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // size)
+
+
+def build_shard(config, rank: int, size: int, comm, attention_backend: str, device, dtype, weights: dict):
+    """Rank `rank`'s model: the layers built at their shard's shapes on the meta device (no memory), then given
+    storage and the rank's weights. The rank never holds the whole model."""
+    with torch.device("meta"):
+        model = LlamaModel(config, attention_backend)
+    shard_model(model, rank, size, comm)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    model.rope_cos, model.rope_sin = rope_tables(config, device)  # not weights: computed again, as LlamaModel.empty
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+def cache_spec(kv_cache) -> tuple:
+    """What another rank needs to build its share of rank 0's cache: the same blocks (or slots), its own KV heads."""
+    if isinstance(kv_cache, PagedKVCache):
+        return ("paged", kv_cache.num_blocks, kv_cache.block_size)
+    return ("contiguous", kv_cache.num_slots, kv_cache.max_len)
+
+
+def make_cache(spec: tuple, config, device, dtype):
+    kind, a, b = spec
+    return PagedKVCache(config, a, b, device, dtype) if kind == "paged" else ContiguousKVCache(config, a, b, device, dtype)
+
+
+def moved(obj, device: torch.device):
+    """`obj` (a tensor, or a dataclass, dict, list or tuple holding tensors) with its tensors on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        moved_fields = {f.name: moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        new = object.__new__(type(obj))
+        new.__dict__.update(moved_fields)
+        return new
+    if isinstance(obj, dict):
+        return {k: moved(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(moved(v, device) for v in obj)
+    return obj
+
+
+def _send(conn, message) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def rank_main(rank: int, size: int, store_path: str, conn, threads: int, device: str, timeout: float) -> None:
+    """A rank other than 0: receive its weights, join the group, then run what rank 0 sends until "stop" (or until
+    rank 0's end of the pipe closes). An error ends the process; rank 0 sees it at its next collective."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
+    torch.set_num_threads(threads)
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        _, config, backend, dtype, count = _recv(conn)
+        weights = dict(_recv(conn) for _ in range(count))
+        comm = Communicator(store_path, rank, size, device, timeout)
+        model = build_shard(config, rank, size, comm, backend, device, dtype, weights)
+        del weights
+        cache = None
+        while True:
+            kind, *args = _recv(conn)
+            if kind == "stop":
+                break
+            if kind == "cache":
+                cache = make_cache(args[0], model.config, device, model.dtype)
+            elif kind == "copy":
+                cache.copy_blocks(args[0])
+            elif kind == "forward":
+                ids, meta, backend, last_only, cached = args
+                if device.type != "cpu":
+                    ids, meta = ids.to(device), moved(meta, device)
+                model(ids, meta, cache if cached else None, backend, last_only)
+    except EOFError:
+        pass  # rank 0 has gone: nothing is left to serve
+
+
+@contextlib.contextmanager
+def _main_left_out():
+    """A rank runs package code only: it need not import the script that made the engine, as `spawn` does by
+    default (a script without an `if __name__ == "__main__":` guard would then make an engine in every rank)."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__.pop(k) for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+
+
+def _end_ranks(ranks: list, folder: str) -> None:
+    """Stop every rank (politely, then by force), close the pipes, remove the rendezvous folder. Runs once."""
+    for _, conn in ranks:
+        with contextlib.suppress(OSError, ValueError):
+            _send(conn, ("stop",))
+    for process, conn in ranks:
+        process.join(2.0)
+        if process.is_alive():  # busy in a collective that will never complete, or stopped (SIGSTOP)
+            process.kill()
+            process.join(5.0)
+        conn.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class ParallelRunner(ModelRunner):
+    """Rank 0's runner: the core's, which also hands each step's copy-on-write block copies to the other ranks."""
+
+    def execute(self, chunks, block_copies=()):
+        if block_copies:
+            self.model.copy_blocks(block_copies)
+        return super().execute(chunks, block_copies)
+
+
+class ParallelModel:
+    """What the engine holds in place of a LlamaModel when the model is split over `size` ranks: rank 0's shard,
+    and the other ranks behind it. Calling it runs one forward pass on every rank and returns the whole logits.
+    `config` is one rank's share (its heads and KV heads, which size the engine's KV cache; the whole vocabulary).
+    Built from `full`, a model in the core's plain modules on the CPU, which the caller then lets go."""
+
+    runner_class = ParallelRunner  # LLMEngine builds this runner for a model that brings one
+
+    def __init__(self, full: LlamaModel, size: int, device="cpu", timeout: float | None = None):
+        device = torch.device(device)
+        self.size, self.timeout = size, timeout_s() if timeout is None else timeout
+        self.threads = threads_per_rank(size)
+        self.quantization = None
+        self.folder = folder = tempfile.mkdtemp(prefix="mini_engine_tp_")  # the rendezvous: a file store in it
+        store = os.path.join(folder, "store")
+        self._ranks: list = []
+        self._finalizer = weakref.finalize(self, _end_ranks, self._ranks, folder)  # at exit, or when collected
+        self._cache = None  # the cache the other ranks mirror
+        self.failure: str | None = None
+        ctx = mp.get_context("spawn")
+        try:
+            for rank in range(1, size):
+                parent, child = ctx.Pipe()
+                rank_device = f"cuda:{rank}" if device.type == "cuda" else "cpu"
+                process = ctx.Process(target=rank_main, name=f"mini_engine-tp-rank{rank}", daemon=True,
+                                      args=(rank, size, store, child, self.threads, rank_device, self.timeout))
+                with _main_left_out():
+                    process.start()
+                child.close()
+                self._ranks.append((process, parent))
+            state = full.state_dict()
+            for rank, (_, conn) in enumerate(self._ranks, start=1):  # one weight at a time: no second whole copy
+                _send(conn, ("load", full.config, full.attention_backend, full.dtype, len(state)))
+                for name, w in state.items():
+                    _send(conn, (name, split(name, w, full.config, rank, size)))
+            with self._threads():
+                self.comm = Communicator(store, 0, size, device, self.timeout)  # waits for every rank to join
+                mine = {name: split(name, w, full.config, 0, size) for name, w in state.items()}
+                self.shard = build_shard(full.config, 0, size, self.comm, full.attention_backend, device, full.dtype,
+                                         mine)
+        except BaseException as e:
+            self.shutdown()
+            if isinstance(e, (OSError, EOFError)):
+                raise RuntimeError(f"a tensor-parallel rank failed to start: {self._exits() or e}") from e
+            raise
+        self.config = self.shard.config
+
+    # What LLMEngine reads of a model.
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    @property
+    def attention_backend(self) -> str:
+        return self.shard.attention_backend
+
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of ranks 1 ... size-1 (rank 0 is this process)."""
+        return [process.pid for process, _ in self._ranks]
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __repr__(self) -> str:
+        state = "shut down" if self.closed else f"ranks 1-{self.size - 1}: pids {self.pids}"
+        return f"ParallelModel({self.size} ranks, {self.threads} thread(s) each, {self.device}, {state})"
+
+    def __call__(self, input_ids, meta=None, kv_cache=None, backend=None, last_only=False):
+        self._check()
+        try:
+            if kv_cache is not None and kv_cache is not self._cache:
+                self._broadcast(("cache", cache_spec(kv_cache)))
+                self._cache = kv_cache
+            cpu = torch.device("cpu")
+            inputs = (input_ids, meta) if input_ids.device == cpu else (input_ids.cpu(), moved(meta, cpu))
+            self._broadcast(("forward", *inputs, backend, last_only, kv_cache is not None))
+            with self._threads():
+                return self.shard(input_ids, meta, kv_cache, backend, last_only)
+        except BaseException as e:
+            self._fail(e)
+
+    def copy_blocks(self, pairs) -> None:
+        """The other ranks' share of a step's copy-on-write (rank 0's own cache is copied by the runner)."""
+        self._check()
+        try:
+            self._broadcast(("copy", list(pairs)))
+        except BaseException as e:
+            self._fail(e)
+
+    def shutdown(self) -> None:
+        """End every other rank and remove the rendezvous folder; safe to call more than once."""
+        self._finalizer()
+
+    def _broadcast(self, message) -> None:
+        for _, conn in self._ranks:
+            _send(conn, message)
+
+    @contextlib.contextmanager
+    def _threads(self):
+        """This process computes as rank 0 with its share of the cores, and with all of them again afterwards."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def _exits(self) -> str:
+        return "; ".join(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+                         for rank, (process, _) in enumerate(self._ranks, start=1) if process.exitcode is not None)
+
+    def _check(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"this tensor-parallel engine's ranks have been shut down"
+                               f"{' (' + self.failure + ')' if self.failure else ''}; make a new LLM to go on")
+        if any(not process.is_alive() for process, _ in self._ranks):
+            self._fail(None)
+
+    def _fail(self, error: BaseException | None):
+        """A step could not complete: end every rank (they can no longer agree on the cache), then raise."""
+        for process, _ in self._ranks:
+            process.join(0.5 if error is not None else 0)  # a rank that died mid-step: let its exit be seen
+        exits = self._exits()
+        self.shutdown()
+        if isinstance(error, KeyboardInterrupt):
+            self.failure = "interrupted"
+            raise error
+        timed_out = error is not None and "timed out" in str(error).lower()
+        self.failure = exits or (f"a rank did not answer within {self.timeout:g} s" if timed_out else
+                                 f"{type(error).__name__}: {error}")
+        raise RuntimeError(f"tensor-parallel step failed: {self.failure}. Every rank has been shut down; make a new "
+                           f"LLM to go on") from error
