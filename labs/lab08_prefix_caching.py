@@ -14,6 +14,8 @@ in case another one asks. You write the pieces that make it work:
      whose old hash must then be forgotten.
   5. `PrefixCache.cache_full_blocks`: after a prefill has written a prompt's KV, register its full blocks.
   6. `PrefixCache.admit`: a new request's block table, cached blocks first, then fresh ones.
+  7. OPTIONAL: `RadixTree.match`, `insert` and `evict`, SGLang's radix tree over token ids, whose match
+     ends at any token rather than at a block boundary (its tests are skipped while it is not written).
 
 Fill in every function marked TODO in labs/lab08_prefix_caching.py, then grade your work with
 
@@ -179,3 +181,64 @@ class EngineBlockManager(paging.BlockManager):
         self.num_full.pop(seq_id, None)
         self.seq_hashes.pop(seq_id, None)
         self.cache.release(self.block_tables.pop(seq_id))
+
+
+# ---------------------------------------------------------------- part 7 (OPTIONAL): SGLang's radix tree
+
+class RadixNode:
+    """Given. One node of a radix tree over token ids: a run of `tokens` that follows the tokens of the path from the
+    root. `children` are keyed by their first token (siblings never share one: they would share a run, and the tree
+    keeps shared runs once). `last_used` is the tree's clock when a match or insert last passed through the node."""
+
+    def __init__(self, tokens: tuple[int, ...], parent: RadixNode | None):
+        self.tokens, self.parent = tuple(tokens), parent
+        self.children: dict[int, RadixNode] = {}
+        self.last_used = 0
+
+
+class RadixTree:
+    """OPTIONAL (part 7). SGLang's RadixAttention keeps its prefix cache as a radix tree over token ids instead of a
+    map of hashed full blocks: a match may end at ANY token, not just at a block boundary, so a conversation's next
+    turn finds the whole previous turn and a few-shot prompt its examples to the last token. (In the engine,
+    mini_engine/prefix/radix_cache.py, each node also owns KV blocks and running requests hold the nodes they use;
+    here the tree holds token ids alone.)
+
+    Each call of `match` or `insert` first advances `clock` by one and stamps every node its path passes through
+    (`last_used = clock`); `evict` removes least recently used LEAVES first, so a trunk that many branches share
+    outlives them. Given: the root (an empty run) and `num_tokens`."""
+
+    def __init__(self):
+        self.root = RadixNode((), None)
+        self.clock = 0
+
+    def num_tokens(self) -> int:
+        """Tokens stored in the tree: the sum of every node's run."""
+        stack, total = [self.root], 0
+        while stack:
+            node = stack.pop()
+            total += len(node.tokens)
+            stack.extend(node.children.values())
+        return total
+
+    def match(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` the tree holds: walk down from the root, into the child keyed by the
+        next token, as far as the child's run agrees with `token_ids`; a run that agrees only in part ends the match
+        inside it. Stamps each node it enters, even in part. Changes nothing else."""
+        # TODO: which child can continue the match, and what ends it: a missing child, or a run that disagrees?
+        raise NotImplementedError("lab08 RadixTree.match: not written yet (see its docstring)")
+
+    def insert(self, token_ids: Sequence[int]) -> int:
+        """Store `token_ids`; returns how many of its leading tokens the tree held already. Where the sequence parts
+        from a node's run partway, split the node in two first (the shared part above, the rest below it, keeping
+        its children and its stamp), then hang the new tokens under the shared part as one new leaf. Stamps every
+        node on the sequence's path, the new leaf too. Inserting what the tree holds already adds nothing."""
+        # TODO: walk as match does; where the walk stops inside a run, what must the split keep, and where does the
+        #       rest of token_ids go?
+        raise NotImplementedError("lab08 RadixTree.insert: not written yet (see its docstring)")
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` tokens, or every token when the tree holds fewer: remove the least recently
+        used leaf (a node without children, never the root), again and again; a parent whose last child went becomes
+        a leaf itself. Returns how many tokens were removed."""
+        # TODO: which nodes may go, in what order, and when do you stop?
+        raise NotImplementedError("lab08 RadixTree.evict: not written yet (see its docstring)")

@@ -9,6 +9,7 @@ someone else. The last tests serve requests that share a system prompt with the 
 pool and prefix cache on your PrefixCache and your hashes.
 """
 import importlib
+import random
 import types
 
 import pytest
@@ -18,10 +19,14 @@ from hypothesis import strategies as st
 import mini_engine as me
 from mini_engine import paging
 from mini_engine.engine import LLM
+from mini_engine.prefix import radix_cache
 
 LAB = "lab08_prefix_caching"
 # The engine's block manager already hashes blocks and keeps a prefix cache: calling it fails the test.
-SHORTCUTS = {"hash_block": [paging], "block_hashes": [paging], "PrefixCache": [paging]}
+# Part 7's tree: the engine's radix tree (mini_engine.prefix) already matches, inserts and evicts.
+SHORTCUTS = {"hash_block": [paging], "block_hashes": [paging], "PrefixCache": [paging], "RadixTree": [radix_cache]}
+# Part 7, the radix tree, is optional: its tests are skipped while these are not written (and graded once they are).
+OPTIONAL = pytest.mark.optional("match", "insert", "evict")
 B = 4  # block size of most tests: small enough to count blocks by hand
 
 
@@ -306,6 +311,103 @@ def test_no_block_is_evicted_while_a_request_holds_it(impl, steps):
                 "a running request's cached block was evicted (allocate may only evict blocks nobody holds)"
 
 
+# ---------------------------------------------------------------- part 7 (optional): the radix tree
+
+def runs_below(node):
+    """{first token: run} of a node's children, to compare a tree's shape with one drawn by hand."""
+    return {t: child.tokens for t, child in node.children.items()}
+
+
+@OPTIONAL
+def test_radix_match_ends_at_any_token(impl):
+    tree = impl.RadixTree()
+    assert tree.match([1, 2, 3]) == 0, "an empty tree holds nothing"
+    tree.insert([1, 2, 3, 4, 5])
+    for tokens, expected in (([1, 2, 3, 4, 5, 6], 5), ([1, 2, 3, 9], 3), ([1, 2, 3, 4, 5], 5), ([7, 1], 0),
+                             ([1], 1), ([], 0)):
+        got = tree.match(tokens)
+        assert got == expected, (f"after insert([1, 2, 3, 4, 5]), match({tokens}) must be {expected} (the leading "
+                                 f"tokens the tree holds, ending at any token), got {got}")
+    assert runs_below(tree.root) == {1: (1, 2, 3, 4, 5)}, "match must not change the tree"
+
+
+@OPTIONAL
+def test_radix_insert_splits_a_run_where_two_sequences_part(impl):
+    tree = impl.RadixTree()
+    assert tree.insert([1, 2, 3, 4]) == 0, "insert returns how many leading tokens the tree held already: 0 at first"
+    assert runs_below(tree.root) == {1: (1, 2, 3, 4)}, "the first sequence is one leaf under the root, one run"
+    assert tree.insert([1, 2, 5]) == 2, "insert([1, 2, 5]) after [1, 2, 3, 4]: 2 tokens were there already"
+    assert runs_below(tree.root) == {1: (1, 2)}, \
+        "the run (1, 2, 3, 4) must be split where [1, 2, 5] parts from it: (1, 2) above, (3, 4) below"
+    trunk = tree.root.children[1]
+    assert runs_below(trunk) == {3: (3, 4), 5: (5,)}, f"under (1, 2): (3, 4) and the new leaf (5,), got {runs_below(trunk)}"
+    assert trunk.parent is tree.root and all(c.parent is trunk for c in trunk.children.values()), \
+        "a split must set the parents: the upper part's is the old node's parent, the lower part's the upper part"
+    assert tree.num_tokens() == 5, "shared tokens are stored once: 1, 2, 3, 4 and 5"
+    assert tree.insert([1, 2]) == 2 and tree.num_tokens() == 5, "inserting what the tree holds adds nothing"
+    assert tree.insert([1, 2, 3, 4, 6, 7]) == 4 and runs_below(trunk.children[3]) == {6: (6, 7)}, \
+        "a sequence that goes on past a leaf's run hangs its new tokens below that leaf"
+    assert tree.match([1, 2, 3, 4, 6, 7, 8]) == 6 and tree.match([1, 2, 5, 5]) == 3
+
+
+@OPTIONAL
+def test_radix_match_and_insert_stamp_their_path(impl):
+    tree = impl.RadixTree()
+    tree.insert([1, 2, 3])
+    tree.insert([1, 2, 9])
+    trunk = tree.root.children[1]
+    a, b = trunk.children[3], trunk.children[9]
+    assert b.last_used > a.last_used, "each insert advances the clock and stamps the nodes on its path"
+    assert trunk.last_used == b.last_used, "the shared part (1, 2) is on the second insert's path: stamp it too"
+    tree.match([1, 2, 3, 7])
+    assert a.last_used > b.last_used and trunk.last_used == a.last_used, \
+        "match stamps every node it enters: (1, 2) and (3,) were just used, (9,) was not"
+
+
+@OPTIONAL
+def test_radix_evict_takes_least_recently_used_leaves_and_keeps_the_shared_trunk(impl):
+    tree = impl.RadixTree()
+    for tokens in ([1, 2, 3, 4], [1, 2, 5, 6], [9, 9]):
+        tree.insert(tokens)
+    tree.match([1, 2, 3, 4])  # (1, 2) and (3, 4) used last; the leaf (5, 6) the longest ago
+    assert tree.evict(1) == 2 and tree.match([1, 2, 5, 6]) == 2 and tree.match([1, 2, 3, 4]) == 4, \
+        "evict(1) must remove the least recently used leaf, (5, 6): 2 tokens, the trunk (1, 2) stays"
+    tree.match([1, 2, 3, 4])
+    assert tree.evict(3) == 4, "evict(3): (9, 9), then the oldest leaf left, (3, 4): 4 tokens, at least 3"
+    assert tree.match([9, 9]) == 0 and tree.match([1, 2, 3]) == 2, "(1, 2) outlived its branches"
+    assert tree.evict(100) == 2 and tree.num_tokens() == 0 and tree.root.children == {}, \
+        "a parent whose children all went is a leaf: evict(100) removes (1, 2) too, then stops at an empty tree"
+    assert tree.evict(1) == 0, "an empty tree frees nothing"
+
+
+@OPTIONAL
+@pytest.mark.parametrize("seed", range(4))
+def test_radix_tree_against_a_list_of_sequences(impl, seed):
+    """Random inserts, matches and evictions over a 4-token alphabet, so sequences share prefixes and part anywhere:
+    match is the longest prefix shared with a stored sequence, and the tree stores every distinct prefix once.
+    (Seeded loops, not hypothesis: an unwritten optional part must skip the test, not fail it.)"""
+    rng = random.Random(seed)
+    tree, stored = impl.RadixTree(), []
+    for _ in range(120):
+        action = rng.choices(["insert", "match", "evict"], weights=[5, 4, 1])[0]
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(9))]
+        best = max((next((i for i, (x, y) in enumerate(zip(s, tokens)) if x != y), min(len(s), len(tokens)))
+                    for s in stored), default=0)
+        if action == "insert":
+            assert tree.insert(tokens) == best, f"insert({tokens}) with {stored} stored must return {best}"
+            stored.append(tokens)
+        elif action == "match":
+            assert tree.match(tokens) == best, f"match({tokens}) with {stored} stored must be {best}"
+        else:
+            before = tree.num_tokens()
+            freed = tree.evict(len(tokens))
+            assert tree.num_tokens() == before - freed and (freed >= len(tokens) or tree.num_tokens() == 0), \
+                f"evict({len(tokens)}) freed {freed} of {before} tokens: at least what was asked, or everything"
+            stored = [s[:tree.match(s)] for s in stored]  # what is left of each (match is checked by itself)
+        assert tree.num_tokens() == len({tuple(s[:i]) for s in stored for i in range(1, len(s) + 1)}), \
+            "the tree must store each distinct prefix's last token once: shared runs are never duplicated"
+
+
 # ---------------------------------------------------------------- your prefix cache in the real engine
 
 def engine_block_manager(impl):
@@ -410,6 +512,46 @@ class AdmitByTheEngine(solution.PrefixCache):
         return hits + [self.allocate() for _ in range(needed)], len(hits) * self.block_size
 
 
+class MatchByTheEngine(solution.RadixTree):
+    def match(self, token_ids):  # the engine's tree's comparison of a run with the tokens
+        self.clock += 1
+        node, matched = self.root, 0
+        while matched < len(token_ids) and token_ids[matched] in node.children:
+            node = node.children[token_ids[matched]]
+            node.last_used = self.clock
+            n = radix_cache.common_prefix(node.tokens, token_ids[matched:])
+            matched += n
+            if n < len(node.tokens):
+                break
+        return matched
+
+
+class InsertByTheEngine(solution.RadixTree):
+    def insert(self, token_ids):  # the engine's block tree at a block size of 1 finds the match
+        engine_tree = radix_cache.RadixBlockManager(num_blocks=len(token_ids) + 1, block_size=1)
+        engine_tree.num_cached_tokens(list(token_ids) + [-1])
+        return super().insert(token_ids)
+
+
+class EvictByTheEngine(solution.RadixTree):
+    def evict(self, num_tokens):  # the engine's least-recently-used leaf choice, on a view of this tree
+        freed = 0
+        while freed < num_tokens and self.root.children:
+            nodes, stack = {}, [self.root]
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if node is not self.root:
+                    nodes[id(node)] = node
+            removed = []
+            view = types.SimpleNamespace(evictable=dict.fromkeys(nodes), node_of=nodes, num_evictions=0,
+                                         _remove=removed.append)
+            radix_cache.RadixBlockManager._evict_one(view)
+            del removed[0].parent.children[removed[0].tokens[0]]
+            freed += len(removed[0].tokens)
+        return freed
+
+
 # Each part of the lab handed to something that already does it, and a grading test that must fail it.
 HAND_OFFS = [
     ("hash_block", paging.hash_block, test_hash_block_digests_the_parent_and_the_tokens, {}),
@@ -421,6 +563,10 @@ HAND_OFFS = [
     ("PrefixCache.lookup", LookupByTheEngine, test_lookup_takes_a_reference_on_every_hit, {}),
     ("PrefixCache.cache_full_blocks", CacheFullBlocksByTheEngine, test_hand_computed_hits_of_a_64_token_prompt, {}),
     ("PrefixCache.admit", AdmitByTheEngine, test_admit_is_all_or_nothing, {}),
+    ("RadixTree.match", MatchByTheEngine, test_radix_match_ends_at_any_token, {}),
+    ("RadixTree.insert", InsertByTheEngine, test_radix_insert_splits_a_run_where_two_sequences_part, {}),
+    ("RadixTree.evict", EvictByTheEngine, test_radix_evict_takes_least_recently_used_leaves_and_keeps_the_shared_trunk,
+     {}),
 ]
 
 
@@ -433,3 +579,53 @@ def test_every_part_of_the_lab_has_a_hand_off_check(asked_for):
                          ids=[f"{part}-{i}" for i, (part, *_) in enumerate(HAND_OFFS)])
 def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, args):
     hand_off(part, replacement, test, **args)
+
+
+# ---------------------------------------------------------------- wrong answers, and the one line each prints
+
+class InsertWithoutSplitting(solution.RadixTree):
+    def insert(self, token_ids):  # where the sequence parts from a run, the new tokens replace the run
+        self.clock += 1
+        node, matched = self.root, 0
+        while matched < len(token_ids) and token_ids[matched] in node.children:
+            child = node.children[token_ids[matched]]
+            n = solution._agree(child.tokens, token_ids[matched:])
+            if n < len(child.tokens):
+                break
+            child.last_used = self.clock
+            node, matched = child, matched + n
+        if matched < len(token_ids):
+            leaf = solution.RadixNode(tuple(token_ids[matched:]), node)
+            leaf.last_used = self.clock
+            node.children[leaf.tokens[0]] = leaf
+        return matched
+
+
+class MatchWithoutStamping(solution.RadixTree):
+    def match(self, token_ids):
+        clock, stamps = self.clock, {}
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stamps[node] = node.last_used
+            stack.extend(node.children.values())
+        matched = super().match(token_ids)
+        for node, stamp in stamps.items():
+            node.last_used = stamp
+        self.clock = clock + 1
+        return matched
+
+
+# A wrong part, a grading test, and the one line that test must print for it (a regular expression).
+WRONG_ANSWERS = [
+    ({"RadixTree": InsertWithoutSplitting}, test_radix_insert_splits_a_run_where_two_sequences_part,
+     r"insert\(\[1, 2, 5\]\) after \[1, 2, 3, 4\]: 2 tokens were there already.*"),
+    ({"RadixTree": MatchWithoutStamping}, test_radix_match_and_insert_stamp_their_path,
+     r"match stamps every node it enters: \(1, 2\) and \(3,\) were just used, \(9,\) was not.*"),
+]
+
+
+@pytest.mark.parametrize("replacements,test,line", WRONG_ANSWERS,
+                         ids=[f"{t.__name__.removeprefix('test_')}-{i}" for i, (_, t, _) in enumerate(WRONG_ANSWERS)])
+def test_a_wrong_answer_fails_with_one_line_that_says_what_to_fix(wrong_answer, replacements, test, line):
+    wrong_answer(test, replacements, line)
