@@ -634,3 +634,27 @@ def human_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+# ---------------------------------------------------------------- tensor parallelism (chapter 11)
+
+# (latency s, bandwidth bytes/s) of one link, per direction, as commonly quoted; chapter 11 measures loopback.
+LINKS = {"NVLink 4 (H100)": (5e-6, 450e9), "NVLink 3 (A100)": (5e-6, 300e9), "PCIe 4 x16": (10e-6, 25e9),
+         "Ethernet 100 Gb/s": (20e-6, 12.5e9), "Ethernet 10 Gb/s": (50e-6, 1.25e9)}
+
+
+def all_reduce_seconds(payload_bytes, ranks, latency_s, bandwidth):
+    """A ring all-reduce of `payload_bytes` among `ranks`: 2(p − 1) latency-bound hops, and each rank sends and
+    receives 2(p − 1)/p of the payload. One rank: nothing to do."""
+    p = _arr(ranks)
+    hops = 2 * (p - 1)
+    return _out(np.where(p > 1, hops * latency_s + hops / p * _arr(payload_bytes) / bandwidth, 0.0))
+
+
+def tensor_parallel_step(layers, hidden, batch, ranks, compute_s, latency_s, bandwidth, dtype_bytes=2):
+    """(compute, communication) seconds of one decode step split over `ranks`: the one-rank step's `compute_s`
+    divided by the ranks (each multiplies a 1/p share of every weight), and two all-reduces a layer of the
+    block's output, batch × hidden values (2·h·b bytes in 16 bits)."""
+    comm = 2 * _arr(layers) * all_reduce_seconds(_arr(batch) * _arr(hidden) * dtype_bytes, ranks, latency_s,
+                                                 bandwidth)
+    return _out(_arr(compute_s) / _arr(ranks)), comm

@@ -627,3 +627,39 @@ def quant_roofline_widget(roofs: dict | None = None, model: str = "llama-7b", bi
                 "batch": W.IntSlider(value=batch, min=1, max=256, description="batch", **_SLIDER),
                 "context": W.IntSlider(value=context, min=16, max=32768, step=16, description="context", **_SLIDER)}
     return _live(controls, lambda **v: _render_quant_roofline(**v, roofs=roofs, kv_bytes=kv_bytes))
+
+
+# ---------------------------------------------------------------- chapter 11: tensor parallelism
+
+def _render_tensor_parallel(model: str, batch: int, ranks: int, link: str, peak_flops: float, peak_bw: float):
+    shape = PRESETS[model]
+    h, layers = shape.hidden_size, shape.num_layers
+    latency, bandwidth = F.LINKS[link]
+    # One rank's decode step on the roofline: the weights read once, the products done once.
+    one = F.roofline_time(F.decode_flops(model, 512, batch), F.decode_bytes(model, batch, 512), peak_flops, peak_bw)
+    ps = np.arange(1, 9)
+    compute, comm = (np.asarray(x, float) for x in F.tensor_parallel_step(layers, h, batch, ps, one, latency,
+                                                                           bandwidth))
+    fig, (ax,) = _figure(1, 8, 3.4)
+    ax.bar(ps, compute * 1e3, color="C0", label="compute per rank")
+    ax.bar(ps, comm * 1e3, bottom=compute * 1e3, color="C3", label="all-reduces")
+    ax.bar([ranks], [(compute[ranks - 1] + comm[ranks - 1]) * 1e3], fill=False, lw=2, edgecolor="k")
+    ax.set(xlabel="ranks p", ylabel="ms per decode step", title=f"{model}, batch {batch}, {link}")
+    ax.legend(fontsize=8)
+    c, m = compute[ranks - 1], comm[ranks - 1]
+    text = (f"{model} ({layers} layers, width {h}) at batch {batch} over {link}: a step computes in "
+            f"{c * 1e3:.3f} ms a rank and spends {m * 1e3:.3f} ms in {2 * layers} all-reduces of "
+            f"{2 * h * batch / 1024:.1f} KiB: <b>{one / (c + m):.2f}× </b> one rank's speed "
+            f"({m / (c + m):.0%} of the step communicating).")
+    return text, fig
+
+
+def tensor_parallel_widget(model: str = "llama-70b-gqa", batch: int = 8, ranks: int = 4, link: str = "NVLink 3 (A100)",
+                           peak_flops: float = 312e12, peak_bw: float = 2.039e12) -> W.VBox:
+    """Chapter 11: compute per rank against communication per decode step, by model, batch, ranks and link (an
+    A100's ceilings by default)."""
+    controls = {"model": _model_dropdown(model),
+                "batch": W.IntSlider(value=batch, min=1, max=256, description="batch", **_SLIDER),
+                "ranks": W.IntSlider(value=ranks, min=1, max=8, description="ranks", **_SLIDER),
+                "link": W.Dropdown(options=list(F.LINKS), value=link, description="link")}
+    return _live(controls, lambda **v: _render_tensor_parallel(peak_flops=peak_flops, peak_bw=peak_bw, **v))

@@ -10,6 +10,7 @@ a hang.
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,23 +31,28 @@ class Communicator:
             options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             self.group = dist.ProcessGroupGloo(store, rank, size, options)
         self.rank, self.size, self.timeout, self.device = rank, size, timeout, device
+        self.seconds, self.calls = 0.0, 0  # time spent inside collectives (waiting for the others included)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; every rank gets the sum."""
+        start = time.perf_counter()
         self.group.allreduce([t]).wait(self.timeout)
+        self.seconds, self.calls = self.seconds + time.perf_counter() - start, self.calls + 1
         return t
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0: every rank's `t` joined along the last dimension, in rank order; other ranks: `t` itself."""
-        t = t.contiguous()
+        t, start = t.contiguous(), time.perf_counter()
         options = dist.GatherOptions()
         options.rootRank = 0
         if self.rank != 0:
             self.group.gather([], [t], options).wait(self.timeout)
-            return t
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        self.group.gather([parts], [t], options).wait(self.timeout)
-        return torch.cat(parts, dim=-1)
+        else:
+            parts = [torch.empty_like(t) for _ in range(self.size)]
+            self.group.gather([parts], [t], options).wait(self.timeout)
+            t = torch.cat(parts, dim=-1)
+        self.seconds, self.calls = self.seconds + time.perf_counter() - start, self.calls + 1
+        return t
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))

@@ -140,6 +140,15 @@ def test_each_layers_shards_add_or_join_to_the_full_layer():
         assert sum(p.numel() for p in shard.parameters()) < sum(p.numel() for p in model.parameters()) / 2.5
 
 
+def test_the_communication_formula():
+    """A ring all-reduce: 2(p - 1) hops of latency, each rank moving 2(p - 1)/p of the payload; none for one rank."""
+    from mini_engine.course import formulas
+    assert formulas.all_reduce_seconds(3000, 1, 1e-5, 1e9) == 0
+    assert formulas.all_reduce_seconds(3000, 3, 1e-5, 1e9) == pytest.approx(4e-5 + 4 / 3 * 3e-6)
+    compute, comm = formulas.tensor_parallel_step(30, 576, 1, 3, 0.03, 1e-5, 1e9)
+    assert compute == pytest.approx(0.01) and comm == pytest.approx(60 * (4e-5 + 4 / 3 * 1152 / 1e9))
+
+
 @pytest.mark.parametrize("size, number", [(2, "num_heads (9)"), (4, "num_heads (9)"), (9, "num_kv_heads (3)")])
 def test_a_size_that_does_not_divide_the_model_is_refused(size, number):
     smollm = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,

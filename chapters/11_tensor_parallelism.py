@@ -1,0 +1,327 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 11 · Tensor parallelism: one model split across ranks
+#
+# Every chapter so far ran the model in one process on one device. A serving engineer meets the next problem the
+# day a model no longer fits: Llama-2-70B holds 140 GB of bf16 weights, and one H100 has 80 GB. Even when it fits,
+# one device reads every weight once per decode step (chapter 02), so a step takes at least model bytes / one
+# device's bandwidth. Split every weight matrix across p devices and each device holds and reads 1/p of the bytes:
+# the model fits, and the weight-bound part of a step shrinks by p. The price is communication: the devices must
+# exchange partial results inside every layer.
+#
+# This chapter builds that split, Megatron-LM's tensor parallelism (Shoeybi et al. 2019), into our engine and
+# serves the real model with it, `LLM("smollm2-135m", tensor_parallel_size=3)`, as vLLM spells it. Three ranks
+# are three real processes joined by `torch.distributed`.
+#
+# 1. why and how a linear layer is split: column-parallel, then row-parallel, one all-reduce a block;
+# 2. what is split and what is replicated, and the memory each rank holds, measured;
+# 3. the communication a step needs, as a formula with a widget: when does splitting pay?
+# 4. this machine's all-reduce, measured over payload sizes and fitted as latency + bytes / bandwidth;
+# 5. one rank against three on the same requests: the same tokens, and the step times explained by the formula;
+# 6. vLLM's `tensor_parallel_size` and pipeline parallelism; what you measured; exercises.
+
+# %%
+# Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
+# in a lab, the labs/, solutions/ and tests/ trees). Locally (make lab) all is installed: nothing to do.
+import os
+import subprocess
+import sys
+
+COURSE_URL = "https://github.com/llm-inference-course/mini-engine"  # set in tools/course_setup.py
+if "google.colab" in sys.modules or "MINI_ENGINE_COURSE_URL" in os.environ:
+    home = os.environ.setdefault("MINI_ENGINE_HOME", os.path.abspath("mini-engine"))
+    if not os.path.isdir(home):
+        url = os.environ.get("MINI_ENGINE_COURSE_URL", COURSE_URL)
+        subprocess.run(["git", "clone", "-q", "--depth", "1", url, home], check=True)
+    sys.path.insert(0, os.path.join(home, "tools"))
+    import course_setup
+
+    course_setup.install(home, lab=False)
+
+# %%
+import copy
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+import mini_engine as me
+from mini_engine import formulas
+from mini_engine.course import widgets
+from mini_engine.course.formulas import human_bytes
+from mini_engine.parallel import ColumnParallelLinear, RowParallelLinear, shard_model
+from mini_engine.parallel.layers import split_columns, split_gate_up
+from mini_engine.parallel.measure import all_reduce_seconds, decode_step_times, fit_latency_bandwidth
+
+RANKS = 3
+# NCCL, the GPUs' collective library, wants one GPU per rank: with two or more GPUs the ranks run there; with one
+# GPU (Colab) or none, the ranks run on the CPU, over gloo.
+device = "cuda" if torch.cuda.device_count() >= RANKS else "cpu"
+print(f"ranks run on: {device} ({'NCCL' if device == 'cuda' else 'gloo over 127.0.0.1'}); "
+      f"{torch.get_num_threads()} threads in this process")
+model, tokenizer = me.load_model("smollm2-135m", device=device, dtype="float32", cpu_backend=False)
+cfg = model.config
+print(f"SmolLM2-135M: {cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads, MLP width {cfg.intermediate_size}, "
+      f"vocabulary {cfg.vocab_size}: each divisible by {RANKS}")
+
+# %% [markdown]
+# ## 1. Column, then row
+#
+# A linear layer computes y = x Wᵀ with W of shape [out, in]. Cut W two ways:
+#
+# - **column-parallel**: cut W's rows, the outputs. Rank r computes y_r = x W_rᵀ, its slice of y, from the whole
+#   x. No rank needs another's result: no communication.
+# - **row-parallel**: cut W's columns, the inputs. Rank r needs only its slice of x and computes a *partial* y;
+#   the full y is the sum of the ranks' partials: one **all-reduce** (a sum that every rank receives).
+#
+# The trick is to chain them. The MLP's gate and up projections are column-parallel: rank r gets its third of
+# the 1,536 MLP columns, and SwiGLU acts element by element, so rank r can apply it to its own third. That third
+# is exactly the input slice the row-parallel down projection wants. So the whole MLP costs one all-reduce, at
+# its end. Attention works the same way, cut by heads: q, k and v are column-parallel (rank r owns 3 of the 9
+# query heads and the 1 KV head they read), attention runs per head with no exchange, and o_proj is
+# row-parallel. Two all-reduces a layer, 60 for the model's 30 layers. We check it on one layer's MLP, every
+# rank's share run in this one process:
+
+# %%
+mlp = model.layers[0].mlp
+x = torch.randn(4, cfg.hidden_size, device=device)
+with torch.no_grad():
+    full = mlp(x)
+    partials = []
+    for r in range(RANKS):
+        gate_up = ColumnParallelLinear(split_gate_up(mlp.gate_up_proj.weight, r, RANKS))  # [2 x 512, 576]
+        down = RowParallelLinear(split_columns(mlp.down_proj.weight, r, RANKS))            # [576, 512]
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        partials.append(down(torch.nn.functional.silu(gate) * up))  # rank r's partial sum: no exchange so far
+    print(f"rank shares: gate_up {tuple(gate_up.weight.shape)}, down {tuple(down.weight.shape)}")
+    print(f"max |sum of the {RANKS} partials - full MLP| = {(sum(partials) - full).abs().max().item():.2e}"
+          " (the all-reduce is this sum)")
+    print(f"max |one partial - full MLP|     = {(partials[0] - full).abs().max().item():.2e}")
+
+# %% [markdown]
+# ## 2. What is split, what is replicated, and the memory a rank holds
+#
+# Split: q/k/v and o_proj (by heads), gate/up and down (by MLP columns), the embedding table and the LM head
+# that shares it (by vocabulary: a rank looks up only the ids in its third of the 49,152 and the others give
+# zeros, one more all-reduce; and each rank computes the logits of its third, gathered on rank 0, which samples).
+# Replicated: the two RMSNorms of each layer and the final one (576 values each: splitting them would cost an
+# exchange to save nothing), the RoPE tables, and the activations between blocks, which every rank holds whole.
+#
+# The KV cache splits with the heads: each rank keeps its one KV head's keys and values for every block. The block
+# tables, which say which block holds which positions, are decided on rank 0 and shipped with every step, so they
+# are the same on every rank. `shard_model` cuts a copy of the model the way each rank does:
+
+# %%
+def param_bytes(m):
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in m.parameters()}.values())
+
+
+full_bytes = param_bytes(model)
+shard = shard_model(copy.deepcopy(model), 0, RANKS)
+rank_bytes = param_bytes(shard)
+norm_bytes = sum(p.numel() * p.element_size() for n, p in shard.named_parameters() if "norm" in n)
+kv_full = formulas.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4)
+kv_rank = formulas.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads // RANKS, cfg.head_dim, 4)
+print(f"weights, one process: {human_bytes(full_bytes)}; one rank of {RANKS}: {human_bytes(rank_bytes)} "
+      f"({rank_bytes / full_bytes:.1%}; replicated norms: {human_bytes(norm_bytes)})")
+print(f"KV cache per token: one process {human_bytes(kv_full)}, one rank {human_bytes(kv_rank)}")
+del shard
+
+# %% [markdown]
+# ## 3. When does it pay? Communication against compute
+#
+# A decode step at batch b computes, on each of p ranks, 1/p of the products; its time falls as 1/p while the step
+# is bound by reading weights. Each of its 2L all-reduces carries the block's output, b × h values: 2·h·b bytes in
+# 16 bits. A ring all-reduce (what NCCL and gloo use for large payloads) passes the payload around the ranks twice,
+# so each rank sends and receives 2(p − 1)/p of it, in 2(p − 1) hops that each pay the link's latency:
+#
+#   t_step ≈ t_compute / p + 2L · [2(p − 1) · latency + 2(p − 1)/p · 2·h·b / bandwidth]
+#
+# The first term shrinks with p; the second grows. It pays when a rank's compute is long against a hop's latency:
+# wide, deep models at a decent batch, over NVLink. Move the sliders: a 70B model on NVLink gains nearly p;
+# SmolLM2 (width 576) at batch 1 gains nothing even on NVLink, and over PCIe or Ethernet it loses.
+
+# %%
+widgets.tensor_parallel_widget()
+
+# %% [markdown]
+# ## 4. This machine's all-reduce
+#
+# Our ranks are processes on one CPU, and gloo carries their all-reduces over the loopback interface. We time one
+# fp32 all-reduce among three fresh processes for payloads from 4 bytes to a few MB, and fit the line
+# t = latency + bytes / bandwidth through the points.
+
+# %%
+payloads = [4, 64, 1024, 2304, 9216, 36864, 147456, 589824, 2359296]
+ar_s = all_reduce_seconds(payloads, RANKS, repeats=20)
+latency, bandwidth = fit_latency_bandwidth(payloads, ar_s)
+print(f"gloo all-reduce among {RANKS} processes: latency {latency * 1e6:.0f} µs, bandwidth {bandwidth / 1e9:.2f} GB/s")
+for n, s in zip(payloads, ar_s):
+    print(f"  {human_bytes(n):>10}: {s * 1e6:8.0f} µs")
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+ax.loglog(payloads, np.array(ar_s) * 1e6, "o", label="measured (median of 20)")
+xs = np.logspace(0, np.log10(payloads[-1]), 100)
+ax.loglog(xs, (latency + xs / bandwidth) * 1e6, "-", label="latency + bytes / bandwidth")
+ax.axvline(cfg.hidden_size * 4, color="grey", ls=":", label="one decode token's block output (fp32)")
+ax.set(xlabel="payload (bytes)", ylabel="µs per all-reduce", title=f"gloo, {RANKS} ranks on this machine")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# A decode token's all-reduce carries 576 fp32 values, 2.3 KB: deep in the flat part of the curve, where the
+# latency is everything. Loopback has no wire, but each hop still costs a system call, a wake-up of the receiving
+# process and, on a CPU with fewer cores than ranks, waiting for that process to be scheduled at all.
+#
+# ## 5. One rank against three, on the same requests
+#
+# Now the real thing: the engine with three ranks beside the one-process engine, both on the same plain modules,
+# the same paged cache and the same greedy requests.
+
+# %%
+one = me.LLM.from_model(model, tokenizer, num_kv_blocks=256)
+tp = me.LLM("smollm2-135m", device=device, tensor_parallel_size=RANKS, num_kv_blocks=256)
+print(tp.engine.model)
+prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in
+           ("What is the capital of France?", "Name three prime numbers.", "Why is the sea salty?")]
+greedy = me.SamplingParams(temperature=0.0, max_tokens=24)
+a, b = one.generate(prompts, greedy, use_tqdm=False), tp.generate(prompts, greedy, use_tqdm=False)
+print(f"same tokens: {[x.token_ids for x in a] == [y.token_ids for y in b]}")
+print(f"rank 0's KV cache: {human_bytes(tp.engine.kv_cache_bytes)} (one process: {human_bytes(one.engine.kv_cache_bytes)})")
+print("three ranks say:", repr(b[0].text[:80]))
+
+# %% [markdown]
+# Now the time of a decode step (every request bringing one token), at batch 1 and 16, with the share of the
+# step rank 0 spent inside collectives, measured by the communicator, against the share the formula predicts
+# with this machine's fitted latency and bandwidth: 61 all-reduces (the embedding's and two a layer) of b × 576
+# fp32 values and one gather of the logits.
+
+# %%
+steps = {}
+for batch in (1, 16):
+    one_s, _ = decode_step_times(one, batch, 10)
+    tp_s, share = decode_step_times(tp, batch, 10)
+    comm_s = (2 * cfg.num_layers + 1) * (latency + batch * cfg.hidden_size * 4 / bandwidth) + \
+        latency + batch * cfg.vocab_size * 4 * (RANKS - 1) / RANKS / bandwidth
+    predicted = comm_s + one_s / RANKS
+    steps[batch] = dict(one=one_s, tp=tp_s, share=share, predicted_share=comm_s / predicted, predicted=predicted)
+    print(f"batch {batch:2d}: one process {one_s * 1e3:6.1f} ms, {RANKS} ranks {tp_s * 1e3:6.1f} ms "
+          f"({one_s / tp_s:.2f}x); communicating: measured {share:.0%}, predicted {comm_s / predicted:.0%} "
+          f"(predicted step {predicted * 1e3:.1f} ms)")
+
+# %% [markdown]
+# Three ranks on this CPU are slower than one process, and the formula says why: SmolLM2 is small, so each
+# rank's third of a step is a few milliseconds of products, while the step pays 61 all-reduces of a latency
+# measured above in the hundreds of microseconds or more. Over loopback the "bandwidth" is a memory copy and
+# hardly matters; the latency is a round of process wake-ups, which grows when three ranks share fewer cores than
+# three. The measured communication share includes the time a rank waits for a slower one (to rank 0, waiting
+# for rank 2 to finish its products looks like communication), which is why it can exceed the prediction on a
+# busy machine. On GPUs joined by NVLink the same step pays a few microseconds a hop, and a 70B model's
+# per-rank compute is milliseconds: the widget of section 3 shows the gain coming back.
+#
+# ## 6. vLLM, and pipeline parallelism
+#
+# vLLM's `LLM(model, tensor_parallel_size=p)` is what we built: Megatron's layers, one worker process per GPU,
+# the scheduler on one driver, NCCL all-reduces (with custom one-shot kernels for small payloads over NVLink,
+# because of the latency term above). It pays inside one machine, where NVLink makes a hop microseconds; p is
+# usually 2, 4 or 8, and must divide the heads. **Pipeline parallelism** (`pipeline_parallel_size`) splits the
+# other way: rank r holds whole layers r·L/p ... (r+1)·L/p and passes the activations on once per step, so it
+# communicates p − 1 times a step instead of 2L, over slow links too (across machines). But a single request's
+# step runs the stages one after another, so pipelining gains throughput only when several micro-batches are in
+# flight, and never cuts one token's latency. The usual recipe: tensor parallelism inside a node, pipeline
+# parallelism across nodes.
+
+# %%
+tp.shutdown()
+print(f"after shutdown: {tp.engine.model}")
+
+# %% [markdown]
+# ## What you measured
+
+# %%
+summary = [
+    ("ranks, where", f"{RANKS}, {device}"),
+    ("weights: one process, one rank", f"{human_bytes(full_bytes)}, {human_bytes(rank_bytes)}"),
+    ("KV per token: one process, one rank", f"{human_bytes(kv_full)}, {human_bytes(kv_rank)}"),
+    ("all-reduce fit: latency, bandwidth", f"{latency * 1e6:.0f} µs, {bandwidth / 1e9:.2f} GB/s"),
+    ("same greedy tokens, 1 vs 3 ranks", str([x.token_ids for x in a] == [y.token_ids for y in b])),
+    *((f"batch {bt}: step one / {RANKS} ranks (speed ratio)",
+       f"{s['one'] * 1e3:.1f} / {s['tp'] * 1e3:.1f} ms ({s['one'] / s['tp']:.2f}x)") for bt, s in steps.items()),
+    *((f"batch {bt}: communication share measured / predicted", f"{s['share']:.0%} / {s['predicted_share']:.0%}")
+      for bt, s in steps.items()),
+]
+width = max(len(k) for k, _ in summary)
+for k, v in summary:
+    print(f"{k:<{width}}  {v}")
+
+# %% [markdown]
+# ## Exercises: predict, then run
+#
+# **1. Where the break-even lies.** With this machine's fitted latency and the one-process step time at batch 1,
+# how much longer would a rank's compute have to be for three ranks to break even? Predict, then compute it.
+
+# %%
+comm_b1 = steps[1]["predicted"] - steps[1]["one"] / RANKS
+print(f"communication per step ≈ {comm_b1 * 1e3:.1f} ms; break-even when one process's step t satisfies "
+      f"t = t/{RANKS} + comm, t = {comm_b1 * RANKS / (RANKS - 1) * 1e3:.1f} ms "
+      f"({comm_b1 * RANKS / (RANKS - 1) / steps[1]['one']:.1f}x this model's step)")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Break-even is t = t/p + c, so t = c · p / (p − 1): one and a half times the communication for p = 3. The
+# communication is dominated by 61 latencies, so it hardly depends on the model's width: only a model whose
+# one-process step is at least the printed t breaks even, and the measured steps of section 5 also pay for ranks
+# waiting on each other, which the formula leaves out. This is why tensor parallelism is used for big models on
+# fast links, and why small ones are served by replicas instead (one whole copy per device, no communication).
+# </details>
+#
+# **2. Batch.** In the widget, set llama-70b-gqa on NVLink 3 with 4 ranks, and move the batch from 1 to 256.
+# Predict how the communication share changes.
+#
+# <details><summary>Answer</summary>
+#
+# At batch 1 a step is bound by reading weights: compute per rank is fixed, and the all-reduces are tiny and
+# latency-bound. As the batch grows, the step's compute grows slowly (weights are read once for all rows) while
+# each all-reduce's payload, 2·h·b bytes, grows in proportion: the bandwidth term takes over, and the share
+# rises. Once the products turn compute-bound (chapter 02's knee) compute grows with b too, and the share levels
+# off.
+# </details>
+#
+# **3. Two ranks.** Try `me.LLM("smollm2-135m", tensor_parallel_size=2)`. What happens, and why?
+
+# %%
+try:
+    me.LLM("smollm2-135m", tensor_parallel_size=2)
+except ValueError as e:
+    print("ValueError:", e)
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# It is refused before any process starts: 2 does not divide the 9 query heads. A rank must own whole heads
+# (attention mixes the 64 values of a head; cutting a head would need an exchange inside attention), and its
+# query heads must share their KV head, so p must divide both 9 and 3: only 1 and 3 work for this model.
+# Llama-2-70B (64 query heads, 8 KV heads) takes 2, 4 or 8.
+# </details>
+#
+# **4. Pipeline instead.** With 30 layers on 3 ranks split by layers, how many messages does one decode step
+# send, and what is one request's step time, compared with tensor parallelism?
+#
+# <details><summary>Answer</summary>
+#
+# Two (rank 0 to 1, rank 1 to 2), instead of 61 all-reduces. But the ranks run one after another: one request's
+# step still takes the whole model's compute plus two hops, no faster than one process. Pipelining pays only with
+# several batches in flight, one in each stage.
+# </details>
