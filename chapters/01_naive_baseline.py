@@ -52,7 +52,7 @@ from IPython.display import display
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.course.devices import default_device, fitting, pick, synchronize, timed
-from mini_engine.course.hardware import measure_ceilings
+from mini_engine.course.hardware import describe_machine, measure_ceilings
 from mini_engine.course.widgets import naive_cost_widget
 
 device = default_device()
@@ -85,6 +85,7 @@ naive_s = time.perf_counter() - t0
 naive_tok_s = len(out) / naive_s
 print(tok.decode(out))
 print(f"\n{len(out)} tokens in {naive_s:.2f} s = {naive_tok_s:.1f} tok/s (prompt {len(prompt_ids)} tokens)")
+print(describe_machine(device))  # what that ran on
 
 # %% [markdown]
 # Each step takes a little longer than the one before, because each step's sequence is one token longer.

@@ -57,7 +57,7 @@ from mini_engine.config import PRESETS
 from mini_engine.course.devices import default_device, pick, synchronize
 from mini_engine.compiled_decode import cache_length, graphs_compiled
 from mini_engine.generate import decode_step, prefill
-from mini_engine.course.hardware import measure_ceilings
+from mini_engine.course.hardware import describe_machine, measure_ceilings
 from mini_engine.kv_cache import ContiguousKVCache
 from mini_engine.course.widgets import kv_memory_widget
 
@@ -176,6 +176,7 @@ cached_out, cached_t = run(me.generate_cached)
 print("naive :", repr(tok.decode(naive_out)))
 print("cached:", repr(tok.decode(cached_out)))
 print(f"identical tokens: {naive_out == cached_out}")
+print(describe_machine(device))  # what the timings below ran on
 
 other = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
 same = me.generate_naive(model, other, 16) == me.generate_cached(model, other, 16)

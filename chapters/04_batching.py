@@ -59,6 +59,7 @@ from IPython.display import display
 import mini_engine as me
 from mini_engine import formulas, simulate
 from mini_engine.course.devices import default_device, fitting, pick
+from mini_engine.course.hardware import describe_machine
 from mini_engine.engine import LLM, LLMEngine
 from mini_engine.course.metrics import percentile
 from mini_engine.course.widgets import batching_widget
@@ -227,6 +228,7 @@ print(f"{'policy':>10} {'tok/s':>7} {'seconds':>8} {'steps':>6} {'busy':>6} {'TT
 for policy, r in results.items():
     print(f"{policy:>10} {r['tok/s']:7.1f} {r['seconds']:8.1f} {r['steps']:6d} {100 * r['slots busy']:5.0f}% "
           f"{r['TTFT p50']:8.2f}s {r['TTFT p99']:8.2f}s {r['TPOT p50'] * 1e3:7.0f}ms {r['TPOT p99'] * 1e3:7.0f}ms")
+print(describe_machine(device))  # what the table ran on
 
 # %% [markdown]
 # Did the three policies compute the same thing? Greedy decoding depends only on a request's own tokens,
