@@ -59,6 +59,7 @@ import torch
 
 import mini_engine as me
 from mini_engine import formulas
+from mini_engine.config import PRESETS
 from mini_engine.course import widgets
 from mini_engine.course.formulas import human_bytes
 from mini_engine.parallel import ColumnParallelLinear, RowParallelLinear, shard_model
@@ -289,7 +290,17 @@ print(f"communication per step ≈ {comm_b1 * 1e3:.1f} ms; break-even when one p
 #
 # **2. Batch.** In the widget, set llama-70b-gqa on NVLink 3 with 4 ranks, and move the batch from 1 to 256.
 # Predict how the communication share changes.
-#
+
+# %%
+shape, (lat, bw) = PRESETS["llama-70b-gqa"], formulas.LINKS["NVLink 3 (A100)"]
+for bt in (1, 8, 64, 256):
+    one_step = formulas.roofline_time(formulas.decode_flops("llama-70b-gqa", 512, bt),
+                                      formulas.decode_bytes("llama-70b-gqa", bt, 512), 312e12, 2.039e12)
+    compute, comm = formulas.tensor_parallel_step(shape.num_layers, shape.hidden_size, bt, 4, one_step, lat, bw)
+    print(f"batch {bt:3d}: compute {compute * 1e3:6.2f} ms a rank, all-reduces {comm * 1e3:5.2f} ms "
+          f"({comm / (compute + comm):.0%} of the step)")
+
+# %% [markdown]
 # <details><summary>Answer</summary>
 #
 # At batch 1 a step is bound by reading weights: compute per rank is fixed, and the all-reduces are tiny and
@@ -318,7 +329,14 @@ except ValueError as e:
 #
 # **4. Pipeline instead.** With 30 layers on 3 ranks split by layers, how many messages does one decode step
 # send, and what is one request's step time, compared with tensor parallelism?
-#
+
+# %%
+hop = latency + cfg.hidden_size * 4 / bandwidth  # one request's activations, fp32, at this machine's fit
+print(f"pipeline: {RANKS - 1} messages, step ≈ {(steps[1]['one'] + (RANKS - 1) * hop) * 1e3:.1f} ms; "
+      f"tensor parallel: {2 * cfg.num_layers + 1} all-reduces + a gather, step ≈ {steps[1]['predicted'] * 1e3:.1f} ms "
+      f"(one process: {steps[1]['one'] * 1e3:.1f} ms)")
+
+# %% [markdown]
 # <details><summary>Answer</summary>
 #
 # Two (rank 0 to 1, rank 1 to 2), instead of 61 all-reduces. But the ranks run one after another: one request's
