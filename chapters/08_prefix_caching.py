@@ -34,8 +34,9 @@
 # 3. serves many short questions behind one long system prompt, with prefix caching off and on;
 # 4. holds a multi-turn conversation whose every turn reuses the previous turns' blocks;
 # 5. samples four answers to one prompt that share its blocks, copying a block only when a sample writes;
-# 6. puts the measured TTFT gain beside the formula's prediction, with the savings calculator; exercises
-#    close the chapter.
+# 6. puts the measured TTFT gain beside the formula's prediction, with the savings calculator;
+# 7. puts SGLang's radix tree beside the hashed blocks: what a block boundary costs, the tree after a few
+#    conversations, three workloads with shared structure, and cache-aware scheduling. Exercises close the chapter.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -68,7 +69,9 @@ from mini_engine.engine import LLM, LLMEngine, request_steps
 from mini_engine.course.hardware import describe_machine
 from mini_engine.course.metrics import percentile
 from mini_engine.paging import BlockManager, hash_block
-from mini_engine.course.widgets import prefix_cache_widget
+from mini_engine.course.widgets import block_boundary_widget, prefix_cache_widget
+from mini_engine.bench.radix import StructuredWorkload, run_structured
+from mini_engine.prefix.radix_cache import RadixBlockManager
 
 device = default_device()
 dtype = me.default_dtype(device)
@@ -407,6 +410,179 @@ display(prefix_cache_widget())
 # is shared first and what changes last.
 
 # %% [markdown]
+# ## 7. Hashed blocks against a radix tree
+#
+# Everything so far is vLLM's design: a full block is cached under the hash of its whole prefix, so a hit is a whole
+# number of blocks. SGLang's RadixAttention keeps the cache as a **radix tree** over token ids instead: each node
+# holds a run of tokens that follows the path from the root, children branch where sequences part, and a lookup walks
+# down from the root as far as the tokens agree. A match can then end at *any* token. The engine has both:
+# `LLM(enable_prefix_caching=True, prefix_cache="radix")` plugs in `mini_engine.prefix.radix_cache.RadixBlockManager`,
+# a tree whose nodes own KV blocks. When a match ends inside a block, that partly matched block is shared too, and
+# copied the first time the new request writes into it (section 5's copy-on-write); a finished request puts its
+# whole computed sequence into the tree, last partial block included; and eviction removes the least recently used
+# **leaves** no request holds, so a trunk that many branches share outlives them.
+#
+# ### What a block boundary costs hashing
+#
+# A prefix shared with an earlier request rarely ends exactly on a block boundary. The hashed cache then loses the
+# shared tokens of the last, partly shared block: `shared mod block_size` of them, up to a block less one. When
+# prefixes end at random points, every position in the block as likely as any other, the expected loss is
+# (B − 1) / 2 tokens per match, about half a block: 7.5 tokens at blocks of 16, 63.5 at 128. A conversation pays
+# it at every turn, since each answer ends wherever it ends.
+
+# %%
+for shared in (300, 320):
+    for block in (16, 128):
+        print(f"{shared} shared tokens of a {shared + 30}-token prompt, blocks of {block:3d}: hashed serves "
+              f"{formulas.cached_prefix_tokens(shared + 30, shared, block):3d}, the radix tree "
+              f"{formulas.cached_prefix_tokens(shared + 30, shared, 1)}: "
+              f"{formulas.block_boundary_loss(shared + 30, shared, block):2d} lost")
+print(f"expected loss per match when prefixes end at random points: "
+      f"{formulas.expected_block_boundary_loss(16)} tokens (blocks of 16), "
+      f"{formulas.expected_block_boundary_loss(128)} (blocks of 128)")
+display(block_boundary_widget())
+
+# %% [markdown]
+# ### The tree after a few conversations
+#
+# Three users chat with the same assistant (one system prompt), two turns each; every turn's prompt is the previous
+# prompt, the answer the engine gave and the next question, as token ids. The users start one after another, then
+# send their second turns together. Then the radix tree the engine built, drawn
+# from `RadixBlockManager`'s own nodes: one box per node, its block id and how many tokens it holds.
+
+# %%
+def turn(question):
+    """A user turn in the chat template's markup, after the previous answer's tokens."""
+    return tok.encode(f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
+radix_chat = LLM.from_model(model, tok, enable_prefix_caching=True, prefix_cache="radix", block_size=16,
+                            max_num_seqs=4, max_model_len=512)
+helper = {"role": "system", "content": "You are the helpful assistant of a bicycle shop in the city centre. It sells, "
+          "rents and repairs bicycles, and opens from nine to six on weekdays. Keep every answer short."}
+first_questions = ["Do you repair e-bikes?", "What does a service cost?", "Can I rent a tandem?"]
+follow_ups = ["How long does it take?", "Is a chain included?", "For a whole weekend?"]
+params8 = me.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+turn1 = [radix_chat.generate([tok.encode(tok.apply_chat_template([helper, {"role": "user", "content": q}]))],
+                             params8, use_tqdm=False)[0] for q in first_questions]  # the users arrive one by one
+turn2 = radix_chat.generate([list(o.prompt_token_ids) + o.token_ids + turn(q) for o, q in zip(turn1, follow_ups)],
+                            params8, use_tqdm=False)
+for o1, o2 in zip(turn1, turn2):
+    print(f"turn 1: {len(o1.prompt_token_ids):3d} prompt tokens, {o1.num_cached_tokens:3d} from the tree; turn 2: "
+          f"{len(o2.prompt_token_ids):3d}, {o2.num_cached_tokens:3d} from the tree (turn 1's prompt and answer: "
+          f"{len(o1.prompt_token_ids) + len(o1.token_ids) - 1} computed tokens)")
+tree = radix_chat.engine.scheduler.blocks
+
+
+def draw_tree(tree, title):
+    """Each node of a RadixBlockManager's tree as a box (block id, tokens held); leaves side by side, each parent
+    above the middle of its children."""
+    xs, ys, order = {}, {}, []
+
+    def place(node, depth, next_x):
+        kids = sorted(node.children.values(), key=lambda n: n.block)
+        for kid in kids:
+            next_x = place(kid, depth + 1, next_x)
+        xs[node] = sum(xs[k] for k in kids) / len(kids) if kids else next_x
+        ys[node] = depth
+        order.append(node)
+        return next_x + (0 if kids else 1)
+
+    place(tree.root, 0, 0)
+    fig, ax = plt.subplots(figsize=(10, 0.75 * max(ys.values()) + 1.4))
+    for node in order:
+        if node.parent is not None:
+            ax.plot([xs[node.parent], xs[node]], [ys[node.parent], ys[node]], color="grey", lw=0.8, zorder=1)
+    for node in order:
+        full = node.block is not None and len(node.tokens) == tree.block_size
+        label = "root" if node.block is None else f"{node.block}\n{len(node.tokens)} tok"
+        color = "lightgrey" if node.block is None else ("tab:blue" if full else "tab:orange")
+        ax.text(xs[node], ys[node], label, ha="center", va="center", fontsize=7, zorder=2,
+                color="black" if node.block is None else "white",
+                bbox=dict(boxstyle="round", fc=color, ec="none"))
+    ax.set_ylim(max(ys.values()) + 0.6, -0.6)
+    ax.set_xlim(-0.7, max(xs.values()) + 0.7)
+    ax.axis("off")
+    ax.set_title(title)
+    plt.show()
+
+
+draw_tree(tree, "the radix tree after three conversations of two turns: blue full blocks, orange partial leaves")
+print(f"{len(tree.node_of)} blocks in the tree, {tree.num_cached_blocks} cached; the root's children: "
+      f"{len(tree.root.children)} (the system prompt's first block, shared by all)")
+
+# %% [markdown]
+# Read the tree from the top: the blocks every prompt shares in full form one trunk. The block in which the users'
+# prompts part is a block of each user's own, so the trunk's last block has three children. (The second and third
+# users still matched the first user's tokens into that block: their first turns took the shared tokens past the
+# last full block from the tree too, sharing the first user's block and copying it on their first write.) Below,
+# each conversation is one chain ending in a partial leaf, the last tokens of its second turn. The tree holds every
+# turn's answer, so a third turn would find the whole conversation.
+#
+# ### The three workloads, measured
+#
+# Three kinds of traffic that share structure, as `python -m mini_engine bench --workload radix` generates them
+# (random token ids, random lengths, so shared prefixes end anywhere in a block), smaller here: a **conversation**
+# (two users, three turns: each turn's prompt is the last prompt, its answer and a new question), **few-shot** (two
+# tasks, each a block of worked examples, three questions each, all arriving together with the tasks interleaved)
+# and **branching** (one context, three continuations
+# of it, each continued once more after its answer). Three engines serve each: hashed blocks and the radix
+# tree in arrival order, and the radix tree with **cache-aware scheduling** (`scheduling="cache_aware"`: among the
+# waiting requests, the one with the longest cached prefix first, as SGLang does; past 128 waiting, arrival order).
+# "Ideal" counts, for each request, every prompt token some earlier request computed: what a cache that kept
+# everything, token by token, would serve.
+
+# %%
+vocab = model.config.vocab_size
+small = [StructuredWorkload.conversation(users=2, turns=3, output_len=8, vocab=vocab),
+         StructuredWorkload.few_shot(tasks=2, questions=3, examples_len=(60, 110), output_len=4, vocab=vocab),
+         StructuredWorkload.branching(contexts=1, branches=3, context_len=(80, 140), output_len=4, vocab=vocab)]
+designs = [("hashed", "continuous"), ("radix", "continuous"), ("radix", "cache_aware")]
+run_structured(model, tok, StructuredWorkload.few_shot(tasks=1, questions=2, examples_len=(60, 110), output_len=4,
+                                                       vocab=vocab), block_size=16, max_num_seqs=4)  # warm-up, not shown
+measured = {}
+for work in tqdm(small, desc="workloads"):
+    for cache, scheduling in designs:
+        measured[work.name, cache, scheduling] = run_structured(model, tok, work, cache, scheduling, block_size=16,
+                                                                max_num_seqs=4)
+print(f"{'workload':<14}{'engine':<22}{'prompt tokens':>14}{'reused':>8}{'ideal':>7}{'of ideal':>10}{'TTFT p50':>10}"
+      f"{'out tok/s':>10}")
+for (name, cache, scheduling), r in measured.items():
+    print(f"{name:<14}{r.name:<22}{r.prompt_tokens:>14}{r.reused:>8}{r.ideal:>7}{r.share_of_ideal:>10.1%}"
+          f"{percentile(r.ttft, 50) * 1e3:>8.0f}ms{r.tok_s:>10.1f}")
+for work in small:
+    hashed, radix, aware = (measured[work.name, c, s] for c, s in designs)
+    print(f"{work.name:<14}radix / hashed: reused {radix.reused / max(hashed.reused, 1):.2f}x, TTFT p50 "
+          f"{percentile(hashed.ttft, 50) / percentile(radix.ttft, 50):.2f}x faster; cache-aware / arrival: TTFT p50 "
+          f"{percentile(radix.ttft, 50) / percentile(aware.ttft, 50):.2f}x faster")
+
+# %% [markdown]
+# Read the reuse columns first: they count tokens, so they come out the same on any machine; the times are from one
+# short run. Greedy outputs are the same on every engine, so every engine serves the same prompts.
+#
+# ### When each design wins
+#
+# - **The radix tree** serves every token an earlier request computed and still holds, wherever the shared prefix
+#   ends. It wins where prefixes keep ending inside blocks: a conversation's hashed cache loses the previous turn's
+#   tail at every turn, and the larger the block, the more it loses (GPU engines often pick blocks larger than 16
+#   for their attention kernels' sake). It also evicts only leaves, so what it keeps is always reachable. Its price:
+#   a lookup compares tokens down a path instead of looking up one hash per block, a partly matched block costs a
+#   copy, and splits, leaves and the tree's own references are more code to get right.
+# - **Hashed blocks** lose less than a block per match. When shared prefixes are long against a block, or end on
+#   block boundaries (a prompt template padded to whole blocks), that loss is small and the simpler design does as
+#   well.
+# - **Neither** helps requests that arrive together with a prefix nobody has computed yet: admitted in the same step,
+#   each computes it (the first questions of the few-shot workload, the first branches): their share of the ideal
+#   stays below 100%. A request that waits one step finds the prefix cached.
+# - **Cache-aware scheduling** changes the order, not the matching. With a queue as short as these, and a pool that
+#   keeps every prefix, it has little to choose. It pays when requests queue and the pool cannot keep every prefix:
+#   serving first the requests whose prefix is cached now, before it is evicted, raises the hit rate, and admitting
+#   cheap hits first shortens the queue's times to first token, as shortest-job-first does. Its risk is that a
+#   request with no hit waits behind a stream of hits, which is why the engine, like SGLang, falls back to arrival
+#   order once more than 128 requests wait. `python -m mini_engine bench --workload radix` measures all four
+#   combinations on larger workloads.
+
+# %% [markdown]
 # ## What you measured
 
 # %%
@@ -428,6 +604,14 @@ summary = [
     ("n=4: prompt tokens computed, blocks copied on write",
      f"{prefill_tokens} of {4 * len(name_prompt)}, {len(copies)} (blocks {sorted({s for s, _ in copies})})"),
     ("n=4: distinct answers", f"{len({tuple(o.token_ids) for o in answer.outputs})} of 4"),
+    ("radix tree: a conversation's second turn, tokens from the tree / computed before",
+     ", ".join(f"{o2.num_cached_tokens}/{len(o1.prompt_token_ids) + len(o1.token_ids) - 1}" for o1, o2 in zip(turn1, turn2))),
+    ("prompt tokens reused, hashed / radix / ideal", "; ".join(
+        f"{w.name} {measured[w.name, 'hashed', 'continuous'].reused} / {measured[w.name, 'radix', 'continuous'].reused}"
+        f" / {measured[w.name, 'radix', 'continuous'].ideal}" for w in small)),
+    ("TTFT p50 hashed / radix / radix cache-aware", "; ".join(
+        f"{w.name} " + " / ".join(f"{percentile(measured[w.name, c, s].ttft, 50) * 1e3:.0f}" for c, s in designs) + " ms"
+        for w in small)),
 ]
 width = max(len(k) for k, _ in summary)
 for k, v in summary:
@@ -524,5 +708,70 @@ for prompt_len, n in ((40, 4), (48, 4), (40, 2)):
 # sample, once, and nothing at all when the prompt ends on a block boundary.
 # </details>
 #
+# **4. Hashed against radix, by hand.** Blocks of 16. A 100-token prompt A is served and finishes; then B (A's first 70
+# tokens and 30 others), C (A again) and D (A followed by 20 more tokens, as a next turn would be), one after
+# another. How many prompt tokens does each take from the cache, with hashed blocks and with the radix tree? The
+# cell drives both block managers the way the scheduler does (take the matched blocks, copy a partly matched one,
+# compute the rest, free at the end).
+
+# %%
+def serve_alone(manager, seq, tokens):
+    """One request whose prompt runs in one step and then finishes; returns the tokens served from the cache."""
+    cached = manager.allocate_cached(seq, tokens)
+    manager.copy_on_write(seq, cached, len(tokens))
+    manager.append_slots(seq, len(tokens))
+    manager.cache_blocks(seq, tokens, len(tokens))
+    manager.free(seq)
+    return cached
+
+
+a_tokens = ex_rng.integers(1000, 20000, 100).tolist()
+requests4 = {"A": a_tokens, "B": a_tokens[:70] + ex_rng.integers(1000, 20000, 30).tolist(), "C": a_tokens,
+             "D": a_tokens + ex_rng.integers(1000, 20000, 20).tolist()}
+managers = {"hashed": BlockManager(64, 16, enable_prefix_caching=True), "radix": RadixBlockManager(64, 16)}
+for name, tokens in requests4.items():
+    print(f"{name}: {len(tokens)} tokens; " + ", ".join(f"{kind} {serve_alone(m, name, tokens):3d} from the cache"
+                                                       for kind, m in managers.items()))
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# A: 0 and 0. B: 64 and 70: the hashed cache stops at the last full block B shares with A (4 blocks), the tree at
+# the 70th token, sharing A's fifth block and copying it when B writes its own token 70. C: 96 and 99: both must
+# compute C's last token, but the hashed cache recomputes its whole last block (⌊99 / 16⌋ = 6 blocks), the tree just
+# the token. D: 96 and 100: A's last 4 tokens sat in a partial block, which the hashed cache never caches and the
+# tree does, when A finishes. That last case is a conversation's next turn: the hashed cache loses the previous
+# turn's tail at every turn, on average half a block, as the slider showed.
+# </details>
+#
+# **5. What the tree evicts.** A tree of 6 blocks of 4 tokens. A trunk T of 8 tokens (two blocks) is served with
+# three different 4-token endings, X, then Y, then Z (so T + X, T + Y, T + Z, one after another); then T + X once
+# more; then an unrelated 12-token prompt W, which needs 3 blocks. Which blocks does W evict, and how many tokens of
+# T + Y and of T + Z are still cached afterwards?
+
+# %%
+small_tree = RadixBlockManager(num_blocks=6, block_size=4)
+trunk = ex_rng.integers(1000, 20000, 8).tolist()
+endings = {e: ex_rng.integers(1000, 20000, 4).tolist() for e in "XYZ"}
+for step, tokens in enumerate([trunk + endings["X"], trunk + endings["Y"], trunk + endings["Z"], trunk + endings["X"]]):
+    serve_alone(small_tree, f"t{step}", tokens)
+before = dict(small_tree.node_of)
+serve_alone(small_tree, "W", ex_rng.integers(1000, 20000, 12).tolist())
+print(f"evicted: {small_tree.num_evictions} blocks")
+for e in "XYZ":
+    print(f"T + {e}: {small_tree.num_cached_tokens(trunk + endings[e] + [7])} of 12 tokens still cached")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# T + X, T + Y and T + Z fill the two trunk blocks and one leaf block each: 5 blocks, 1 free. W needs 3: it takes the
+# free one and evicts two leaves, least recently used first, Y's and Z's (X's was used again by the second T + X). The
+# trunk's blocks are never candidates while they have children, so T + Y and T + Z still find 8 tokens, and T + X all
+# 12. A hashed cache evicts blocks, not leaves: least recently released first, it can drop a trunk block while blocks
+# behind it stay cached, and those can then never hit, since a hit needs every block before it. The tree evicts only
+# leaves, so everything it keeps is reachable, and a trunk goes only after every branch under it.
+# </details>
+#
 # **Lab.** [Lab 08](../labs/lab08_notebook.ipynb) has you write the hash chain and a prefix cache with
-# reference counts and least-recently-used eviction, the bookkeeping of this chapter.
+# reference counts and least-recently-used eviction, the bookkeeping of this chapter, and, optionally, the radix
+# tree's match, insert and evict.
