@@ -7,7 +7,8 @@ order against cache-aware scheduling, on three workloads with shared structure (
 - few-shot: a few tasks, each a block of worked examples, and many questions, each behind its task's examples; the
   questions arrive together, the tasks interleaved (as requests from different users do).
 - branching: a few contexts (a document, a story so far) and several continuations of each (different
-  instructions, or samples to pick from), arriving together, the contexts interleaved.
+  instructions, or samples to pick from), arriving together, the contexts interleaved; then each branch continued
+  once more after its answer (a tree of thoughts two levels deep).
 
 Token ids are random (nothing in the cost depends on which), and the lengths too, so prefixes end at random points
 of a block, as real ones do. Every engine (hashed / radix × arrival / cache-aware) serves the same workload in
@@ -61,12 +62,15 @@ class StructuredWorkload:
 
     @classmethod
     def branching(cls, contexts: int = 2, branches: int = 4, context_len: tuple[int, int] = (160, 260),
-                  instruction_len: tuple[int, int] = (4, 16), output_len: int = 16, vocab: int = 49152, seed: int = 2):
+                  instruction_len: tuple[int, int] = (4, 16), depth: int = 2, output_len: int = 16, vocab: int = 49152,
+                  seed: int = 2):
+        """Each branch is continued `depth` times: a tree of thoughts, each continuation a new instruction after
+        the branch's last answer."""
         rng = random.Random(seed)
         draw = lambda n: [rng.randrange(vocab) for _ in range(rng.randint(*n))]  # noqa: E731
         docs = [draw(context_len) for _ in range(contexts)]
-        return cls("branching", [docs[c] + draw(instruction_len) for _ in range(branches) for c in range(contexts)],
-                   [], output_len)
+        first = [docs[c] + draw(instruction_len) for _ in range(branches) for c in range(contexts)]
+        return cls("branching", first, [[draw(instruction_len) for _ in first] for _ in range(depth - 1)], output_len)
 
     @property
     def num_requests(self) -> int:
@@ -106,6 +110,7 @@ class StructuredRun:
     ttft: list[float]
     seconds: float             # wall time of the whole workload
     num_evictions: int
+    num_kv_blocks: int         # the pool's blocks (by default max_num_seqs requests of max_model_len)
 
     @property
     def name(self) -> str:
@@ -156,7 +161,8 @@ def run_structured(model, tok, work: StructuredWorkload, cache: str = "radix", s
     seconds = time.perf_counter() - t0
     return StructuredRun(work.name, cache, scheduling, [list(o.prompt_token_ids) for o in outs],
                          [list(o.token_ids) for o in outs], [o.num_cached_tokens for o in outs],
-                         [o.metrics.ttft_s for o in outs], seconds, llm.engine.scheduler.blocks.num_evictions)
+                         [o.metrics.ttft_s for o in outs], seconds, llm.engine.scheduler.blocks.num_evictions,
+                         llm.engine.num_kv_blocks)
 
 
 def workloads(vocab: int, scale: int = 1) -> list[StructuredWorkload]:
@@ -220,8 +226,9 @@ def bench_radix(device: str, dtype: str, scale: int = 1, block_size: int = 16, b
     print_fn(f"device={device} dtype={dtype} threads={torch.get_num_threads()} block_size={block_size} "
              f"max_num_seqs={batch} num_kv_blocks={num_kv_blocks or 'default'}; greedy, random token ids")
     for work in works:
+        pool = next(r.num_kv_blocks for r in runs if r.workload == work.name)
         print_fn(f"  {work.name}: {len(work.first)} requests a round, {1 + len(work.follow_ups)} round(s), "
-                 f"{work.output_len} output tokens each")
+                 f"{work.output_len} output tokens each; a pool of {pool} blocks")
     same = all(r.outputs == next(s for s in runs if s.workload == r.workload).outputs for r in runs)
     print_fn(format_runs(runs))
     print_fn(f"outputs identical across the engines of each workload: {same}")
