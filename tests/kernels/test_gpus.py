@@ -19,7 +19,7 @@ MODULES = {name: importlib.import_module(name) for name in aot.KERNEL_MODULES}
 # For each, the arguments of a launch the course makes (what its wrapper passes to launch_arguments).
 LAUNCHES = {"flash_attention": (64, torch.bfloat16, True, True), "paged_attention": (64, 16, 3, torch.bfloat16),
             "kv_store": (64, 16, 3, torch.bfloat16), "rejection_sampler": (4, 49152, True),
-            "quant_matmul": (1, 32, torch.bfloat16, torch.bfloat16), "int8_matmul": (1, torch.bfloat16)}
+            "quant_matmul": (1, 32, torch.bfloat16), "int8_matmul": (1, torch.bfloat16)}
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def meta_calls():
             torch.empty(2, dtype=torch.int32, **meta)), paged._compile_time_args(64, 16, 3, torch.bfloat16, gpus.A100)),
         "w4a16_matmul": (w4a16, "_w4a16_matmul", lambda: w4a16.w4a16_matmul(
             x, torch.empty(960, 288, dtype=torch.uint8, **meta), torch.empty(18, 960, 2, dtype=torch.bfloat16, **meta),
-            32), w4a16._compile_time_args(2, 32, torch.bfloat16, torch.bfloat16, gpus.A100)),
+            32), w4a16._compile_time_args(2, 32, torch.bfloat16, gpus.A100)),
         "w8a16_matmul": (w8a16, "_w8a16_matmul", lambda: w8a16.w8a16_matmul(
             x, torch.empty(960, 576, dtype=torch.int8, **meta), torch.empty(960, dtype=torch.bfloat16, **meta)),
             w8a16._compile_time_args(2, torch.bfloat16, gpus.A100)),
