@@ -18,6 +18,8 @@ rank's shard in one process and add or join the partials themselves).
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import types
 
 import torch
 import torch.nn.functional as F
@@ -124,50 +126,72 @@ class ParallelLMHead(nn.Module):
         return logits if self.comm is None else self.comm.gather(logits)
 
 
+CUSTOM = ("split_rows", "split_columns", "split_qkv", "ColumnParallelLinear", "RowParallelLinear",
+          "VocabParallelEmbedding")  # what a `layers=` module may bring in place of the engine's (lab 11)
+
+
+def resolve_layers(layers: str | None = None) -> types.SimpleNamespace:
+    """The pieces `split` and `shard_model` build a rank from: the engine's own, or, with `layers` the dotted name of
+    a module (lab 11's `labs.lab11_tensor_parallel`), that module's versions of any of CUSTOM, with the engine's
+    signatures, the engine's filling in the rest. A name, not the module itself: every rank imports it in its own
+    process (a rank started by `spawn` has the parent's sys.path, so the module must be importable there)."""
+    module = importlib.import_module(layers) if layers else None
+    here = globals()
+    return types.SimpleNamespace(**{name: getattr(module, name, None) or here[name] for name in CUSTOM})
+
+
 SPLITS = {"qkv_proj": "qkv", "gate_up_proj": "gate_up", "o_proj": "columns", "down_proj": "columns",
           "embed_tokens": "rows", "lm_head": "rows"}
 
 
-def split(name: str, weight: torch.Tensor, config: ModelConfig, rank: int, size: int) -> torch.Tensor:
-    """The rank's share of the full model's weight `name` (a state_dict key), a copy: norms whole."""
+def split(name: str, weight: torch.Tensor, config: ModelConfig, rank: int, size: int,
+          layers: str | None = None) -> torch.Tensor:
+    """The rank's share of the full model's weight `name` (a state_dict key), a copy: norms whole. `layers`: see
+    `resolve_layers`."""
     kind = SPLITS.get(name.split(".")[-2]) if "." in name else None
+    use = resolve_layers(layers)
     if kind == "qkv":
-        part = split_qkv(weight, config, rank, size)
+        part = use.split_qkv(weight, config, rank, size)
     elif kind == "gate_up":
-        part = split_gate_up(weight, rank, size)
+        gate, up = weight.chunk(2)
+        part = torch.cat([use.split_rows(gate, rank, size), use.split_rows(up, rank, size)])
     elif kind == "columns":
-        part = split_columns(weight, rank, size)
+        part = use.split_columns(weight, rank, size)
     elif kind == "rows":
-        part = split_rows(weight, rank, size)
+        part = use.split_rows(weight, rank, size)
     else:
         part = weight
     return part.clone()
 
 
-def shard_weights(model, rank: int, size: int) -> dict[str, torch.Tensor]:
+def shard_weights(model, rank: int, size: int, layers: str | None = None) -> dict[str, torch.Tensor]:
     """The rank's share of every weight of a full model, keyed as the sharded model's state_dict."""
-    return {name: split(name, w, model.config, rank, size) for name, w in model.state_dict().items()}
+    return {name: split(name, w, model.config, rank, size, layers) for name, w in model.state_dict().items()}
 
 
-def shard_model(model, rank: int, size: int, comm=None):
+def shard_model(model, rank: int, size: int, comm=None, layers: str | None = None):
     """Cut a full `LlamaModel` down to rank `rank` of `size`, in place (returns it): every projection, the embedding
     and the LM head replaced by its parallel layer holding the rank's share (a copy: the full weights can go),
     each attention told its share of the heads. A model on the meta device stays there (a rank builds its
-    shapes this way, then loads its weights)."""
+    shapes this way, then loads its weights). `layers`, the dotted name of a module, builds the rank from that
+    module's splits and layer classes instead of the engine's (`resolve_layers`: lab 11 serves with a student's)."""
     config = model.config
+    use = resolve_layers(layers)
     check_tensor_parallel_size(config, size)
     local = rank_config(config, size)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = ColumnParallelLinear(split_qkv(attn.qkv_proj.weight, config, rank, size).clone())
-        attn.o_proj = RowParallelLinear(split_columns(attn.o_proj.weight, rank, size).clone(), comm)
+        attn.qkv_proj = use.ColumnParallelLinear(use.split_qkv(attn.qkv_proj.weight, config, rank, size).clone())
+        attn.o_proj = use.RowParallelLinear(use.split_columns(attn.o_proj.weight, rank, size).clone(), comm)
         attn.num_heads, attn.num_kv_heads = local.num_heads, local.num_kv_heads
         attn.qk_size, attn.v_size = (local.num_heads + local.num_kv_heads) * local.head_dim, local.num_kv_heads * local.head_dim
-        mlp.gate_up_proj = ColumnParallelLinear(split_gate_up(mlp.gate_up_proj.weight, rank, size).clone())
-        mlp.down_proj = RowParallelLinear(split_columns(mlp.down_proj.weight, rank, size).clone(), comm)
+        gate, up = mlp.gate_up_proj.weight.chunk(2)
+        mlp.gate_up_proj = use.ColumnParallelLinear(torch.cat([use.split_rows(gate, rank, size),
+                                                               use.split_rows(up, rank, size)]).clone())
+        mlp.down_proj = use.RowParallelLinear(use.split_columns(mlp.down_proj.weight, rank, size).clone(), comm)
     rows = config.vocab_size // size
-    model.embed_tokens = VocabParallelEmbedding(split_rows(model.embed_tokens.weight, rank, size).clone(),
-                                                rank * rows, comm)
+    model.embed_tokens = use.VocabParallelEmbedding(use.split_rows(model.embed_tokens.weight, rank, size).clone(),
+                                                    rank * rows, comm)
     head = model.embed_tokens.weight if config.tie_word_embeddings else \
         split_rows(model.lm_head.weight, rank, size).clone()
     model.lm_head = ParallelLMHead(head, comm)

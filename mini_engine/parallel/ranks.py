@@ -47,12 +47,13 @@ def threads_per_rank(size: int) -> int:
     return max(1, cores // size)
 
 
-def build_shard(config, rank: int, size: int, comm, attention_backend: str, device, dtype, weights: dict):
+def build_shard(config, rank: int, size: int, comm, attention_backend: str, device, dtype, weights: dict,
+                layers: str | None = None):
     """Rank `rank`'s model: the layers built at their shard's shapes on the meta device (no memory), then given
-    storage and the rank's weights. The rank never holds the whole model."""
+    storage and the rank's weights. The rank never holds the whole model. `layers`: see `layers.resolve_layers`."""
     with torch.device("meta"):
         model = LlamaModel(config, attention_backend)
-    shard_model(model, rank, size, comm)
+    shard_model(model, rank, size, comm, layers)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.rope_cos, model.rope_sin = rope_tables(config, device)  # not weights: computed again, as LlamaModel.empty
@@ -96,7 +97,8 @@ def _recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
-def rank_main(rank: int, size: int, store_path: str, conn, threads: int, device: str, timeout: float) -> None:
+def rank_main(rank: int, size: int, store_path: str, conn, threads: int, device: str, timeout: float,
+              layers: str | None = None) -> None:
     """A rank other than 0: receive its weights, join the group, then run what rank 0 sends until "stop" (or until
     rank 0's end of the pipe closes). An error ends the process; rank 0 sees it at its next collective."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
@@ -108,7 +110,7 @@ def rank_main(rank: int, size: int, store_path: str, conn, threads: int, device:
         _, config, backend, dtype, count = _recv(conn)
         weights = dict(_recv(conn) for _ in range(count))
         comm = Communicator(store_path, rank, size, device, timeout)
-        model = build_shard(config, rank, size, comm, backend, device, dtype, weights)
+        model = build_shard(config, rank, size, comm, backend, device, dtype, weights, layers)
         del weights
         cache = None
         while True:
@@ -168,11 +170,16 @@ class ParallelModel:
     """What the engine holds in place of a LlamaModel when the model is split over `size` ranks: rank 0's shard,
     and the other ranks behind it. Calling it runs one forward pass on every rank and returns the whole logits.
     `config` is one rank's share (its heads and KV heads, which size the engine's KV cache; the whole vocabulary).
-    Built from `full`, a model in the core's plain modules on the CPU, which the caller then lets go."""
+    Built from `full`, a model in the core's plain modules on the CPU, which the caller then lets go.
+
+    `layers` (the hook lab 11 serves through): the dotted name of a module whose weight splits and layer classes
+    every rank builds its shard from in place of the engine's (`layers.resolve_layers` names what it may bring);
+    hand the result to `LLMEngine(model, tokenizer, config)` to serve with them."""
 
     runner_class = ParallelRunner  # LLMEngine builds this runner for a model that brings one
 
-    def __init__(self, full: LlamaModel, size: int, device="cpu", timeout: float | None = None):
+    def __init__(self, full: LlamaModel, size: int, device="cpu", timeout: float | None = None,
+                 layers: str | None = None):
         device = torch.device(device)
         self.size, self.timeout = size, timeout_s() if timeout is None else timeout
         self.threads = threads_per_rank(size)
@@ -189,7 +196,8 @@ class ParallelModel:
                 parent, child = ctx.Pipe()
                 rank_device = f"cuda:{rank}" if device.type == "cuda" else "cpu"
                 process = ctx.Process(target=rank_main, name=f"mini_engine-tp-rank{rank}", daemon=True,
-                                      args=(rank, size, store, child, self.threads, rank_device, self.timeout))
+                                      args=(rank, size, store, child, self.threads, rank_device, self.timeout,
+                                            layers))
                 with _main_left_out():
                     process.start()
                 child.close()
@@ -198,12 +206,12 @@ class ParallelModel:
             for rank, (_, conn) in enumerate(self._ranks, start=1):  # one weight at a time: no second whole copy
                 _send(conn, ("load", full.config, full.attention_backend, full.dtype, len(state)))
                 for name, w in state.items():
-                    _send(conn, (name, split(name, w, full.config, rank, size)))
+                    _send(conn, (name, split(name, w, full.config, rank, size, layers)))
             with self._threads():
                 self.comm = Communicator(store, 0, size, device, self.timeout)  # waits for every rank to join
-                mine = {name: split(name, w, full.config, 0, size) for name, w in state.items()}
+                mine = {name: split(name, w, full.config, 0, size, layers) for name, w in state.items()}
                 self.shard = build_shard(full.config, 0, size, self.comm, full.attention_backend, device, full.dtype,
-                                         mine)
+                                         mine, layers)
         except BaseException as e:
             self.shutdown()
             if isinstance(e, (OSError, EOFError)):
