@@ -343,3 +343,7 @@ print(f"pipeline: {RANKS - 1} messages, step ≈ {(steps[1]['one'] + (RANKS - 1)
 # step still takes the whole model's compute plus two hops, no faster than one process. Pipelining pays only with
 # several batches in flight, one in each stage.
 # </details>
+#
+# **Lab.** [Lab 11](../labs/lab11_notebook.ipynb) has you write the column- and row-parallel products, the split
+# of attention by heads and the vocabulary-parallel embedding, graded first on shards in one process, then in
+# three real ranks, and serves requests with your layers.
