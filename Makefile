@@ -72,16 +72,23 @@ test: $(STAMP)
 # A second environment, the one `make setup` gives a student on a plain machine with only PyPI: the interpreter
 # PYTHON names (CI: python3.12) and PyPI's default torch (on Linux the CUDA build, which runs on a CPU too) with the
 # triton it pins, in .venv-pypi. This machine's pip settings (config files, local wheels, constraints) are set
-# aside, so nothing local can stand in for PyPI; pip's cache is kept, so the download happens once a machine. The
-# engine, kernel and lab tests run there. `make distclean` removes it.
-PYPI_VENV := .venv-pypi
-PYPI_ONLY := env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_NO_INDEX -u PIP_CONSTRAINT \
+# aside, so nothing local can stand in for PyPI. torch and its CUDA libraries (about 3 GB) are downloaded once a
+# machine into PYPI_WHEELS and installed from there: pip's own cache keeps no download whose server sends no
+# caching headers, as happens behind some proxies. The engine, kernel and lab tests run there.
+# `make distclean` removes .venv-pypi.
+PYPI_VENV   := .venv-pypi
+PYPI_WHEELS ?= $(HOME)/.cache/mini_engine/pypi-wheels
+PYPI_ONLY   := env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_NO_INDEX -u PIP_CONSTRAINT \
 	PIP_CONFIG_FILE=/dev/null
 
 test-pypi:
-	$(PYPI_ONLY) $(MAKE) setup VENV=$(PYPI_VENV) TORCH_INDEX=
-	MPLBACKEND=Agg $(OFFLINE) $(PYPI_VENV)/bin/python -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) \
-		--dist loadfile tests/engine tests/kernels tests/labs --impl=solutions
+	test -x $(PYPI_VENV)/bin/python || $(PYTHON) -m venv $(PYPI_VENV)
+	$(PYPI_ONLY) $(PYPI_VENV)/bin/python -m pip download -q -d $(PYPI_WHEELS) "$(TORCH_SPEC)"
+	$(PYPI_ONLY) $(PYPI_VENV)/bin/python -m pip install -q --no-index -f $(PYPI_WHEELS) "$(TORCH_SPEC)"
+	$(PYPI_ONLY) $(MAKE) setup VENV=$(PYPI_VENV)
+	rm -rf $(TEST_TUNE_DIR)-pypi
+	MINI_ENGINE_TUNE_DIR=$(TEST_TUNE_DIR)-pypi MPLBACKEND=Agg $(OFFLINE) $(PYPI_VENV)/bin/python -m pytest -q -rs \
+		--durations=15 -n $(TEST_WORKERS) --dist loadfile tests/engine tests/kernels tests/labs --impl=solutions
 
 # The chapters, executed, as static HTML pages with their outputs: build/site/index.html
 # (tools/build_site.py; `make site CHAPTERS="00 03"` builds some).
@@ -96,8 +103,8 @@ sync: $(STAMP)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis
-	find . \( -path ./$(VENV) -o -path ./$(PYPI_VENV) \) -prune -o -type d \( -name __pycache__ -o -name .ipynb_checkpoints \) \
-		-prune -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path ./$(PYPI_VENV) \) -prune -o \
+		-type d \( -name __pycache__ -o -name .ipynb_checkpoints \) -prune -exec rm -rf {} +
 
 distclean: clean
 	rm -rf $(VENV) $(PYPI_VENV)
