@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..course.metrics import percentile
+from ..prefix.radix_cache import common_prefix
 from ..sampling import SamplingParams
 
 ENGINES = (("hashed", "continuous"), ("radix", "continuous"), ("hashed", "cache_aware"), ("radix", "cache_aware"))
@@ -80,15 +81,6 @@ class StructuredWorkload:
         """An upper bound on any request's tokens (for max_model_len)."""
         per_round = self.output_len + max((max(map(len, r)) for r in self.follow_ups), default=0)
         return max(map(len, self.first)) + len(self.follow_ups) * per_round + self.output_len
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def ideal_reuse(prompts: list[list[int]], computed: list[list[int]]) -> list[int]:
