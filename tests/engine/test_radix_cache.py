@@ -3,6 +3,7 @@ hypothesis state machine of add, grow, speculate, fork, finish/abort/preempt and
 small pool so that eviction runs, against a model of every block's contents), cache-aware admission order, the
 config's checks, the server's flag, and the engine on the real model: a 300-token shared prompt, a conversation's
 second turn, and outputs equal to the uncached engine's."""
+import contextlib
 import random
 
 import pytest
@@ -331,7 +332,8 @@ def test_the_server_takes_prefix_cache_radix(monkeypatch):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--prefix-cache", "trie"])
     made = {}
-    monkeypatch.setattr(me, "LLM", lambda *a, **kw: made.update(kw) or "llm")
+    # A stand-in engine: the server enters it as a context, so that a tensor-parallel engine's ranks end with it.
+    monkeypatch.setattr(me, "LLM", lambda *a, **kw: made.update(kw) or contextlib.nullcontext())
     monkeypatch.setattr("mini_engine.serving.server.serve", lambda *a, **kw: None)
     from mini_engine.__main__ import main
     main(["serve", "--prefix-cache", "radix"])
