@@ -189,7 +189,9 @@ def test_two_engines_at_once_then_a_rank_that_stops_answering(tp, ref):
     pids = other.engine.model.pids
     os.kill(pids[1], signal.SIGSTOP)
     start = time.perf_counter()
-    with pytest.raises(RuntimeError, match="did not answer within 8 s"):
+    # Rank 0's own collective may time out first, or the rank still running may time out first and exit, which
+    # rank 0 then sees: on a busy machine either comes first, and both are a clear error within the timeout.
+    with pytest.raises(RuntimeError, match="did not answer within 8 s|exited with code"):
         other.generate(PROMPTS[:1], params, use_tqdm=False)
     assert time.perf_counter() - start < 8 + 10
     assert not any(alive(p) for p in pids)
