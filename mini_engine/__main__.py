@@ -95,7 +95,10 @@ def cmd_bench(args) -> None:
             raise ValueError("--workload radix compares the two prefix caches and two admission orders; no --rung")
         if args.scale < 1 or (args.batch is not None and args.batch < 1):
             raise ValueError("--scale and --batch must be >= 1")
-        bench_radix(args.device, args.dtype, scale=args.scale, batch=args.batch or 4)
+        if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+            raise ValueError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
+        bench_radix(args.device, args.dtype, scale=args.scale, batch=args.batch or 4,
+                    num_kv_blocks=args.num_kv_blocks)
         return
     # Paging, by default at two KV memories: the contiguous default's 16 slots, and 4 slots, where memory (not the
     # number of requests) bounds the batch.
@@ -246,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--question-len", type=int, default=32, help="prefix: each request's own tokens")
     b.add_argument("--scale", type=int, default=1, help="radix: multiplies the users, questions and branches "
                    "(default 1: 32 requests in all)")
+    b.add_argument("--num-kv-blocks", type=int, default=None, help="radix: the pool's blocks (default: max_num_seqs "
+                   "requests of the longest; a smaller pool makes the caches evict)")
     b.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged",
                    help="serving: our engine's KV cache (chapter 04 measured the contiguous one)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
