@@ -32,6 +32,7 @@ def test_generate_with_int4_weights(capsys):
     (["bench", "--workload", "server", "--rate", "0"], "rate"),
     (["bench", "--workload", "prefix", "--quantization", "int4"], "--quantization adds rows"),
     (["bench", "--workload", "radix", "--scale", "0"], "--scale"),
+    (["bench", "--workload", "radix", "--num-kv-blocks", "0"], "--num-kv-blocks"),
     (["bench", "--workload", "radix", "--rung", "cached"], "no --rung"),
     (["generate", "hi", "--quantization", "int3"], "--quantization"),
     (["bench", "--ladder", "--quantization", "int4"], "not --ladder"),
