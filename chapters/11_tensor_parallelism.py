@@ -150,7 +150,9 @@ del shard
 #
 #   t_step ≈ t_compute / p + 2L · [2(p − 1) · latency + 2(p − 1)/p · 2·h·b / bandwidth]
 #
-# The first term shrinks with p; the second grows. It pays when a rank's compute is long against a hop's latency:
+# The first term shrinks with p, because each rank computes on a device of its own; ranks that share one device
+# share its compute too (section 5 meets this). The second term grows. It pays when a rank's compute is long
+# against a hop's latency:
 # wide, deep models at a decent batch, over NVLink. Move the sliders: a 70B model on NVLink gains nearly p;
 # SmolLM2 (width 576) at batch 1 gains nothing even on NVLink, and over PCIe or Ethernet it loses.
 
@@ -161,18 +163,19 @@ widgets.tensor_parallel_widget()
 # ## 4. This machine's all-reduce
 #
 # Our ranks are processes on one CPU, and gloo carries their all-reduces over the loopback interface. We time one
-# fp32 all-reduce among three fresh processes for payloads from 4 bytes to a few MB, and fit the line
-# t = latency + bytes / bandwidth through the points.
+# fp32 all-reduce among three fresh processes for payloads from 64 bytes to a few MB, and fit the line
+# t = latency + bytes / bandwidth through the points. Each point is the mean of 100 calls, not the median: a
+# step pays the sum of its all-reduces, slow calls included, and the mean is what a sum adds up.
 
 # %%
-payloads = [4, 64, 1024, 2304, 9216, 36864, 147456, 589824, 2359296]
-ar_s = all_reduce_seconds(payloads, RANKS, repeats=20)
+payloads = [64, 1024, 2304, 9216, 36864, 147456, 589824, 2359296]
+ar_s = all_reduce_seconds(payloads, RANKS, repeats=100)
 latency, bandwidth = fit_latency_bandwidth(payloads, ar_s)
 print(f"gloo all-reduce among {RANKS} processes: latency {latency * 1e6:.0f} µs, bandwidth {bandwidth / 1e9:.2f} GB/s")
 for n, s in zip(payloads, ar_s):
     print(f"  {human_bytes(n):>10}: {s * 1e6:8.0f} µs")
 fig, ax = plt.subplots(figsize=(6.5, 3.4))
-ax.loglog(payloads, np.array(ar_s) * 1e6, "o", label="measured (median of 20)")
+ax.loglog(payloads, np.array(ar_s) * 1e6, "o", label="measured (mean of 100)")
 xs = np.logspace(0, np.log10(payloads[-1]), 100)
 ax.loglog(xs, (latency + xs / bandwidth) * 1e6, "-", label="latency + bytes / bandwidth")
 ax.axvline(cfg.hidden_size * 4, color="grey", ls=":", label="one decode token's block output (fp32)")
@@ -182,8 +185,10 @@ plt.show()
 
 # %% [markdown]
 # A decode token's all-reduce carries 576 fp32 values, 2.3 KB: deep in the flat part of the curve, where the
-# latency is everything. Loopback has no wire, but each hop still costs a system call, a wake-up of the receiving
-# process and, on a CPU with fewer cores than ranks, waiting for that process to be scheduled at all.
+# latency is everything. Loopback has no wire, but each hop still costs a system call and a wake-up of the
+# receiving process. On a CPU with fewer cores than ranks it also waits for that process to be scheduled at all.
+# That wait can dwarf the rest: three ranks, each with its own helper threads, share a few cores, so
+# the latency you measure may be milliseconds, where a GPU link's is microseconds.
 #
 # ## 5. One rank against three, on the same requests
 #
@@ -203,33 +208,67 @@ print(f"rank 0's KV cache: {human_bytes(tp.engine.kv_cache_bytes)} (one process:
 print("three ranks say:", repr(b[0].text[:80]))
 
 # %% [markdown]
-# Now the time of a decode step (every request bringing one token), at batch 1 and 16, with the share of the
-# step rank 0 spent inside collectives, measured by the communicator, against the share the formula predicts
-# with this machine's fitted latency and bandwidth: 61 all-reduces (the embedding's and two a layer) of b × 576
-# fp32 values and one gather of the logits.
+# Now the time of a decode step (every request bringing one token), at batch 1 and 16. For the three ranks we
+# split rank 0's step three ways:
+#
+# - **computing**: its time outside any collective;
+# - **communicating**: each collective's time on the rank that reached it last. That rank waited for nobody, so
+#   its time is the exchange itself;
+# - **waiting**: the rest of rank 0's time in collectives, spent waiting for a slower rank to arrive.
+#
+# The formula predicts the step from the constants fitted above: 61 all-reduces (the embedding's and two a layer)
+# of b × 576 fp32 values and one gather of the logits, plus the compute. Our ranks share the cores that the one
+# process used, so they do not divide its compute: the three thirds of each product run on the same cores, one
+# after another or side by side, in about the one-process time. So the compute term here is the one-process
+# step, not a third of it. With a GPU per rank it would be a third.
 
 # %%
+own_device = device == "cuda"  # a GPU per rank; on the CPU the ranks share the cores one process had
 steps = {}
 for batch in (1, 16):
-    one_s, _ = decode_step_times(one, batch, 10)
-    tp_s, share = decode_step_times(tp, batch, 10)
+    one_step = decode_step_times(one, batch, 16)
+    tp_step = decode_step_times(tp, batch, 16)
     comm_s = (2 * cfg.num_layers + 1) * (latency + batch * cfg.hidden_size * 4 / bandwidth) + \
         latency + batch * cfg.vocab_size * 4 * (RANKS - 1) / RANKS / bandwidth
-    predicted = comm_s + one_s / RANKS
-    steps[batch] = dict(one=one_s, tp=tp_s, share=share, predicted_share=comm_s / predicted, predicted=predicted)
-    print(f"batch {batch:2d}: one process {one_s * 1e3:6.1f} ms, {RANKS} ranks {tp_s * 1e3:6.1f} ms "
-          f"({one_s / tp_s:.2f}x); communicating: measured {share:.0%}, predicted {comm_s / predicted:.0%} "
-          f"(predicted step {predicted * 1e3:.1f} ms)")
+    compute_s = one_step.step_s / (RANKS if own_device else 1)
+    steps[batch] = dict(one=one_step.step_s, tp=tp_step.step_s, parts=tp_step, comm=comm_s, compute=compute_s,
+                        predicted=compute_s + comm_s)
+    print(f"batch {batch:2d}: one process {one_step.step_s * 1e3:6.1f} ms, {RANKS} ranks "
+          f"{tp_step.step_s * 1e3:6.1f} ms ({one_step.step_s / tp_step.step_s:.2f}x); "
+          f"predicted {(compute_s + comm_s) * 1e3:.1f} ms")
+    print(f"          communication: measured {tp_step.communication_s * 1e3:.1f} ms "
+          f"({tp_step.communication_share:.0%} of the step), predicted {comm_s * 1e3:.1f} ms "
+          f"({comm_s / (compute_s + comm_s):.0%}); waiting for a slower rank {tp_step.waiting_s * 1e3:.1f} ms")
+
+fig, ax = plt.subplots(figsize=(8, 3.6))
+labels, x = [], 0
+for batch, st in steps.items():
+    part = st["parts"]
+    bars = [("1 process", [st["one"], 0, 0]),
+            (f"{RANKS} ranks", [part.compute_s, part.communication_s, part.waiting_s]),
+            ("predicted", [st["compute"], st["comm"], 0])]
+    for name, (c, m, w) in bars:
+        ax.bar(x, c * 1e3, color="tab:blue", label="computing" if x == 0 else None)
+        ax.bar(x, m * 1e3, bottom=c * 1e3, color="tab:orange", label="communicating" if x == 1 else None)
+        ax.bar(x, w * 1e3, bottom=(c + m) * 1e3, color="tab:grey",
+               label="waiting for a slower rank" if x == 1 else None)
+        labels.append(f"{name}\nbatch {batch}")
+        x += 1
+    x += 0.5
+ax.set_xticks([i + (i // 3) * 0.5 for i in range(len(labels))], labels, fontsize=7)
+ax.set(ylabel="ms per decode step", title="Where a decode step goes: one process against three ranks on this CPU")
+ax.legend(fontsize=8)
+plt.show()
 
 # %% [markdown]
-# Three ranks on this CPU are slower than one process, and the formula says why: SmolLM2 is small, so each
-# rank's third of a step is a few milliseconds of products, while the step pays 61 all-reduces of a latency
-# measured above in the hundreds of microseconds or more. Over loopback the "bandwidth" is a memory copy and
-# hardly matters; the latency is a round of process wake-ups, which grows when three ranks share fewer cores than
-# three. The measured communication share includes the time a rank waits for a slower one (to rank 0, waiting
-# for rank 2 to finish its products looks like communication), which is why it can exceed the prediction on a
-# busy machine. On GPUs joined by NVLink the same step pays a few microseconds a hop, and a 70B model's
-# per-rank compute is milliseconds: the widget of section 3 shows the gain coming back.
+# Three ranks on this CPU are slower than one process, and the formula says why. SmolLM2 is small, so the whole
+# step's products take tens of milliseconds. Splitting them over ranks that share the same cores saves none of
+# that. Meanwhile the step pays 61 all-reduces, each at the latency measured above, and the fitted constants
+# predict that communication closely. What the formula leaves out is the grey part. Three ranks on fewer than
+# three cores never compute all at once: at any moment one of them waits for a core, and the others then wait
+# for it at the next all-reduce. On GPUs joined by NVLink, each rank computes on its own device, a hop costs a few
+# microseconds, and a 70B model's per-rank compute is milliseconds: the widget of section 3 shows the gain
+# coming back.
 #
 # ## 6. vLLM, and pipeline parallelism
 #
@@ -259,7 +298,9 @@ summary = [
     ("same greedy tokens, 1 vs 3 ranks", str([x.token_ids for x in a] == [y.token_ids for y in b])),
     *((f"batch {bt}: step one / {RANKS} ranks (speed ratio)",
        f"{s['one'] * 1e3:.1f} / {s['tp'] * 1e3:.1f} ms ({s['one'] / s['tp']:.2f}x)") for bt, s in steps.items()),
-    *((f"batch {bt}: communication share measured / predicted", f"{s['share']:.0%} / {s['predicted_share']:.0%}")
+    *((f"batch {bt}: communication measured / predicted",
+       f"{s['parts'].communication_s * 1e3:.1f} / {s['comm'] * 1e3:.1f} ms "
+       f"({s['parts'].communication_share:.0%} / {s['comm'] / s['predicted']:.0%} of the step)")
       for bt, s in steps.items()),
 ]
 width = max(len(k) for k, _ in summary)
@@ -269,11 +310,12 @@ for k, v in summary:
 # %% [markdown]
 # ## Exercises: predict, then run
 #
-# **1. Where the break-even lies.** With this machine's fitted latency and the one-process step time at batch 1,
-# how much longer would a rank's compute have to be for three ranks to break even? Predict, then compute it.
+# **1. Where the break-even lies.** Suppose each rank had a CPU of its own, as fast as this one, and the same
+# links. With this machine's fitted latency and the one-process step time at batch 1, how much longer would a
+# step's compute have to be for three ranks to break even? Predict, then compute it.
 
 # %%
-comm_b1 = steps[1]["predicted"] - steps[1]["one"] / RANKS
+comm_b1 = steps[1]["comm"]
 print(f"communication per step ≈ {comm_b1 * 1e3:.1f} ms; break-even when one process's step t satisfies "
       f"t = t/{RANKS} + comm, t = {comm_b1 * RANKS / (RANKS - 1) * 1e3:.1f} ms "
       f"({comm_b1 * RANKS / (RANKS - 1) / steps[1]['one']:.1f}x this model's step)")
@@ -283,8 +325,8 @@ print(f"communication per step ≈ {comm_b1 * 1e3:.1f} ms; break-even when one p
 #
 # Break-even is t = t/p + c, so t = c · p / (p − 1): one and a half times the communication for p = 3. The
 # communication is dominated by 61 latencies, so it hardly depends on the model's width: only a model whose
-# one-process step is at least the printed t breaks even, and the measured steps of section 5 also pay for ranks
-# waiting on each other, which the formula leaves out. This is why tensor parallelism is used for big models on
+# one-process step is at least the printed t breaks even. Ranks that share one CPU, as ours do, never break even:
+# their compute is not divided at all. This is why tensor parallelism is used for big models on
 # fast links, and why small ones are served by replicas instead (one whole copy per device, no communication).
 # </details>
 #

@@ -32,12 +32,13 @@ class Communicator:
             self.group = dist.ProcessGroupGloo(store, rank, size, options)
         self.rank, self.size, self.timeout, self.device = rank, size, timeout, device
         self.seconds, self.calls = 0.0, 0  # time spent inside collectives (waiting for the others included)
+        self.log: list[float] | None = None  # when a list: each collective's seconds, in order (`measure.py`)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; every rank gets the sum."""
         start = time.perf_counter()
         self.group.allreduce([t]).wait(self.timeout)
-        self.seconds, self.calls = self.seconds + time.perf_counter() - start, self.calls + 1
+        self._count(start)
         return t
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -51,8 +52,14 @@ class Communicator:
             parts = [torch.empty_like(t) for _ in range(self.size)]
             self.group.gather([parts], [t], options).wait(self.timeout)
             t = torch.cat(parts, dim=-1)
-        self.seconds, self.calls = self.seconds + time.perf_counter() - start, self.calls + 1
+        self._count(start)
         return t
+
+    def _count(self, start: float) -> None:
+        took = time.perf_counter() - start
+        self.seconds, self.calls = self.seconds + took, self.calls + 1
+        if self.log is not None:
+            self.log.append(took)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))

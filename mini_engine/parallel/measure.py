@@ -1,6 +1,6 @@
 """What tensor parallelism costs on this machine (chapter 11): the all-reduce's time over payload sizes, measured
-between real ranks and fitted as latency + bytes / bandwidth, and the decode step of a served engine timed with
-the share its rank 0 spent inside collectives.
+between real ranks and fitted as latency + bytes / bandwidth, and the decode step of a served engine split into
+computing, communicating and waiting for a slower rank.
 
 The ranks run `_time_all_reduce`, a function of this package: a function defined in a notebook cell cannot be
 started with `spawn` (the new process cannot import it).
@@ -11,6 +11,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,20 +30,20 @@ def _time_all_reduce(rank: int, size: int, store: str, sizes: list[int], repeats
         for _ in range(3):
             comm.all_reduce(t)
         comm.barrier()
-        samples = []
+        start = time.perf_counter()
         for _ in range(repeats):
-            start = time.perf_counter()
             comm.all_reduce(t)
-            samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples))
+        times.append((time.perf_counter() - start) / repeats)
     if rank == 0:
         out.put(times)
     comm.barrier()
 
 
-def all_reduce_seconds(payload_bytes: list[int], ranks: int = 3, repeats: int = 20) -> list[float]:
-    """Median seconds of one fp32 all-reduce of each payload (bytes) among `ranks` fresh gloo processes on this
-    machine, each with its share of the cores."""
+def all_reduce_seconds(payload_bytes: list[int], ranks: int = 3, repeats: int = 100) -> list[float]:
+    """Mean seconds of one fp32 all-reduce of each payload (bytes) among `ranks` fresh gloo processes on this
+    machine, each with its share of the cores. The mean, not the median: a step pays the sum of its collectives,
+    slow ones included, and on a CPU shared by more threads than cores a few calls wait milliseconds for a rank to
+    be scheduled (the median of such calls jumps between a fast and a slow mode; the mean is steady)."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="mini_engine_tp_") as folder, _main_left_out():
@@ -61,28 +62,55 @@ def fit_latency_bandwidth(payload_bytes, seconds) -> tuple[float, float]:
     return float(max(latency, 0.0)), float(1 / max(slope, 1e-30))
 
 
-def decode_step_times(llm, batch: int, tokens: int, prompt: str = "Tell me a story about a lighthouse."):
-    """Median seconds of the engine's decode-only steps for `batch` requests of `tokens` new tokens each, and for a
-    tensor-parallel engine the share of those steps rank 0 spent in collectives (None for one process)."""
+@dataclass
+class DecodeSteps:
+    """The decode-only steps of one run. For a tensor-parallel engine, each step's time splits three ways on rank 0:
+    computing (outside any collective), communicating (each collective's time on the rank that reached it last,
+    the least over the ranks: the others were only waiting for that rank) and waiting for a slower rank (rank 0's
+    time in collectives beyond that). One process: all compute."""
+    step_s: float        # median seconds a step
+    mean_s: float        # mean seconds a step (the three parts below add up to it)
+    compute_s: float
+    communication_s: float
+    waiting_s: float
+    collectives: int     # collectives a step
+
+    @property
+    def communication_share(self) -> float:
+        return self.communication_s / self.mean_s
+
+
+def decode_step_times(llm, batch: int, tokens: int, prompt: str = "Tell me a story about a lighthouse.") -> DecodeSteps:
+    """Time the engine's decode-only steps for `batch` requests of `tokens` new tokens each (see DecodeSteps)."""
     import mini_engine as me
 
     engine = llm.engine
     engine.config.record_trace = True
-    comm = getattr(engine.model, "comm", None)
+    model = engine.model
+    parallel = hasattr(model, "collective_log")
     params = me.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"{prompt} ({i})", params)
-    steps, in_comm = [], []
+    steps, spans = [], []  # each decode step's seconds, and its collectives' place in the logs
+    if parallel:
+        model.collective_log(True)
     while engine.has_unfinished():
-        before = comm.seconds if comm else 0.0
+        first = len(model.comm.log) if parallel else 0
         start = time.perf_counter()
         engine.step()
         took = time.perf_counter() - start
         record = engine.trace[-1] if engine.trace else None
         if record is not None and all(n == 1 for _, _, n, _ in record.chunks) and len(record.chunks) == batch:
             steps.append(took)
-            in_comm.append((comm.seconds - before) if comm else 0.0)
+            spans.append((first, len(model.comm.log) if parallel else 0))
+    logs = model.collective_log(False) if parallel else None
     engine.trace.clear()
     engine.config.record_trace = False
-    share = sum(in_comm) / sum(steps) if comm else None
-    return statistics.median(steps), share
+    mean = statistics.fmean(steps)
+    if not parallel:
+        return DecodeSteps(statistics.median(steps), mean, mean, 0.0, 0.0, 0)
+    per_call = list(zip(*logs))  # one tuple a collective: its seconds on each rank
+    rank0 = statistics.fmean(sum(logs[0][a:b]) for a, b in spans)
+    communication = statistics.fmean(sum(min(t) for t in per_call[a:b]) for a, b in spans)
+    a, b = spans[0]
+    return DecodeSteps(statistics.median(steps), mean, mean - rank0, communication, rank0 - communication, b - a)

@@ -121,6 +121,12 @@ def rank_main(rank: int, size: int, store_path: str, conn, threads: int, device:
                 cache = make_cache(args[0], model.config, device, model.dtype)
             elif kind == "copy":
                 cache.copy_blocks(args[0])
+            elif kind == "log":  # start logging each collective's time, or stop and send the log to rank 0
+                if args[0]:
+                    comm.log = []
+                else:
+                    _send(conn, comm.log or [])
+                    comm.log = None
             elif kind == "forward":
                 ids, meta, backend, last_only, cached = args
                 if device.type != "cpu":
@@ -264,6 +270,25 @@ class ParallelModel:
         self._check()
         try:
             self._broadcast(("copy", list(pairs)))
+        except BaseException as e:
+            self._fail(e)
+
+    def collective_log(self, on: bool) -> list[list[float]] | None:
+        """Start logging every rank's seconds in each collective (on=True); or stop, and return the logs, one list a
+        rank in rank order, each collective in the same place in every list (all ranks run the same ones)."""
+        self._check()
+        try:
+            self._broadcast(("log", on))
+            if on:
+                self.comm.log = []
+                return None
+            logs = [self.comm.log or []]
+            for rank, (_, conn) in enumerate(self._ranks, start=1):
+                if not conn.poll(self.timeout):
+                    raise TimeoutError(f"rank {rank} did not send its log: timed out")
+                logs.append(_recv(conn))
+            self.comm.log = None
+            return logs
         except BaseException as e:
             self._fail(e)
 

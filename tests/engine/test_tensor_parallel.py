@@ -149,6 +149,22 @@ def test_the_communication_formula():
     assert compute == pytest.approx(0.01) and comm == pytest.approx(60 * (4e-5 + 4 / 3 * 1152 / 1e9))
 
 
+def test_a_decode_step_splits_into_computing_communicating_and_waiting(tp, ref):
+    """Chapter 11's measurement: every rank logs each collective's seconds; a decode step holds the embedding's
+    all-reduce, two a layer and the logits' gather, on every rank alike; the three parts add up to the step, and
+    the communication (the least over the ranks, collective by collective) is no more than rank 0's time in them."""
+    from mini_engine.parallel.measure import decode_step_times
+    steps = decode_step_times(tp, batch=2, tokens=4)
+    assert steps.collectives == 2 * tp.engine.model.config.num_layers + 2
+    assert steps.compute_s > 0 and steps.communication_s > 0 and steps.waiting_s >= 0
+    assert steps.compute_s + steps.communication_s + steps.waiting_s == pytest.approx(steps.mean_s)
+    assert 0 < steps.communication_share < 1
+    assert tp.engine.model.comm.log is None  # logging is off again, on rank 0 and (they answered) on the others
+    one = decode_step_times(ref, batch=2, tokens=4)
+    assert one.collectives == 0 and one.compute_s == one.mean_s and one.communication_s == 0
+    assert tp.engine.num_free_blocks == tp.engine.num_kv_blocks
+
+
 @pytest.mark.parametrize("size, number", [(2, "num_heads (9)"), (4, "num_heads (9)"), (9, "num_kv_heads (3)")])
 def test_a_size_that_does_not_divide_the_model_is_refused(size, number):
     smollm = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
