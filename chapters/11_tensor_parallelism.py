@@ -162,16 +162,17 @@ widgets.tensor_parallel_widget()
 # %% [markdown]
 # ## 4. This machine's all-reduce
 #
-# Our ranks are processes on one CPU, and gloo carries their all-reduces over the loopback interface. We time one
+# Our ranks are processes on one CPU, and gloo carries their all-reduces over the loopback interface (on a machine
+# with a GPU per rank, NCCL carries them between the GPUs, and this section times that instead). We time one
 # fp32 all-reduce among three fresh processes for payloads from 64 bytes to a few MB, and fit the line
 # t = latency + bytes / bandwidth through the points. Each point is the mean of 100 calls, not the median: a
 # step pays the sum of its all-reduces, slow calls included, and the mean is what a sum adds up.
 
 # %%
 payloads = [64, 1024, 2304, 9216, 36864, 147456, 589824, 2359296]
-ar_s = all_reduce_seconds(payloads, RANKS, repeats=100)
+ar_s = all_reduce_seconds(payloads, RANKS, repeats=100, device=device)
 latency, bandwidth = fit_latency_bandwidth(payloads, ar_s)
-print(f"gloo all-reduce among {RANKS} processes: latency {latency * 1e6:.0f} µs, bandwidth {bandwidth / 1e9:.2f} GB/s")
+print(f"{'NCCL' if device == 'cuda' else 'gloo'} all-reduce among {RANKS} processes: latency {latency * 1e6:.0f} µs, bandwidth {bandwidth / 1e9:.2f} GB/s")
 for n, s in zip(payloads, ar_s):
     print(f"  {human_bytes(n):>10}: {s * 1e6:8.0f} µs")
 fig, ax = plt.subplots(figsize=(6.5, 3.4))
@@ -179,7 +180,7 @@ ax.loglog(payloads, np.array(ar_s) * 1e6, "o", label="measured (mean of 100)")
 xs = np.logspace(0, np.log10(payloads[-1]), 100)
 ax.loglog(xs, (latency + xs / bandwidth) * 1e6, "-", label="latency + bytes / bandwidth")
 ax.axvline(cfg.hidden_size * 4, color="grey", ls=":", label="one decode token's block output (fp32)")
-ax.set(xlabel="payload (bytes)", ylabel="µs per all-reduce", title=f"gloo, {RANKS} ranks on this machine")
+ax.set(xlabel="payload (bytes)", ylabel="µs per all-reduce", title=f"{'NCCL' if device == 'cuda' else 'gloo'}, {RANKS} ranks on this machine")
 ax.legend(fontsize=8)
 plt.show()
 

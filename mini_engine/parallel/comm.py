@@ -36,14 +36,14 @@ class Communicator:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; every rank gets the sum."""
-        start = time.perf_counter()
+        start = self._now()
         self.group.allreduce([t]).wait(self.timeout)
         self._count(start)
         return t
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0: every rank's `t` joined along the last dimension, in rank order; other ranks: `t` itself."""
-        t, start = t.contiguous(), time.perf_counter()
+        t, start = t.contiguous(), self._now()
         options = dist.GatherOptions()
         options.rootRank = 0
         if self.rank != 0:
@@ -55,8 +55,15 @@ class Communicator:
         self._count(start)
         return t
 
+    def _now(self) -> float:
+        # NCCL's wait() only orders the GPU's stream: while timing each collective, wait for the GPU itself, so
+        # that a collective's time is its own and not the work queued before it.
+        if self.log is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _count(self, start: float) -> None:
-        took = time.perf_counter() - start
+        took = self._now() - start
         self.seconds, self.calls = self.seconds + took, self.calls + 1
         if self.log is not None:
             self.log.append(took)

@@ -21,27 +21,36 @@ from .comm import Communicator
 from .ranks import _main_left_out, threads_per_rank
 
 
-def _time_all_reduce(rank: int, size: int, store: str, sizes: list[int], repeats: int, threads: int, out) -> None:
+def _time_all_reduce(rank: int, size: int, store: str, sizes: list[int], repeats: int, threads: int, device: str,
+                     out) -> None:
     torch.set_num_threads(threads)
-    comm = Communicator(store, rank, size, torch.device("cpu"), 60.0)
+    device = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm = Communicator(store, rank, size, device, 60.0)
     times = []
     for n in sizes:
-        t = torch.ones(max(1, n // 4))  # fp32: n bytes
+        t = torch.ones(max(1, n // 4), device=device)  # fp32: n bytes
         for _ in range(3):
             comm.all_reduce(t)
         comm.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         for _ in range(repeats):
             comm.all_reduce(t)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NCCL's wait() returns before the GPU has done the work
         times.append((time.perf_counter() - start) / repeats)
     if rank == 0:
         out.put(times)
     comm.barrier()
 
 
-def all_reduce_seconds(payload_bytes: list[int], ranks: int = 3, repeats: int = 100) -> list[float]:
-    """Mean seconds of one fp32 all-reduce of each payload (bytes) among `ranks` fresh gloo processes on this
-    machine, each with its share of the cores. The mean, not the median: a step pays the sum of its collectives,
+def all_reduce_seconds(payload_bytes: list[int], ranks: int = 3, repeats: int = 100,
+                       device: str = "cpu") -> list[float]:
+    """Mean seconds of one fp32 all-reduce of each payload (bytes) among `ranks` fresh processes on this machine:
+    over gloo, each with its share of the cores; with device="cuda", over NCCL, a GPU each (as the engine's ranks). The mean, not the median: a step pays the sum of its collectives,
     slow ones included, and on a CPU shared by more threads than cores a few calls wait milliseconds for a rank to
     be scheduled (the median of such calls jumps between a fast and a slow mode; the mean is steady)."""
     ctx = mp.get_context("spawn")
@@ -49,7 +58,7 @@ def all_reduce_seconds(payload_bytes: list[int], ranks: int = 3, repeats: int = 
     with tempfile.TemporaryDirectory(prefix="mini_engine_tp_") as folder, _main_left_out():
         mp.start_processes(_time_all_reduce, nprocs=ranks, start_method="spawn", join=True,
                            args=(ranks, os.path.join(folder, "store"), list(payload_bytes), repeats,
-                                 threads_per_rank(ranks), out))
+                                 threads_per_rank(ranks), device, out))
         return out.get()
 
 
