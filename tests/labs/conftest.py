@@ -120,6 +120,8 @@ def _describe(hit) -> str:
     fn = hit.fn if _is_triton(hit) else hit
     where = getattr(fn, "__module__", None) or type(fn).__module__
     what = f"{where}.{getattr(fn, '__qualname__', fn)}()"
+    if where.startswith("mini_engine.course"):
+        return f"the course's finished {what}"
     return f"the engine's finished {what}" if where.startswith("mini_engine") else what
 
 
