@@ -556,7 +556,9 @@ print(f"a decode step does {formulas.decode_intensity(cfg, 1, contexts[0], nbyte
 # **3. Chunked prefill.** The serving engine can cut a long prompt into chunks of
 # `chunked_prefill_tokens` so that a prefill never holds up the decode steps of other requests for long
 # (chapter 04). Each chunk is a forward pass that reads all the weights again. Predict the TTFT of a
-# long prompt in chunks of 32 tokens against the whole prompt in one pass.
+# long prompt in chunks of 32 tokens against the whole prompt in one pass. The cell below borrows `me.LLM`, the
+# serving engine that chapter 04 builds, only to time one request's first token both ways; how it schedules is
+# chapter 04's story.
 
 # %%
 chunk_prompt = torch.randint(100, 40000, (pick(cpu=256, gpu=2048, device=device),)).tolist()
