@@ -50,9 +50,10 @@ def _time_all_reduce(rank: int, size: int, store: str, sizes: list[int], repeats
 def all_reduce_seconds(payload_bytes: list[int], ranks: int = 3, repeats: int = 100,
                        device: str = "cpu") -> list[float]:
     """Mean seconds of one fp32 all-reduce of each payload (bytes) among `ranks` fresh processes on this machine:
-    over gloo, each with its share of the cores; with device="cuda", over NCCL, a GPU each (as the engine's ranks). The mean, not the median: a step pays the sum of its collectives,
-    slow ones included, and on a CPU shared by more threads than cores a few calls wait milliseconds for a rank to
-    be scheduled (the median of such calls jumps between a fast and a slow mode; the mean is steady)."""
+    over gloo, each with its share of the cores; with device="cuda", over NCCL, a GPU each (as the engine's ranks).
+    The mean, not the median: a step pays the sum of its collectives, slow ones included, and on a CPU shared by
+    more threads than cores a few calls wait milliseconds for a rank to be scheduled (the median of such calls
+    jumps between a fast and a slow mode; the mean is steady)."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="mini_engine_tp_") as folder, _main_left_out():
@@ -89,7 +90,8 @@ class DecodeSteps:
         return self.communication_s / self.mean_s
 
 
-def decode_step_times(llm, batch: int, tokens: int, prompt: str = "Tell me a story about a lighthouse.") -> DecodeSteps:
+def decode_step_times(llm, batch: int, tokens: int,
+                      prompt: str = "Tell me a story about a lighthouse.") -> DecodeSteps:
     """Time the engine's decode-only steps for `batch` requests of `tokens` new tokens each (see DecodeSteps)."""
     import mini_engine as me
 
