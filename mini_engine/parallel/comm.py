@@ -31,14 +31,13 @@ class Communicator:
             options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             self.group = dist.ProcessGroupGloo(store, rank, size, options)
         self.rank, self.size, self.timeout, self.device = rank, size, timeout, device
-        self.seconds, self.calls = 0.0, 0  # time spent inside collectives (waiting for the others included)
         self.log: list[float] | None = None  # when a list: each collective's seconds, in order (`measure.py`)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; every rank gets the sum."""
         start = self._now()
         self.group.allreduce([t]).wait(self.timeout)
-        self._count(start)
+        self._record(start)
         return t
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -52,21 +51,21 @@ class Communicator:
             parts = [torch.empty_like(t) for _ in range(self.size)]
             self.group.gather([parts], [t], options).wait(self.timeout)
             t = torch.cat(parts, dim=-1)
-        self._count(start)
+        self._record(start)
         return t
 
     def _now(self) -> float:
-        # NCCL's wait() only orders the GPU's stream: while timing each collective, wait for the GPU itself, so
-        # that a collective's time is its own and not the work queued before it.
-        if self.log is not None and self.device.type == "cuda":
+        """The clock, read only while collectives are logged. NCCL's wait() only orders the GPU's stream: while
+        timing, wait for the GPU itself, so that a collective's time is its own and not the work queued before it."""
+        if self.log is None:
+            return 0.0
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _count(self, start: float) -> None:
-        took = self._now() - start
-        self.seconds, self.calls = self.seconds + took, self.calls + 1
+    def _record(self, start: float) -> None:
         if self.log is not None:
-            self.log.append(took)
+            self.log.append(self._now() - start)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))
