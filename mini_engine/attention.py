@@ -115,6 +115,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # paged cache: [S, W] int32, the tables padded to one width (build)
     # What an attention backend derives once per step and every layer reuses (its own keys; empty in the core).
     extras: dict = field(default_factory=dict)
+    # build()'s arguments, plain lists: what a rank in another process rebuilds this from (chapter 11)
+    built_from: dict | None = None
 
     @classmethod
     def build(cls, query_lens, context_lens=None, slots=None, device="cpu", last_only=False,
@@ -153,8 +155,12 @@ class AttentionMetadata:
         logits_indices = None
         if last_only:
             logits_indices = torch.tensor(list(itertools.accumulate(query_lens)), device=device) - 1
+        built_from = dict(query_lens=list(query_lens), context_lens=context_lens, last_only=last_only,
+                          slots=None if slots is None else list(slots), static_len=static_len, fill=fill,
+                          block_tables=None if block_tables is None else [list(t) for t in block_tables],
+                          block_size=block_size)
         return cls(list(query_lens), context_lens, positions, None if slots is None else list(slots),
-                   slot_mapping, logits_indices, decode, tables)
+                   slot_mapping, logits_indices, decode, tables, built_from=built_from)
 
 
 def gather_blocks(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
