@@ -479,3 +479,85 @@ def test_quantized_weights_shrink_only_the_weight_term_of_a_decode_step():
     assert 3.5 < one[1] / one[0] < 4
     assert 1.5 < sixteen[1] / sixteen[0] < one[1] / one[0]
     assert F.decode_bytes_per_token("llama-7b", 16, 1024, weight_bits=4) == pytest.approx(int4 / 16)
+
+
+# ---------------------------------------------------------------- tensor parallelism (chapter 11)
+
+def test_ring_all_reduce_is_reduce_scatter_then_all_gather():
+    """2(p - 1) hops and 2(p - 1)/p of the bytes; each half is a reduce-scatter or an all-gather; one rank: free."""
+    n, hop, bw, base = 3000, 1e-5, 1e9, 7e-6
+    assert F.ring_all_reduce_seconds(n, 1, hop, bw, base) == 0
+    assert F.ring_all_reduce_seconds(n, 3, hop, bw, base) == pytest.approx(base + 4 * hop + 4 / 3 * n / bw)
+    assert F.all_reduce_seconds(n, 3, hop, bw) == pytest.approx(4 * hop + 4 / 3 * n / bw)
+    for p in (2, 3, 8):
+        rs = F.reduce_scatter_seconds(n, p, hop, bw)
+        assert rs == pytest.approx((p - 1) * hop + (p - 1) / p * n / bw)
+        assert F.all_gather_seconds(n, p, hop, bw) == rs
+        assert rs + F.all_gather_seconds(n, p, hop, bw) == pytest.approx(F.all_reduce_seconds(n, p, hop, bw))
+    # The bus-bandwidth factor tends to 2: a large ring all-reduce moves about twice the payload through each link.
+    assert F.ring_all_reduce_seconds(1e9, 1000, 0, 1e9) == pytest.approx(2 * 999 / 1000)
+    assert list(F.ring_all_reduce_seconds(n, np.array([1, 2, 4]), hop, bw)) == pytest.approx(
+        [0, 2 * hop + n / bw, 6 * hop + 1.5 * n / bw])
+    with pytest.raises(ValueError, match="ranks"):
+        F.ring_all_reduce_seconds(n, 0, hop, bw)
+
+
+def test_one_shot_all_reduce_is_flat_in_ranks_but_reads_every_payload():
+    lat, bw = 9e-6, 450e9
+    assert F.one_shot_all_reduce_seconds(4096, 1, lat, bw) == 0
+    small = [F.one_shot_all_reduce_seconds(4096, p, lat, bw) for p in (2, 4, 8)]
+    assert max(small) - min(small) < 0.1e-6, "a few KB: one latency whatever p"
+    assert F.one_shot_all_reduce_seconds(64 << 20, 8, lat, bw) > 3 * F.ring_all_reduce_seconds(
+        64 << 20, 8, 1e-6, bw), "64 MiB: (p - 1) whole payloads into each rank lose to the ring's 2(p - 1)/p"
+
+
+def test_pipeline_bubble():
+    assert F.pipeline_bubble(1, 1) == 0
+    assert F.pipeline_bubble(4, 1) == pytest.approx(3 / 4)
+    assert F.pipeline_bubble(3, 8) == pytest.approx(2 / 10)
+    assert list(F.pipeline_bubble(4, np.array([1, 2, 4, 8]))) == pytest.approx([3 / 4, 3 / 5, 3 / 7, 3 / 11])
+    for kwargs in ({"stages": 0}, {"micro_batches": 0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            F.pipeline_bubble(**{"stages": 2, "micro_batches": 2, **kwargs})
+
+
+def test_all_reduce_picks_the_algorithm_by_payload():
+    """Decode's few KB: a low-latency algorithm at about 10-20 µs, nearly flat in p; 64 MiB: a bandwidth one."""
+    from mini_engine.course import interconnects as I
+    h100, a100, t4 = (I.SYSTEMS[k] for k in ("H100 × NVLink 4 (NVSwitch)", "A100 × NVLink 3 (NVSwitch)",
+                                              "T4 × PCIe 3 (one host)"))
+    small = {p: I.all_reduce(h100, 16 * 1024, p) for p in (2, 4, 8)}
+    assert all(5e-6 < c.seconds < 20e-6 for c in small.values()), small
+    assert small[8].seconds < 2 * small[2].seconds, "nearly flat in p"
+    assert small[8].algorithm == "vLLM one-shot"
+    # vLLM's measured latency at 4 KB, as quoted; a one-shot read adds (p - 1) payloads over the link.
+    assert I.all_reduce_options(h100, 4096, 8)["vLLM one-shot"] == pytest.approx(9.3e-6 + 7 * 4096 / 450e9)
+    # NCCL's own model: LL ring on NVLink at p = 8, base 6.6 µs and 14 hops of 0.6 µs, half the bandwidth.
+    assert I.all_reduce_options(a100, 4096, 8)["NCCL ring, LL"] == pytest.approx(
+        (6.6 + 14 * 0.6) * 1e-6 + 14 / 8 * 4096 / 150e9)
+    big = I.all_reduce(h100, 64 << 20, 8)
+    assert big.algorithm == "NCCL NVLS" and big.seconds > 100e-6
+    assert I.all_reduce(a100, 64 << 20, 4).algorithm in ("NCCL ring, Simple", "NCCL ring, LL128")
+    assert "vLLM one-shot" not in I.all_reduce_options(a100, 4096, 3), "vLLM's kernel takes 2, 4, 6 or 8 GPUs"
+    assert "vLLM one-shot" not in I.all_reduce_options(t4, 4096, 2), "no NVLink on a T4"
+    assert I.all_reduce(t4, 4096, 1) == I.AllReduceCost(0.0, "")
+    # Two nodes: the ring crosses the network, slower than one node's NVLink.
+    ib = I.SYSTEMS["H100 × 2 nodes, InfiniBand NDR"]
+    assert I.all_reduce(ib, 4096, 8).seconds > I.all_reduce(h100, 4096, 8).seconds
+    assert "vLLM one-shot" not in I.all_reduce_options(ib, 4096, 8), "vLLM's kernel needs one node"
+
+
+def test_tensor_parallel_decode_uses_each_gpus_own_roofline():
+    from mini_engine.course import interconnects as I
+    a100 = I.tensor_parallel_decode(I.SYSTEMS["A100 × NVLink 3 (NVSwitch)"], "llama-70b-gqa", 8, 4)
+    h100 = I.tensor_parallel_decode(I.SYSTEMS["H100 × NVLink 4 (NVSwitch)"], "llama-70b-gqa", 8, 4)
+    roof = I.SYSTEMS["H100 × NVLink 4 (NVSwitch)"].roof
+    assert h100.one_rank_s == F.roofline_time(F.decode_flops("llama-70b-gqa", 512, 8),
+                                                     F.decode_bytes("llama-70b-gqa", 8, 512),
+                                                     roof.peak_flops, roof.peak_bw)
+    assert h100.one_rank_s < a100.one_rank_s and h100.compute_s == pytest.approx(h100.one_rank_s / 4)
+    assert h100.collectives == 160 and h100.payload_bytes == 8 * 8192 * 2
+    assert h100.step_s == pytest.approx(h100.compute_s + 160 * h100.all_reduce.seconds)
+    assert 3 < h100.speedup < 4 and h100.communication_share < 0.2, "a 70B model at batch 8 gains most of p"
+    small = I.tensor_parallel_decode(I.SYSTEMS["H100 × NVLink 4 (NVSwitch)"], "smollm2-135m", 1, 2)
+    assert small.speedup < 0.5, "SmolLM2 at batch 1: slower on two GPUs than one, even on NVLink"

@@ -1,4 +1,6 @@
 """Each widget builds without a kernel, redraws when a control moves, and shows the formulas' numbers."""
+import io
+
 import ipywidgets as W
 import matplotlib
 import pytest
@@ -218,3 +220,49 @@ def test_quant_roofline_widget():
     view.move("batch", 64)
     view.move("context", 4096)
     view.move("model", "smollm2-135m")
+
+
+# ---------------------------------------------------------------- chapter 11: tensor parallelism
+
+def test_tensor_parallel_widget_prices_each_gpu_on_its_own_link():
+    from mini_engine.course import interconnects as I
+    view = View(widgets.tensor_parallel_widget(model="llama-70b-gqa", batch=8, ranks=4,
+                                               system="A100 × NVLink 3 (NVSwitch)"))
+    a100 = I.tensor_parallel_decode(I.SYSTEMS["A100 × NVLink 3 (NVSwitch)"], "llama-70b-gqa", 8, 4)
+    text = view.summary.value
+    # Every number the sentence states is the formula's own.
+    for stated in (f"{a100.one_rank_s * 1e3:.3f} ms", f"{a100.compute_s * 1e3:.3f} ms",
+                   f"{a100.communication_s * 1e3:.3f} ms", f"{a100.speedup:.2f}×", a100.all_reduce.algorithm,
+                   f"{a100.all_reduce.seconds * 1e6:.1f} µs", "160 all-reduces", "312 TFLOP/s"):
+        assert stated in text, stated
+    # An H100 brings its own compute and bandwidth, not an A100's, and its own link.
+    text = view.move("GPUs and link", "H100 × NVLink 4 (NVSwitch)")
+    h100 = I.tensor_parallel_decode(I.SYSTEMS["H100 × NVLink 4 (NVSwitch)"], "llama-70b-gqa", 8, 4)
+    assert h100.one_rank_s < a100.one_rank_s / 1.5
+    assert f"{h100.one_rank_s * 1e3:.3f} ms" in text and "989 TFLOP/s" in text
+    # Eight T4s cannot hold a 70B model's 16-bit weights; SmolLM2 on one rank exchanges nothing.
+    assert "does not fit" in view.move("GPUs and link", "T4 × PCIe 3 (one host)")
+    view.move("ranks", 3)
+    assert "vLLM would refuse 3 ranks" in view.summary.value
+    view.move("model", "smollm2-135m")
+    assert "nothing to exchange" in view.move("ranks", 1)
+    view.move("GPUs and link", "H100 × 2 nodes, Ethernet 100 Gb/s")
+    view.move("batch", 64)
+
+
+def test_the_split_is_drawn_from_the_models_own_sizes():
+    from mini_engine.config import PRESETS
+    from mini_engine.course.tp_drawing import draw_tensor_parallel_split, split_stages
+    cfg = PRESETS["smollm2-135m"]  # 9 query heads, 3 KV heads of 64, width 576, MLP 1536, vocabulary 49152
+    fig = draw_tensor_parallel_split(cfg, 3)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert [t for t in texts if t.startswith("rank ")] == ["rank 0", "rank 1", "rank 2"]
+    assert "column-parallel [320, 576]\nq heads 3…5, 1 KV head(s)" in texts  # (3 + 2 × 1) × 64 rows on rank 1
+    assert sum("row-parallel [576, 512]" in t for t in texts) == 3 and any("ids 32,768…49,151" in t for t in texts)
+    kinds = [s.name for s in split_stages(cfg, 3)]
+    assert kinds.count("all-reduce") == 3 and kinds[-1] == "gather"
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    assert buf.getvalue()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="ranks: 2 does not divide num_heads = 9"):
+        draw_tensor_parallel_split(cfg, 2)

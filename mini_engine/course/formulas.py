@@ -638,23 +638,75 @@ def human_bytes(n: float) -> str:
 
 # ---------------------------------------------------------------- tensor parallelism (chapter 11)
 
-# (latency s, bandwidth bytes/s) of one link, per direction, as commonly quoted; chapter 11 measures loopback.
-LINKS = {"NVLink 4 (H100)": (5e-6, 450e9), "NVLink 3 (A100)": (5e-6, 300e9), "PCIe 4 x16": (10e-6, 25e9),
-         "Ethernet 100 Gb/s": (20e-6, 12.5e9), "Ethernet 10 Gb/s": (50e-6, 1.25e9)}
+# Chapter 11 prices a collective as a latency per collective plus bytes over a bandwidth; which latency and which
+# share of the bytes depends on the algorithm (`interconnects` holds the GPUs, links and measured constants).
+# `payload_bytes` is always the whole tensor one rank holds before the collective (all-reduce, reduce-scatter)
+# or after it (all-gather); `bandwidth` is one rank's link, bytes/s in each direction.
+
+
+def _check_ranks(ranks) -> None:
+    _check_at_least("ranks", ranks, 1)
+
+
+def ring_all_reduce_seconds(payload_bytes, ranks, hop_latency_s, bandwidth, base_latency_s=0.0):
+    """A ring all-reduce: a reduce-scatter then an all-gather around the ring, 2(p − 1) steps that each pay a hop's
+    latency, and each rank sends and receives 2(p − 1)/p of the payload (nccl-tests calls that factor the "bus
+    bandwidth" correction). `base_latency_s` is what one collective costs before its first hop (a launch,
+    NCCL's per-collective setup). One rank: nothing to do. Best for large payloads; for the few KB a decode
+    step sends the 2(p − 1) latencies are the whole cost."""
+    _check_ranks(ranks)
+    p = _arr(ranks)
+    steps = 2 * (p - 1)
+    return _out(np.where(p > 1, base_latency_s + steps * hop_latency_s + steps / p * _arr(payload_bytes) / bandwidth,
+                         0.0))
 
 
 def all_reduce_seconds(payload_bytes, ranks, latency_s, bandwidth):
-    """A ring all-reduce of `payload_bytes` among `ranks`: 2(p − 1) latency-bound hops, and each rank sends and
-    receives 2(p − 1)/p of the payload. One rank: nothing to do."""
+    """A ring all-reduce with no per-collective latency but its hops' (`ring_all_reduce_seconds`): the model
+    section 4 fits to this machine, where each hop is a message between processes."""
+    return ring_all_reduce_seconds(payload_bytes, ranks, latency_s, bandwidth)
+
+
+def one_shot_all_reduce_seconds(payload_bytes, ranks, latency_s, bandwidth):
+    """A one-shot all-reduce (vLLM's custom all-reduce for small payloads, `cross_device_reduce_1stage`): every rank
+    reads every other rank's whole payload over the links at once and sums locally. One latency, flat in p, but
+    (p − 1) payloads into each rank: the latency-optimal choice for small payloads, the wrong one for large."""
+    _check_ranks(ranks)
     p = _arr(ranks)
-    hops = 2 * (p - 1)
-    return _out(np.where(p > 1, hops * latency_s + hops / p * _arr(payload_bytes) / bandwidth, 0.0))
+    return _out(np.where(p > 1, latency_s + (p - 1) * _arr(payload_bytes) / bandwidth, 0.0))
+
+
+def reduce_scatter_seconds(payload_bytes, ranks, hop_latency_s, bandwidth, base_latency_s=0.0):
+    """A ring reduce-scatter: rank r ends with the sum of slice r of everyone's payload; p − 1 steps, each rank
+    sends and receives (p − 1)/p of the payload. The first half of a ring all-reduce."""
+    _check_ranks(ranks)
+    p = _arr(ranks)
+    return _out(np.where(p > 1, base_latency_s + (p - 1) * hop_latency_s
+                         + (p - 1) / p * _arr(payload_bytes) / bandwidth, 0.0))
+
+
+def all_gather_seconds(payload_bytes, ranks, hop_latency_s, bandwidth, base_latency_s=0.0):
+    """A ring all-gather of `payload_bytes` in all (each rank brings 1/p of it): the same p − 1 steps and
+    (p − 1)/p of the bytes as a reduce-scatter, the second half of a ring all-reduce. So
+    reduce-scatter + all-gather = ring all-reduce, latency and bytes (less one base latency)."""
+    return reduce_scatter_seconds(payload_bytes, ranks, hop_latency_s, bandwidth, base_latency_s)
+
+
+def pipeline_bubble(stages, micro_batches):
+    """The share of a pipeline's time its stages sit idle, (p − 1)/(m + p − 1), for p stages and m micro-batches of
+    equal cost (GPipe, Huang et al. 2019): filling and draining the pipe takes p − 1 stage-times out of m + p − 1.
+    One stage: no bubble. Many micro-batches: it vanishes as (p − 1)/m."""
+    _check_at_least("stages", stages, 1)
+    _check_at_least("micro_batches", micro_batches, 1)
+    p, m = _arr(stages), _arr(micro_batches)
+    return _out((p - 1) / (m + p - 1))
 
 
 def tensor_parallel_step(layers, hidden, batch, ranks, compute_s, latency_s, bandwidth, dtype_bytes=2):
     """(compute, communication) seconds of one decode step split over `ranks`: the one-rank step's `compute_s`
-    divided by the ranks (each multiplies a 1/p share of every weight), and two all-reduces a layer of the
-    block's output, batch × hidden values (2·h·b bytes in 16 bits)."""
+    divided by the ranks (each multiplies a 1/p share of every weight), and two ring all-reduces a layer of the
+    block's output, batch × hidden values (2·h·b bytes in 16 bits). `interconnects.tensor_parallel_decode` prices
+    the same step on a named GPU and link, with the algorithm a library would pick."""
     comm = 2 * _arr(layers) * all_reduce_seconds(_arr(batch) * _arr(hidden) * dtype_bytes, ranks, latency_s,
                                                  bandwidth)
     return _out(_arr(compute_s) / _arr(ranks)), comm

@@ -18,6 +18,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from . import formulas as F
+from . import interconnects as I
 from . import rooflines as R
 from . import serving_sim as L
 from . import simulate as S
@@ -631,35 +632,62 @@ def quant_roofline_widget(roofs: dict | None = None, model: str = "llama-7b", bi
 
 # ---------------------------------------------------------------- chapter 11: tensor parallelism
 
-def _render_tensor_parallel(model: str, batch: int, ranks: int, link: str, peak_flops: float, peak_bw: float):
-    shape = PRESETS[model]
-    h, layers = shape.hidden_size, shape.num_layers
-    latency, bandwidth = F.LINKS[link]
-    # One rank's decode step on the roofline: the weights read once, the products done once.
-    one = F.roofline_time(F.decode_flops(model, 512, batch), F.decode_bytes(model, batch, 512), peak_flops, peak_bw)
+def _render_tensor_parallel(model: str, batch: int, ranks: int, system: str):
+    sys_ = I.SYSTEMS[system]
+    steps = [I.tensor_parallel_decode(sys_, model, batch, p) for p in range(1, 9)]
+    st = steps[ranks - 1]
     ps = np.arange(1, 9)
-    compute, comm = (np.asarray(x, float) for x in F.tensor_parallel_step(layers, h, batch, ps, one, latency,
-                                                                           bandwidth))
-    fig, (ax,) = _figure(1, 8, 3.4)
-    ax.bar(ps, compute * 1e3, color="C0", label="compute per rank")
-    ax.bar(ps, comm * 1e3, bottom=compute * 1e3, color="C3", label="all-reduces")
-    ax.bar([ranks], [(compute[ranks - 1] + comm[ranks - 1]) * 1e3], fill=False, lw=2, edgecolor="k")
-    ax.set(xlabel="ranks p", ylabel="ms per decode step", title=f"{model}, batch {batch}, {link}")
-    ax.legend(fontsize=8)
-    c, m = compute[ranks - 1], comm[ranks - 1]
-    text = (f"{model} ({layers} layers, width {h}) at batch {batch} over {link}: a step computes in "
-            f"{c * 1e3:.3f} ms a rank and spends {m * 1e3:.3f} ms in {2 * layers} all-reduces of "
-            f"{2 * h * batch / 1024:.1f} KiB: <b>{one / (c + m):.2f}× </b> one rank's speed "
-            f"({m / (c + m):.0%} of the step communicating).")
+    fig, (left, right) = _figure(2, 10, 3.6)
+    compute = np.array([s.compute_s for s in steps]) * 1e3
+    comm = np.array([s.communication_s for s in steps]) * 1e3
+    left.bar(ps, compute, color="C0", label="compute per rank")
+    left.bar(ps, comm, bottom=compute, color="C3", label="all-reduces")
+    left.bar([ranks], [st.step_s * 1e3], fill=False, lw=2, edgecolor="k")
+    left.set(xlabel="ranks p", ylabel="ms per decode step", title=f"{model}, batch {batch}")
+    left.legend(fontsize=8)
+    # One all-reduce by every algorithm at these ranks, over payloads from 1 KiB to 64 MiB.
+    sizes = np.logspace(10, 26, 49, base=2)
+    if ranks > 1:
+        curves: dict[str, list[tuple[float, float]]] = {}  # vLLM's kernels each cover a range of sizes only
+        for n in sizes:
+            for name, sec in I.all_reduce_options(sys_, n, ranks).items():
+                curves.setdefault(name, []).append((n, sec * 1e6))
+        for i, (name, points) in enumerate(curves.items()):
+            right.plot(*zip(*points), color=f"C{i}", label=name)
+        right.axvline(st.payload_bytes, color="k", ls=":", lw=1)
+        right.plot([st.payload_bytes], [st.all_reduce.seconds * 1e6], "ko")
+        right.legend(fontsize=7)
+    right.set(xscale="log", yscale="log", xlabel="payload (bytes)", ylabel="µs per all-reduce",
+              title=f"one all-reduce at p = {ranks}, {sys_.link.name}")
+    fits = st.weight_bytes_per_rank <= sys_.memory
+    roof = sys_.roof
+    text = (f"{model} ({st.collectives // 2} layers) at batch {batch}: one {roof.name} "
+            f"({roof.peak_flops / 1e12:g} TFLOP/s, {roof.peak_bw / 1e12:.3g} TB/s) takes "
+            f"<b>{st.one_rank_s * 1e3:.3f} ms</b> a step. ")
+    if ranks == 1:
+        text += "One rank: nothing to exchange."
+    else:
+        text += (f"On {ranks} of them, each computes {st.compute_s * 1e3:.3f} ms and spends "
+                 f"{st.communication_s * 1e3:.3f} ms in {st.collectives} all-reduces of "
+                 f"{st.payload_bytes / 1024:.1f} KiB, each {st.all_reduce.seconds * 1e6:.1f} µs by "
+                 f"<b>{st.all_reduce.algorithm}</b>: <b>{st.speedup:.2f}×</b> one GPU's speed "
+                 f"({st.communication_share:.0%} of the step communicating). ")
+    heads = F.ModelShape.of(model).n_heads
+    if heads % ranks:
+        text += f"(vLLM would refuse {ranks} ranks: they must divide the {heads} query heads.) "
+    text += (f"Each rank holds {st.weight_bytes_per_rank / 1e9:.1f} GB of 16-bit weights: "
+             + (f"fits in its {sys_.memory / 1e9:.0f} GB." if fits else
+                f"<b>does not fit</b> in its {sys_.memory / 1e9:.0f} GB."))
     return text, fig
 
 
-def tensor_parallel_widget(model: str = "llama-70b-gqa", batch: int = 8, ranks: int = 4, link: str = "NVLink 3 (A100)",
-                           peak_flops: float = 312e12, peak_bw: float = 2.039e12) -> W.VBox:
-    """Chapter 11: compute per rank against communication per decode step, by model, batch, ranks and link (an
-    A100's ceilings by default)."""
+def tensor_parallel_widget(model: str = "llama-70b-gqa", batch: int = 8, ranks: int = 4,
+                           system: str = "H100 × NVLink 4 (NVSwitch)") -> W.VBox:
+    """Chapter 11: compute per rank against communication per decode step (`interconnects.tensor_parallel_decode`),
+    by model, batch, ranks and system: a GPU and its link chosen together, each GPU's own compute and bandwidth, and
+    each all-reduce by the fastest algorithm known there (right: every algorithm's cost over payload sizes)."""
     controls = {"model": _model_dropdown(model),
                 "batch": W.IntSlider(value=batch, min=1, max=256, description="batch", **_SLIDER),
                 "ranks": W.IntSlider(value=ranks, min=1, max=8, description="ranks", **_SLIDER),
-                "link": W.Dropdown(options=list(F.LINKS), value=link, description="link")}
-    return _live(controls, lambda **v: _render_tensor_parallel(peak_flops=peak_flops, peak_bw=peak_bw, **v))
+                "system": W.Dropdown(options=list(I.SYSTEMS), value=system, description="GPUs and link")}
+    return _live(controls, _render_tensor_parallel)
