@@ -127,17 +127,20 @@ class ParallelLMHead(nn.Module):
 
 
 CUSTOM = ("split_rows", "split_columns", "split_qkv", "ColumnParallelLinear", "RowParallelLinear",
-          "VocabParallelEmbedding")  # what a `layers=` module may bring in place of the engine's (lab 11)
+          "VocabParallelEmbedding", "ParallelLMHead",
+          "ParallelAttention")  # what a `layers=` module may bring in place of the engine's (lab 11)
 
 
 def resolve_layers(layers: str | None = None) -> types.SimpleNamespace:
     """The pieces `split` and `shard_model` build a rank from: the engine's own, or, with `layers` the dotted name of
     a module (lab 11's `labs.lab11_tensor_parallel`), that module's versions of any of CUSTOM, with the engine's
     signatures, the engine's filling in the rest. A name, not the module itself: every rank imports it in its own
-    process (a rank started by `spawn` has the parent's sys.path, so the module must be importable there)."""
+    process (a rank started by `spawn` has the parent's sys.path, so the module must be importable there).
+    `ParallelAttention(attn, rank, size, comm)`, a whole attention block built from the full one, has no engine
+    version (the engine cuts its Attention in place): None unless the module brings one."""
     module = importlib.import_module(layers) if layers else None
     here = globals()
-    return types.SimpleNamespace(**{name: getattr(module, name, None) or here[name] for name in CUSTOM})
+    return types.SimpleNamespace(**{name: getattr(module, name, None) or here.get(name) for name in CUSTOM})
 
 
 SPLITS = {"qkv_proj": "qkv", "gate_up_proj": "gate_up", "o_proj": "columns", "down_proj": "columns",
@@ -181,10 +184,14 @@ def shard_model(model, rank: int, size: int, comm=None, layers: str | None = Non
     local = rank_config(config, size)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = use.ColumnParallelLinear(use.split_qkv(attn.qkv_proj.weight, config, rank, size).clone())
-        attn.o_proj = use.RowParallelLinear(use.split_columns(attn.o_proj.weight, rank, size).clone(), comm)
-        attn.num_heads, attn.num_kv_heads = local.num_heads, local.num_kv_heads
-        attn.qk_size, attn.v_size = (local.num_heads + local.num_kv_heads) * local.head_dim, local.num_kv_heads * local.head_dim
+        if use.ParallelAttention is not None:  # a `layers=` module's own block (lab 11): it cuts its heads itself
+            layer.self_attn = use.ParallelAttention(attn, rank, size, comm)
+        else:
+            attn.qkv_proj = use.ColumnParallelLinear(use.split_qkv(attn.qkv_proj.weight, config, rank, size).clone())
+            attn.o_proj = use.RowParallelLinear(use.split_columns(attn.o_proj.weight, rank, size).clone(), comm)
+            attn.num_heads, attn.num_kv_heads = local.num_heads, local.num_kv_heads
+            attn.qk_size, attn.v_size = (local.num_heads + local.num_kv_heads) * local.head_dim, \
+                local.num_kv_heads * local.head_dim
         gate, up = mlp.gate_up_proj.weight.chunk(2)
         mlp.gate_up_proj = use.ColumnParallelLinear(torch.cat([use.split_rows(gate, rank, size),
                                                                use.split_rows(up, rank, size)]).clone())
@@ -194,6 +201,6 @@ def shard_model(model, rank: int, size: int, comm=None, layers: str | None = Non
                                                     rank * rows, comm)
     head = model.embed_tokens.weight if config.tie_word_embeddings else \
         split_rows(model.lm_head.weight, rank, size).clone()
-    model.lm_head = ParallelLMHead(head, comm)
+    model.lm_head = use.ParallelLMHead(head, comm)
     model.config = local
     return model
