@@ -22,8 +22,10 @@
 #
 # **The textbook.** The course accompanies a textbook's part on inference efficiency, Part 3, "Inference
 # Efficiency Core". Its thesis fits in one sentence: "decode is memory-bound, so the game is to read each
-# weight from HBM as few times as possible and serve as many tokens as possible per read" (HBM is a GPU's
-# main memory). It then puts a number on each technique: a KV cache worth "an ~700× speedup over re-computing
+# weight from HBM as few times as possible and serve as many tokens as possible per read" (HBM, high-bandwidth
+# memory, is the main memory of a data-centre GPU such as the A100 or H100; the T4 and L4 that Colab also offers
+# use GDDR6, at 320 and 300 GB/s, and a CPU reads DRAM, but the thesis holds for any main memory). It then puts
+# a number on each technique: a KV cache worth "an ~700× speedup over re-computing
 # past tokens", continuous batching "lifting utilization ~50% → ~90%", PagedAttention "cutting waste from
 # 60–80% to ≤15 tokens per request", prefix caching cutting "TTFT ~40×", and a 7B model on an A100 that runs
 # at "5 to 10 tokens per second" naive and "200 to 500" on an optimised stack. You do not need the book.

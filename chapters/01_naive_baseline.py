@@ -396,13 +396,17 @@ demand = 1e9 / (24 * 3600)  # tokens per second, a day's billion spread evenly
 print(f"a billion tokens a day = {demand:,.0f} tokens/s on average")
 stacks = {"naive": (naive_tok_s_book, 100), "optimised": (optimised_tok_s_book, 5)}  # (tok/s per A100, A100s)
 for stack, ((slow, fast), book_gpus) in stacks.items():
+    need = demand / book_gpus  # tok/s per A100 that the textbook's count of GPUs needs
     print(f"{stack:>9}: at {slow}-{fast} tok/s per A100, {math.ceil(demand / fast):,}-{math.ceil(demand / slow):,} "
-          f"A100s; the textbook's {book_gpus} need {demand / book_gpus:,.0f} tok/s each")
+          f"A100s; the textbook's {book_gpus} need {need:,.0f} tok/s each, {need / fast:.0f}x to {need / slow:.0f}x "
+          f"its rate")
 print(f"the textbook's two counts: 100 / 5 = {100 / 5:.0f}x; its rates: {low:.0f}x to {high:.0f}x")
 
 # What one A100 can do at most with Llama-7B in fp16 (512-token prompts, 512 new tokens each), on the roofline:
 naive_roof = formulas.generation_tok_s("llama-7b", 512, 512, 2, **A100, cache=False)
 print(f"roofline, naive loop, one stream: {naive_roof:,.0f} tok/s")
+print(f"a cached step reads all {formulas.weight_bytes('llama-7b', 2) / 1e9:.1f} GB of weights: "
+      f"{A100['peak_bw'] / formulas.weight_bytes('llama-7b', 2):,.0f} tok/s at most for one stream")
 for b in (1, 4, 16, 64):
     print(f"roofline, KV cache, batch {b:2d}: {formulas.generation_tok_s('llama-7b', 512, 512, 2, **A100, batch=b):,.0f} "
           f"tok/s in all")
@@ -411,17 +415,21 @@ for b in (1, 4, 16, 64):
 # <details><summary>Answer</summary>
 #
 # Far more GPUs than the textbook says, for both stacks. A billion tokens a day is about 11,600 tokens every
-# second; at 5 to 10 tokens/s per A100 that takes over a thousand A100s, and at 200 to 500 tokens/s a few
-# dozen, not 100 and 5. The two counts are consistent with each other (their ratio, 20×, is the ratio of 200
-# to 10), but each one needs about 20 times the rate the textbook gives per GPU: about 116 tokens/s for the
-# naive stack and 2,300 for the optimised one. The roofline lines say which of those one A100 can deliver. No
+# second (the first line); at 5 to 10 tokens/s per A100 that takes over a thousand A100s, and at 200 to 500
+# tokens/s a few dozen, not 100 and 5. The two counts are consistent with each other (their ratio, 20×, is the
+# ratio of 200 to 10), but each needs more per GPU than the textbook's rates: the naive stack's 100 A100s need
+# about 116 tokens/s each, 12 to 23 times its 5 to 10, and the optimised stack's 5 need about 2,300, 5 to 12
+# times its 200 to 500 (the cell prints both). The roofline lines say which of those one A100 can deliver. No
 # single naive stream gets near 116: recomputing the sequence makes every step compute-bound, and its ceiling
 # for one stream is a few dozen tokens/s. One cached stream cannot pass about 150 (every token reads all 13.5
 # GB of weights once); only a batch, whose streams share each weight read, reaches thousands of tokens/s in
-# all. So the 5 to 10 and 200 to 500 describe one stream, what one user sees, and the 100 and 5 GPUs describe
-# a server that batches many streams: the same mismatch as the ratios above. A real fleet also needs more than
-# this average, since traffic peaks in the daytime and a GPU is sized for the peak. Chapter 04 builds the
-# batching, and chapter 09 runs this arithmetic against the full engine.
+# all. So the textbook's figures describe different things. Its 5 to 10 is one naive stream, what one user
+# sees. Its 200 to 500 is more than one fp16 stream can reach at all, so it is the throughput of a batched
+# server (or one stream with 4-bit weights or speculative decoding, chapters 10 and 06; chapter 04 makes the
+# same point). And the 100 and 5 GPUs describe a server that batches many streams: the same mismatch as the
+# ratios above. A real fleet also needs more than this average, since traffic peaks in the daytime and a GPU
+# is sized for the peak. Chapter 04 builds the batching, and chapter 09 runs this arithmetic against the full
+# engine.
 # </details>
 #
 # **Lab.** [Lab 01](../labs/lab01_notebook.ipynb) has you write the naive decode loop and the FLOP

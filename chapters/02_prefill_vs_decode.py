@@ -355,11 +355,28 @@ ax.legend(fontsize=8, loc="lower right")
 plt.tight_layout()
 plt.show()
 
+
+from mini_engine.course.rooflines import GPU_ROOFS
+
+
+def prefill_ridge_tokens(ridge, dtype_bytes, longest=1 << 16):
+    """The shortest prefill of SmolLM2 whose intensity reaches `ridge` FLOP/byte (its intensity grows with n)."""
+    n = np.arange(1, longest + 1)
+    past = formulas.prefill_intensity(cfg, n, dtype_bytes) >= ridge
+    return int(n[past.argmax()]) if past.any() else None
+
+
+print(f"a prefill passes this {device}'s ridge ({ceil.ridge_point:.1f} FLOP/byte) from "
+      f"{prefill_ridge_tokens(ceil.ridge_point, nbytes)} tokens; in 16 bits on a GPU: " + ", ".join(
+          f"{name} {prefill_ridge_tokens(roof.ridge_point, 2)} (ridge {roof.ridge_point:.0f})"
+          for name, roof in GPU_ROOFS.items() if name != "H200"))
+
 # %% [markdown]
 # The hollow diamonds are the rows of the intensity table, each at the height the roof allows it.
 # Decode at batch 1 sits at the far left, pinned under the slanted memory roof; every doubling of the
-# batch moves it right and up, towards the ridge. Prefill lies further right: from a few dozen tokens
-# on it is past the ridge, under the flat compute roof. The gaps between the points and the roof are
+# batch moves it right and up, towards the ridge. Prefill lies further right, and past the ridge, under the
+# flat compute roof, from the length the last line prints: a few dozen tokens on a CPU, whose ridge is low,
+# but a few hundred in 16 bits on a GPU, whose ridges are in the hundreds of FLOP/byte. The gaps between the points and the roof are
 # overheads: Python between the kernels, small matmuls that run below the peak of a large square one,
 # attention on a plain PyTorch path. Later chapters close some of them.
 #

@@ -303,8 +303,10 @@ plt.show()
 # Only keys and values are cached, so the cache scales with the number of **KV heads**, not query heads.
 # SmolLM2 has 9 query heads sharing 3 KV heads (each KV head serves a group of 3 query heads): its
 # fused projection produces 9 + 3 + 3 heads of 64 dims per token. An otherwise identical model with one
-# KV head per query head (multi-head attention, MHA) would need a cache three times as large. We
-# allocate both caches for the same 1024 tokens:
+# KV head per query head (multi-head attention, MHA) would need a cache three times as large. At the other
+# extreme, multi-query attention (MQA; Shazeer 2019, "Fast Transformer Decoding: One Write-Head is All You
+# Need") shares a single KV head among all the query heads; grouped-query attention (GQA; Ainslie et al.
+# 2023) sits between the two. We allocate the three caches for the same 1024 tokens:
 
 # %%
 print(f"qkv_proj weight {tuple(model.layers[0].self_attn.qkv_proj.weight.shape)} = "

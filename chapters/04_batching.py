@@ -21,8 +21,10 @@
 #
 # - **Static batching** pads a batch to its longest request and runs it to the end: a request that finishes
 #   early leaves its lane idle until the longest one is done, and new requests wait for the whole batch.
-# - **Dynamic batching** groups requests of similar length (less padding), at the price of waiting for a
-#   group to fill.
+# - **Dynamic batching** collects the requests that arrive within a short time window (or until a batch is
+#   full) and runs them as one static batch, at the price of waiting for the window to close. The engine's
+#   version also sorts them into buckets of similar prompt length, a separate idea (length bucketing) that
+#   cuts the padding a static batch carries.
 # - **Continuous batching** (Orca, Yu et al. 2022) decides the batch at every step: a finished request leaves
 #   at once, and a waiting one takes its place at the next step.
 #
@@ -270,11 +272,11 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Static batching leaves slots empty while a batch's longest request finishes. Dynamic batching here buckets
-# requests by prompt length, so its batches are smaller (a bucket rarely fills every slot) and a request may
-# wait for its bucket: with an engine that does not pad, it pays dynamic batching's costs without collecting
-# its benefit (less padding). Continuous batching refills a slot at the next step; its TPOT is a little
-# higher, because its steps also carry the prompts of requests that join mid-batch.
+# Static batching leaves slots empty while a batch's longest request finishes. Dynamic batching here also
+# buckets requests by prompt length, so its batches are smaller (a bucket rarely fills every slot) and a
+# request may wait for its bucket's window to close: with an engine that does not pad, it pays the bucketing's
+# costs without collecting its benefit (less padding). Continuous batching refills a slot at the next step;
+# its TPOT is a little higher, because its steps also carry the prompts of requests that join mid-batch.
 #
 # Latency, request by request: TTFT includes the time spent queued, which is where the policies differ most;
 # TPOT is how fast a running request advances.
@@ -366,9 +368,9 @@ print(f"on this machine, the sweep above: batch {sweep_batches[-1]} gives "
 #
 # A running request advances one token per step, so anything that makes a step long stalls it. A long
 # prompt is such a thing: run whole, its prefill turns one step into a long one, and every running request
-# waits for it. Chunked prefill caps the tokens of a step (`chunked_prefill_tokens`): the prompt is split
-# into chunks, each run alongside the decodes of the running requests, so their stall is spread into many
-# small delays. We add the long prompt with `LLMEngine.add_request` while other requests are decoding.
+# waits for it. Chunked prefill (Sarathi, Agrawal et al. 2023) caps the tokens of a step
+# (`chunked_prefill_tokens`): the prompt is split into chunks, each run alongside the decodes of the running
+# requests, so their stall is spread into many small delays. We add the long prompt with `LLMEngine.add_request` while other requests are decoding.
 
 # %%
 long_len = pick(cpu=384, gpu=4096, device=device)
@@ -488,8 +490,9 @@ for seqs in (1, 4, 8):
 # Each request needs 4 steps (one prefill step that samples its first token, then 3 decode steps), so
 # one slot needs 8 × 4 steps, four slots a quarter of that and eight slots an eighth. The seconds fall
 # by less than the steps: a step that carries eight requests does more work than a step that carries
-# one. How much more depends on the machine: where a step is dominated by reading the weights (a GPU, and
-# largely a CPU too) the extra rows are almost free; where arithmetic dominates they are not.
+# one. How much more depends on the machine: where a step is dominated by reading the weights (a GPU) the
+# extra rows are almost free; where arithmetic dominates (a CPU after a few sequences, section 5's note and
+# chapter 02) they are not.
 # </details>
 #
 # **3. `chunked_prefill_tokens`: when does a long prompt get its first token?** One request with a

@@ -16,9 +16,10 @@
 #
 # Attention as written, `softmax(Q Kᵀ / √d) V`, builds an N × N matrix of scores for every head, keeps
 # it in memory while the softmax runs over each row, then multiplies it by V and throws it away. Only
-# the N × d output survives. FlashAttention (Dao, 2022) computes the same output without ever storing
-# that matrix: it walks over K and V in tiles that fit in on-chip memory and merges each tile into a
-# running answer with an *online softmax*.
+# the N × d output survives. FlashAttention (Dao, Fu, Ermon, Rudra and Ré, 2022) computes the same output
+# without ever storing that matrix: it walks over K and V in tiles that fit in on-chip memory and merges each
+# tile into a running answer with an *online softmax* (Milakov and Gimelshein, 2018, "Online normalizer
+# calculation for softmax").
 #
 # Same FLOPs, same result (to rounding), but O(N) extra memory instead of O(N²), and far fewer trips
 # to slow memory. This chapter:
@@ -255,9 +256,11 @@ print(f"doubling N from {ns[-2]} to {ns[-1]}: naive intermediates x{mem_rows[-1]
 # %% [markdown]
 # ### Where the bytes go: SRAM tiles and HBM traffic
 #
-# Memory size is half the story; the other half is traffic. A GPU keeps its big tensors in HBM (device
-# memory: tens of GB, a few TB/s) and computes out of on-chip SRAM (shared memory and registers: a few
-# hundred KB per multiprocessor, an order of magnitude faster). Naive attention sends the N × N scores
+# Memory size is half the story; the other half is traffic. A GPU keeps its big tensors in device memory
+# (tens of GB: HBM on a data-centre GPU such as the A100 or H100, at a few TB/s; GDDR6 on a T4 or L4, at about
+# 300 GB/s) and computes out of on-chip SRAM (shared memory and registers: a few hundred KB per
+# multiprocessor, an order of magnitude faster). Like the FlashAttention paper, this chapter calls device
+# memory HBM, whichever kind a GPU has. Naive attention sends the N × N scores
 # S and probabilities P through HBM: written, read back, written again, read again. The tiled kernel
 # keeps a Q tile in SRAM, streams K and V tiles past it, and the only score tile that ever exists is the
 # `BLOCK_M × BLOCK_N` one in registers. `formulas.attention_hbm_bytes` counts both, per head:
@@ -324,8 +327,10 @@ for d in (64, 128):
 #   l' = l\,e^{m - m'} + \sum_{j \in \text{tile}} e^{s_j - m'}, \quad
 #   acc' = acc\,e^{m - m'} + \sum_{j \in \text{tile}} e^{s_j - m'} v_j .$$
 #
-# After any number of tiles, `acc / l` is the exact attention output over the keys seen so far. Check
-# that with two tiles by hand first.
+# After any number of tiles, `acc / l` is the exact attention output over the keys seen so far. The running
+# max and denominator are Milakov and Gimelshein's online softmax (2018), which computes softmax's
+# normaliser in one pass over the scores instead of two; FlashAttention carries the numerator `acc` along
+# with them, so the output needs no second pass either. Check that with two tiles by hand first.
 
 # %%
 rng = np.random.default_rng(0)
@@ -551,6 +556,12 @@ state_bytes = group * (smol.head_dim + 2) * 4  # per chunk and KV head: acc, m a
 chunk_bytes = 2 * fd_chunk * smol.head_dim * 2  # the chunk's keys and values, read once, in bf16
 print(f"\nwhat a split costs: each chunk writes {state_bytes} B of state for the {chunk_bytes / 1024:.0f} KiB of keys "
       f"and values it reads ({state_bytes / chunk_bytes:.1%} more traffic), and a second, short launch merges them")
+fill_batch = -(-A100.num_sms // smol.num_kv_heads)  # the first batch whose unsplit step has a program per SM
+fa_programs = 0.8 * 2 * A100.num_sms  # flash-attn's num_splits_heuristic: 1 split from 80% of 2 programs per SM
+vllm_v2_batch = 512 // smol.num_heads  # vLLM's V2 kernel (past 512 tokens) while seqs × query heads <= 512
+print(f"A100: every SM has an unsplit program from batch {fill_batch}; flash-attn may split below "
+      f"{fa_programs:.0f} programs (batch {-(-fa_programs // smol.num_kv_heads) - 1:.0f} and less); vLLM picks its V2 "
+      f"kernel for contexts over 512 tokens up to batch {vllm_v2_batch} ({smol.num_heads} query heads)")
 
 fig, ax = plt.subplots(figsize=(6, 3.2))
 for chunks, style in ((1, "o-"), (fd_chunks, "s--")):
@@ -567,10 +578,15 @@ plt.show()
 # of them reads an eighth of the context: the step draws on far more of the memory bandwidth than 3 SMs can
 # use. The price is small: under a kilobyte of state per chunk against the 128 KiB of keys and values it
 # reads, and one short merge. From batch 36 on (3 KV heads each), the unsplit step already has a program for
-# every SM of an A100, and splitting would add the merge for nothing. So Flash Decoding pays exactly where
-# chapter 02 found batching pays least: few sequences, long contexts. vLLM's second paged-attention kernel
-# makes the same split, in partitions of 512 tokens, for long contexts only; the course's decode kernel keeps
-# one program per sequence and KV head, which is simpler to read. On a CPU the question does not arise in this
+# every SM of an A100 (the cell's last line), but that does not end the gain: an SM runs several programs at
+# once, and more of them hide more of the memory latency. flash-attn's decode path (`num_splits_heuristic` in
+# its `flash_api.cpp`) counts two programs per SM and considers splitting while the unsplit programs are
+# fewer than 80% of that, about 173 on an A100: up to batch 57 of SmolLM2's. So Flash Decoding pays exactly
+# where chapter 02 found batching pays least: few sequences, long contexts. vLLM's own paged-attention kernels
+# make the same choice: its V2 kernel splits the context into partitions of 512 tokens, and vLLM runs it for
+# contexts over 8,192 tokens, and for contexts over 512 whenever sequences × query heads is at most 512 (up to
+# batch 56 for SmolLM2's 9 heads), its unsplit V1 kernel otherwise. The course's decode kernel keeps one
+# program per sequence and KV head, which is simpler to read. On a CPU the question does not arise in this
 # form: a handful of cores is filled by a handful of (sequence, head) pairs.
 
 # %% [markdown]

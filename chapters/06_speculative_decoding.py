@@ -149,8 +149,9 @@ print(f"α = 0.3, k = 1: (1 + 0.3) / (1 + 0.02 + 0.05) = {1.3 / 1.07:.2f}x, a ga
 #
 # `generate_speculative` (in `mini_engine/generate.py`, beside `generate_cached`) is the plain loop. One
 # round of it, unrolled: the n-gram proposer looks for the sequence's last tokens earlier in the sequence
-# and proposes what followed them there. The prompt below asks to copy a sentence, so after the model has
-# started copying, the lookup finds the source sentence in the prompt.
+# and proposes what followed them there (Saxena's prompt lookup decoding, 2023; vLLM's "ngram" method). The
+# prompt below asks to copy a sentence, so after the model has started copying, the lookup finds the source
+# sentence in the prompt.
 
 # %%
 copy_prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content":
@@ -574,8 +575,9 @@ for k in (1, 4, 8):
 #
 # k = 1 caps a round at 2 tokens, so tokens per pass fall below 2 and the speedup shrinks. k = 8 lets a long
 # copied run go through in one pass: tokens per pass rise, though by less than the ratio of k, because the
-# answer's output runs are interrupted (where a correction departs from the source, the lookup's drafts go
-# wrong) and a pass can only accept drafts up to the first miss. Its verify passes are also wider (9 rows).
+# copied runs are interrupted (where the output departs from the source, at its opening and its end or where
+# the small model slips a word, the lookup's drafts go wrong) and a pass can only accept drafts up to the
+# first miss. Its verify passes are also wider (9 rows).
 # Lookup costs nothing, so with a high α the best k is larger than for a draft model; the formula's
 # `draft_cost` is practically 0 here, and only the verify pass's growth with k limits it.
 # </details>

@@ -424,15 +424,27 @@ plt.show()
 # Recompute is not the only way to free a request's blocks. vLLM also offered **swapping**: copy the
 # preempted request's blocks to CPU memory, and copy them back when it resumes, so nothing is computed
 # twice. Which is cheaper depends on sizes. Swapping moves every KV byte of the request across the PCIe bus
-# twice (SmolLM2 in bf16 keeps 23 KiB per token: about 23 MB for a 1,000-token request), in many small
-# transfers when blocks are small; recompute costs one prefill of the request's tokens, which a GPU runs
-# at high arithmetic intensity. The PagedAttention paper measured swapping to be the slower of the two with
-# small blocks and the two close at 16–64 tokens per block; recompute also needs no host memory pool and no
-# bookkeeping of where each block went, and vLLM's current engine preempts by recompute only.
+# twice (SmolLM2 in bf16 keeps 22.5 KiB per token, about 23 MB for a 1,000-token request: the cell below
+# prices it), in many small transfers when blocks are small; recompute costs one prefill of the request's
+# tokens, which a GPU runs at high arithmetic intensity. The PagedAttention paper measured swapping to be the
+# slower of the two with small blocks and the two close at 16–64 tokens per block; recompute also needs no
+# host memory pool and no bookkeeping of where each block went, and vLLM's current engine preempts by
+# recompute only.
 #
 # This course's engine recomputes, for those reasons and one more: on a CPU the "device" memory already is
 # host memory, so there is nowhere cheaper to swap to.
-#
+
+# %%
+bf16_token = formulas.kv_bytes_per_token_for(model.config, 2)  # bf16 whatever this machine runs in
+swap_request = 1000 * bf16_token
+print(f"SmolLM2's keys and values in bf16: {bf16_token:,.0f} B = {bf16_token / 1024:.1f} KiB per token; "
+      f"a 1,000-token request: {swap_request / 1e6:.1f} MB")
+# PCIe 4 x16 moves 31.5 GB/s each way by specification (16 GT/s x 16 lanes, 128b/130b); ~25 GB/s is typical.
+for label, bandwidth in (("the PCIe 4 x16 specification", 31.5e9), ("a typical measured PCIe 4 x16", 25e9)):
+    print(f"swapped out and back in at {label}'s {bandwidth / 1e9:.1f} GB/s per direction: "
+          f"{2 * swap_request / bandwidth * 1e3:.1f} ms at best, before the cost of many small copies")
+
+# %% [markdown]
 # ## What you measured
 
 # %%

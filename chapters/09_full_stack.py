@@ -285,13 +285,20 @@ print(f"{'':72}{'ceiling tok/s':>14}{'bytes / token':>15}")
 for name, tok_s, bytes_per_token in rows:
     print(f"{name:<72}{tok_s:>14.0f}{bytes_per_token / 1e9:>12.2f} GB")
 print("the textbook: naive 5-10 tok/s, optimised stack 200-500 tok/s")
+naive_roof, one_stream, batch16 = rows[0][1], A100["peak_bw"] / formulas.weight_bytes("llama-7b", 2), rows[3][1]
+print(f"naive: 5-10 tok/s is {5 / naive_roof:.0%}-{10 / naive_roof:.0%} of its ceiling here; at 1,024 + 1,024 "
+      f"tokens the ceiling is {formulas.generation_tok_s('llama-7b', 1024, 1024, 2, **A100, cache=False):.0f} tok/s")
+print(f"one cached stream: at most {A100['peak_bw'] / 1e12:.2f} TB/s / "
+      f"{formulas.weight_bytes('llama-7b', 2) / 1e9:.1f} GB = {one_stream:.0f} tok/s; batch 16 lifts the roof "
+      f"{batch16 / rows[1][1]:.1f}x, and 200-500 tok/s is {200 / batch16:.0%}-{500 / batch16:.0%} of it")
 
 # %% [markdown]
-# The naive ceiling (about 29 tok/s at these lengths, 14 at 1,024 + 1,024) is set by FLOPs, and eager code
-# reaches a third to two thirds of it at best: the textbook's 5-10. One cached stream cannot pass bandwidth /
-# model bytes, 2.04 TB/s / 13.5 GB ≈ 150 tok/s, *below* the textbook's optimised 200-500. So the optimised
-# figure is a batched one: with 16 streams each token carries a sixteenth of the weight read (plus its own
-# keys and values), and the roof rises tenfold. 200-500 tok/s is 13-33% of that roof; vLLM on such a GPU
+# The naive ceiling (about 29 tok/s at these lengths, 14 at 1,024 + 1,024) is set by FLOPs, and the textbook's
+# 5-10 is a sixth to a third of it (the cell's last lines print these): what eager code attains. One cached
+# stream cannot pass bandwidth / model bytes, 2.04 TB/s / 13.5 GB ≈ 150 tok/s, *below* the textbook's
+# optimised 200-500. So the optimised figure is a batched one: with 16 streams each token carries a sixteenth
+# of the weight read (plus its own keys and values), and the roof rises tenfold. 200-500 tok/s is 13-33% of
+# that roof; vLLM on such a GPU
 # serves thousands of tokens per second in aggregate. The textbook's "5 to 50×" is therefore mostly batching,
 # and a roofline says how much is left.
 #
@@ -472,8 +479,9 @@ display(load_widget(step_s, prompt_s, max_batch=SERVER_SEQS, tokens=SWEEP_TOKENS
 #
 # What this engine still lacks compared with them:
 #
-# - **More than one device**: tensor, pipeline and expert parallelism; every production engine shards large
-#   models across GPUs, and some split prefill and decode onto different machines (disaggregated serving).
+# - **Every way to use many devices**: the engine splits a model over ranks by tensor or pipeline parallelism
+#   (`tensor_parallel_size`, `pipeline_parallel_size`; chapter 11), but has no expert parallelism, and does not
+#   split prefill and decode onto different machines (disaggregated serving), as some production engines do.
 # - **Overlap**: the engine schedules, runs and samples in sequence; vLLM and SGLang prepare the next step on the
 #   CPU while the GPU runs this one, and run the detokenizer and API server in processes of their own.
 # - **Graphs for every step**: only decode-only steps are compiled here; steps carrying drafts or prompt chunks
@@ -557,14 +565,23 @@ for rung, x in short_runs.items():
           f"{x.stats['cached_tokens']} of {x.stats['prompt_tokens']}")
 print(f"prefix / paged: {short_runs['prefix'].tok_s / short_runs['paged'].tok_s:.2f}x here, "
       f"{gain('prefix', 'paged'):.2f}x with the long system prompt")
+# What is left to share: each prompt's longest common start with an earlier one, and the whole blocks of 16 in it.
+common = [max((next((k for k, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+               for q in short.prompts[:i]), default=0) for i, p in enumerate(short.prompts)]
+print(f"every prompt shares its first {short.shared_prefix_len} tokens ({short.shared_prefix_len // 16} whole blocks "
+      f"of 16); with an earlier prompt, up to {max(common)} tokens: at most {sum(c // 16 * 16 for c in common)} of "
+      f"{sum(map(len, short.prompts))} prompt tokens in whole blocks")
 
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# Prefix caching's: with a few shared tokens, fewer than a block of 16, there is nothing whole to reuse, and
-# its hit rate falls to zero (a hit is counted in full blocks, chapter 08). Speculation and batching do not
-# depend on the system prompt. Prefix caching also costs nothing measurable when it finds nothing: with no hit
-# the two engines run the same steps, so any gap between the two rows above is the machine's noise.
+# Prefix caching's: the system prompt all requests share is now shorter than a block of 16, and a hit is
+# counted in whole blocks (chapter 08), so its hit rate falls to almost nothing. Not quite zero: the
+# input-grounded requests also open their user turn with the same instruction ("Repeat this text
+# exactly: ..."), which carries their common start past one block, and the cell's last line counts those
+# blocks. Speculation and batching do not depend on the system prompt. Prefix caching also costs nothing
+# measurable when it finds nothing: with no hit the two engines run the same steps, so any gap between the
+# two rows above is the machine's noise.
 # </details>
 #
 # **3. The A100 arithmetic for a bigger model.** Predict the batch-1 decode ceiling of Llama-2-13B in fp16 on

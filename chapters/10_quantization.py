@@ -407,7 +407,7 @@ else:
 # | --- | --- | --- | --- | --- |
 # | int8 / int4, round to nearest (RTN) | nothing: uniform grid per row or group | 8 or 4 bits + scales | nothing | any int kernel (this chapter) |
 # | **NF4** (QLoRA, 2023) | **the grid**: 16 levels at the quantiles of a normal distribution, dense near 0 where most weights are, scaled by each block's absmax | 4 bits + absmax per 64 (4.127 bits with "double quantization" of the absmaxes) | nothing | a lookup-table dequantize (bitsandbytes); made for fine-tuning adapters on a frozen 4-bit model |
-# | **AWQ** (2023) | **which weights are protected**: the ~1% of input channels that meet large activations are scaled up before rounding (and the activations scaled down to match), so their relative error shrinks | int4, groups of 128 | a few hundred calibration samples to measure activation sizes | the ordinary W4A16 kernel: the scaling is folded into the weights |
+# | **AWQ** (Lin et al. 2023) | **which weights are protected**: it starts from the observation that keeping ~1% of the input channels, those that meet large activations, in fp16 saves most of the quality; instead it scales *every* input channel by s = s_X^α before rounding (s_X its mean activation size, α in [0, 1] found by a grid search per layer; §3.2) and the activations down by s to match, so the salient channels' relative error shrinks | int4, groups of 128 | a few hundred calibration samples to measure activation sizes | the ordinary W4A16 kernel: the scaling is folded into the weights |
 # | **GPTQ** (2022) | **how rounding errors are placed**: columns are quantized one at a time, and each one's rounding error is pushed onto the columns not yet quantized, weighted by the inverse Hessian of the layer's inputs, so the layer's *output* error is minimised rather than each weight's | int4 (or 3), groups of 128 | calibration samples; minutes to hours per model | the ordinary W4A16 kernel |
 #
 # So NF4 changes the levels, AWQ the scales, GPTQ the codes; none of them changes the bytes read per token
@@ -416,8 +416,8 @@ else:
 #
 # NF4's grid, measured: NF4 assumes weights are roughly normal within a block. Here is the error of
 # symmetric 4-bit quantization on blocks of 64 with the uniform grid against NF4's levels, on a slice of the
-# embedding table (stored as Q8_0, 256 levels per 32 weights, so its values are close to continuous; the
-# decoder's matrices are already on 4-bit grids and would favour the uniform one):
+# embedding table (stored as Q8_0, codes -127 to 127 times a scale per 32 weights, 255 levels, so its values are
+# close to continuous; the decoder's matrices are already on 4-bit grids and would favour the uniform one):
 
 # %%
 NF4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
@@ -495,8 +495,9 @@ for k, v in book_vs_here:
 #
 # The same idea applied to Q4_1: each row keeps one fp32 factor for its d's and one for its m's, and each
 # group stores its d and m as 8-bit codes of those factors, d ≈ d_code · f_d[row] and m ≈ m_code · f_m[row]
-# (`quant.compact_scales`). That is 16 bits per group instead of 32, about 4.5 bits a weight. Exercise 2 reaches
-# the same 4.5 bits another way: groups of 64 with 16-bit scales. Which costs less precision? Both, and the
+# (`quant.compact_scales`). That is 16 bits per group instead of 32: 4.5 bits a weight, plus the two fp32 factors
+# of each row, which the cell counts too. Exercise 2 reaches about the same bits another way: groups of 64 with
+# 16-bit scales. Which costs less precision? Both, and the
 # checkpoint's own groups of 32 with 16-bit scales, measured on a sample of the decoder's matrices (every tenth
 # layer), against the fp32 weights:
 
@@ -634,6 +635,8 @@ print(f"int4, groups of 64: {weight_bytes(g64) / 2**20:.1f} MiB ({100 * weight_b
       f"{quality.greedy_agreement(g64, models['fp32'], quality_prompts, QUALITY_NEW, reference_tokens=reference)}")
 print(f"int4, Q4_1 (groups of 32): {measured['int4']['mib']:.1f} MiB, perplexity {measured['int4']['ppl']:.2f}; "
       f"fp32 {measured['fp32']['ppl']:.2f}")
+print(f"the decoder's bits a weight: {formulas.bits_per_weight(4, 64, 16, 16):.1f} in groups of 64 with a bf16 scale "
+      f"and zero, {formulas.bits_per_weight(4, 32, 16, 16):.1f} for Q4_1")
 del g64
 
 # %% [markdown]
@@ -659,6 +662,8 @@ print(f"int4 with an int4 head: {weight_bytes(head4) / 2**20:.1f} MiB "
       f"{quality.greedy_agreement(head4, models['fp32'], quality_prompts, QUALITY_NEW, reference_tokens=reference)}")
 print(f"int4 with the int8 head: {measured['int4']['mib']:.1f} MiB "
       f"({100 * measured['int4']['mib'] / bf16_mib:.1f}%), perplexity {measured['int4']['ppl']:.2f}")
+print(f"Q4_1's {formulas.bits_per_weight(4, 32, 16, 16):.0f} bits a weight against bf16's 16: "
+      f"{100 * formulas.bits_per_weight(4, 32, 16, 16) / 16:.2f}% whatever the head")
 del head4
 
 # %% [markdown]
