@@ -32,7 +32,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .comm import Communicator
-from .ranks import _main_left_out, threads_per_rank
+from .ranks import _main_left_out, threads_per_rank, timeout_s
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce_from_halves")
 
@@ -65,7 +65,7 @@ def _join(rank: int, size: int, store: str, threads: int, device: str) -> Commun
     device = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return Communicator(store, rank, size, device, 60.0)
+    return Communicator(store, rank, size, device, timeout_s())  # MINI_ENGINE_TP_TIMEOUT, as the engine's ranks
 
 
 def _inputs(rank: int, shape, device) -> torch.Tensor:
