@@ -49,8 +49,8 @@ class Communicator:
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of `t` over the ranks, of which rank r keeps the r-th of `size` equal slices along dim 0: `t`'s
         first dimension must divide by size. The first half of an all-reduce: each rank ends with 1/size of the sum.
-        (gloo in torch 2.13 has its own reduce-scatter, as NCCL does: `_reduce_scatter_base` is the name a backend
-        gives what torch.distributed.reduce_scatter_single calls.)"""
+        (gloo in torch 2.13 has its own reduce-scatter, as NCCL does: `_reduce_scatter_base`, bound on every
+        torch.distributed backend, is what torch.distributed.reduce_scatter_single calls a group's backend with.)"""
         if t.shape[0] % self.size:
             raise ValueError(f"reduce_scatter: t's first dimension ({t.shape[0]}) must divide by the group's size "
                              f"({self.size}); pad it")
