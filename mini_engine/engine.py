@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import itertools
 import os
 import numbers
@@ -381,15 +382,14 @@ class LLM(contextlib.AbstractContextManager):
                  scheduling: object = "continuous", speculative: dict | None = None, attention_backend: str = "auto",
                  compile: bool | str = False, quantization: str | None = None, **engine_kwargs):
         from .loading.loader import load_model
-
         config = EngineConfig(  # checked before the weights load
             model=model, device=device, dtype=dtype, kv_cache=kv_cache, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, chunked_prefill_tokens=chunked_prefill_tokens,
             scheduling=scheduling, speculative=speculative, attention_backend=attention_backend, compile=compile,
             quantization=quantization, **engine_kwargs)
-        weights, tokenizer = load_model(model, device=device, dtype=dtype, quantization=quantization,
-                                        tensor_parallel_size=config.tensor_parallel_size)  # chapter 11
+        weights, tokenizer = load_model(model, device=device, dtype=dtype, quantization=quantization) \
+            if config.num_ranks == 1 else importlib.import_module(".parallel", __package__).load_parallel(config)
         self.engine = LLMEngine(weights, tokenizer, config)
 
     @classmethod

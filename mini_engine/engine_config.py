@@ -130,15 +130,25 @@ class EngineConfig:
     # Decode-only steps through compiled graphs, one per batch-size bucket. "max-autotune": Inductor also writes
     # and times the weight products (longer to compile; see compiled_decode._MAX_AUTOTUNE_CPU).
     compile: bool | str = False
-    tensor_parallel_size: int = 1       # ranks the model is split over, each a process (mini_engine/parallel, chapter 11)
+    # Chapter 11 (mini_engine/parallel): the model split over processes of their own. Tensor parallelism cuts every
+    # layer over tensor_parallel_size ranks (sequence_parallel: their norms and residual stream over tokens too);
+    # pipeline parallelism cuts the stack of layers into pipeline_parallel_size stages, each step's sequences
+    # passed through them in pipeline_micro_batches groups.
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int = 1
 
     def __post_init__(self):
         if not isinstance(self.record_trace, bool):
             raise ValueError(f"record_trace must be True or False, got {self.record_trace!r}")
         if not (isinstance(self.compile, bool) or self.compile == "max-autotune"):
             raise ValueError(f"compile must be False, True or 'max-autotune', got {self.compile!r}")
-        if self.compile and self.tensor_parallel_size != 1:
-            raise ValueError(f"compile={self.compile!r} is not built for tensor_parallel_size > 1; use compile=False")
+        if self.compile and self.num_ranks != 1:
+            raise ValueError(f"compile={self.compile!r} is not built for a model split over processes "
+                             "(tensor_parallel_size or pipeline_parallel_size > 1); use compile=False")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         for name, allowed in (("kv_cache", KV_CACHES), ("dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -171,15 +181,27 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         resolve_backend(self.attention_backend, self.device)  # a bad name fails here, before any weights load
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_model_len", "chunked_prefill_tokens",
-                     "dynamic_bucket_width", "tensor_parallel_size"):
+                     "dynamic_bucket_width", "tensor_parallel_size", "pipeline_parallel_size",
+                     "pipeline_micro_batches"):
             value = getattr(self, name)
             optional = name in ("num_kv_blocks", "max_num_seqs", "max_model_len", "chunked_prefill_tokens")
             if not (value is None and optional) and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("sequence_parallel=True shards tensor-parallel ranks' activations: it needs "
+                             f"tensor_parallel_size > 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size}: this engine splits a model one way at a time; set one to 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must leave room for a prompt token and a new one, got {self.max_model_len}")
         if not isinstance(self.dynamic_timeout_s, (int, float)) or self.dynamic_timeout_s < 0:
             raise ValueError(f"dynamic_timeout_s must be >= 0, got {self.dynamic_timeout_s!r}")
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes the model runs in: 1, or the ranks of tensor or pipeline parallelism (chapter 11)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def block_manager_class(self) -> type[BlockManager]:
         """The paged pool's bookkeeping: your block_manager, the radix tree (prefix_cache="radix") or paging's."""

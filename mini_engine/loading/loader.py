@@ -54,8 +54,8 @@ def model_path(name_or_path: str) -> Path:
 
 def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: str | torch.dtype = "float32",
                attention_backend: str = "auto", quantization: str | None = None,
-               group_size: int = 32, head: str | None = None, cpu_backend: bool = True,
-               tensor_parallel_size: int = 1) -> tuple[LlamaModel, Tokenizer]:
+               group_size: int = 32, head: str | None = None,
+               cpu_backend: bool = True) -> tuple[LlamaModel, Tokenizer]:
     """`name_or_path`: an embedded model name, a .gguf file, or an HF checkpoint folder.
     `attention_backend`: "auto" (triton on CUDA, torch on CPU), "torch", "triton" or "naive".
     `quantization`: None (float weights in `dtype`), "int4" (groups of `group_size`; a GGUF's Q4_1 blocks are
@@ -63,11 +63,7 @@ def load_model(name_or_path: str = "smollm2-135m", device: str = "cpu", dtype: s
     chapter 10) or "int8" (per channel); `dtype` is then the activations' dtype. `head`: how the LM head and
     tied embedding are stored under quantization ("int8", "int4", "split" or "float"; None: the measured
     default, `quant.default_head`). `cpu_backend=False` leaves the model in the core's plain modules.
-    `tensor_parallel_size` > 1 splits the model over that many ranks (chapter 11): rank 0's share here, the others in
-    processes of their own, as a `parallel.ParallelModel` the engine runs like a model."""
-    if tensor_parallel_size != 1:
-        from ..parallel import load_parallel
-        return load_parallel(name_or_path, device, dtype, attention_backend, quantization, tensor_parallel_size)
+    (A model split over processes: `LLM(..., tensor_parallel_size=p)`, `parallel.load_parallel`.)"""
     from ..backends import cpu
     from ..quant import check_quantization, quantize_model
     check_quantization(quantization)

@@ -143,6 +143,8 @@ def resolve_layers(layers: str | None = None) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{name: getattr(module, name, None) or here.get(name) for name in CUSTOM})
 
 
+# How each weight is divided among the ranks, by its module's name (the one table: `split` reads it for a state_dict
+# and `shard_model` for a model's modules); a weight not named here (the norms) is copied whole to every rank.
 SPLITS = {"qkv_proj": "qkv", "gate_up_proj": "gate_up", "o_proj": "columns", "down_proj": "columns",
           "embed_tokens": "rows", "lm_head": "rows"}
 
@@ -175,32 +177,33 @@ def shard_weights(model, rank: int, size: int, layers: str | None = None) -> dic
 def shard_model(model, rank: int, size: int, comm=None, layers: str | None = None):
     """Cut a full `LlamaModel` down to rank `rank` of `size`, in place (returns it): every projection, the embedding
     and the LM head replaced by its parallel layer holding the rank's share (a copy: the full weights can go),
-    each attention told its share of the heads. A model on the meta device stays there (a rank builds its
-    shapes this way, then loads its weights). `layers`, the dotted name of a module, builds the rank from that
-    module's splits and layer classes instead of the engine's (`resolve_layers`: lab 11 serves with a student's)."""
+    each attention told its share of the heads. Each share is cut by `split`, so SPLITS is the one table of how a
+    weight is divided. A model on the meta device stays there (a rank builds its shapes this way, then loads its
+    weights). `layers`, the dotted name of a module, builds the rank from that module's splits and layer classes
+    instead of the engine's (`resolve_layers`: lab 11 serves with a student's)."""
     config = model.config
     use = resolve_layers(layers)
     check_tensor_parallel_size(config, size)
     local = rank_config(config, size)
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+
+    def share(name: str, module) -> torch.Tensor:
+        return split(f"{name}.weight", module.weight, config, rank, size, layers)
+
+    for i, layer in enumerate(model.layers):
+        attn, mlp, at = layer.self_attn, layer.mlp, f"layers.{i}"
         if use.ParallelAttention is not None:  # a `layers=` module's own block (lab 11): it cuts its heads itself
             layer.self_attn = use.ParallelAttention(attn, rank, size, comm)
         else:
-            attn.qkv_proj = use.ColumnParallelLinear(use.split_qkv(attn.qkv_proj.weight, config, rank, size).clone())
-            attn.o_proj = use.RowParallelLinear(use.split_columns(attn.o_proj.weight, rank, size).clone(), comm)
+            attn.qkv_proj = use.ColumnParallelLinear(share(f"{at}.self_attn.qkv_proj", attn.qkv_proj))
+            attn.o_proj = use.RowParallelLinear(share(f"{at}.self_attn.o_proj", attn.o_proj), comm)
             attn.num_heads, attn.num_kv_heads = local.num_heads, local.num_kv_heads
             attn.qk_size, attn.v_size = (local.num_heads + local.num_kv_heads) * local.head_dim, \
                 local.num_kv_heads * local.head_dim
-        gate, up = mlp.gate_up_proj.weight.chunk(2)
-        mlp.gate_up_proj = use.ColumnParallelLinear(torch.cat([use.split_rows(gate, rank, size),
-                                                               use.split_rows(up, rank, size)]).clone())
-        mlp.down_proj = use.RowParallelLinear(use.split_columns(mlp.down_proj.weight, rank, size).clone(), comm)
-    rows = config.vocab_size // size
-    model.embed_tokens = use.VocabParallelEmbedding(use.split_rows(model.embed_tokens.weight, rank, size).clone(),
-                                                    rank * rows, comm)
-    head = model.embed_tokens.weight if config.tie_word_embeddings else \
-        split_rows(model.lm_head.weight, rank, size).clone()
+        mlp.gate_up_proj = use.ColumnParallelLinear(share(f"{at}.mlp.gate_up_proj", mlp.gate_up_proj))
+        mlp.down_proj = use.RowParallelLinear(share(f"{at}.mlp.down_proj", mlp.down_proj), comm)
+    model.embed_tokens = use.VocabParallelEmbedding(share("embed_tokens", model.embed_tokens),
+                                                    rank * (config.vocab_size // size), comm)
+    head = model.embed_tokens.weight if config.tie_word_embeddings else share("lm_head", model.lm_head)
     model.lm_head = use.ParallelLMHead(head, comm)
     model.config = local
     return model

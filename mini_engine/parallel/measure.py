@@ -125,3 +125,30 @@ def decode_step_times(llm, batch: int, tokens: int,
     communication = statistics.fmean(sum(min(t) for t in per_call[a:b]) for a, b in spans)
     a, b = spans[0]
     return DecodeSteps(statistics.median(steps), mean, mean - rank0, communication, rank0 - communication, b - a)
+
+
+def kv_blocks_within(budget_bytes: int, config, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """Blocks of `block_size` tokens whose keys and values, every layer's, fit `budget_bytes` of one rank's memory.
+    `config` is what the rank holds (`layers.rank_config`: its share of the KV heads), so at p ranks the same bytes
+    hold p times the blocks, as long as p divides the KV heads (beyond that, vLLM copies KV heads to every rank)."""
+    per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * dtype.itemsize
+    return budget_bytes // per_block
+
+
+def largest_batch(llm, requests: int, prompt_tokens: int, new_tokens: int) -> int:
+    """The most requests `llm` ran in one step when `requests` of `prompt_tokens` prompt and `new_tokens` new tokens
+    arrive at once: its KV pool, not max_num_seqs, is what caps it when the pool is small (the scheduler admits
+    what the free blocks hold, and preempts when growing sequences outrun them)."""
+    import mini_engine as me
+
+    engine = llm.engine
+    engine.config.record_trace = True
+    params = me.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(requests):
+        engine.add_request([1 + (i * 7 + j) % 1000 for j in range(prompt_tokens)], params)  # no shared prefix
+    while engine.has_unfinished():
+        engine.step()
+    most = max(len(record.chunks) for record in engine.trace)
+    engine.trace.clear()
+    engine.config.record_trace = False
+    return most

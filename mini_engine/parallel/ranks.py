@@ -1,15 +1,18 @@
 """The ranks of a tensor-parallel engine (chapter 11), vLLM's driver-worker shape: the engine's own process is rank 0
 and runs the scheduler and the sampler; ranks 1 ... size-1 are processes of their own (started with `spawn`) that
-each hold their share of the weights and of the KV cache and wait for work. Every step, rank 0 hands them the
-step's inputs (token ids and the attention metadata: positions, slot mapping, block tables) down a pipe, then all
-run the same forward pass, meeting at the parallel layers' all-reduces; rank 0 gets the gathered logits. The block
-tables are rank 0's, so every rank reads and writes the same blocks: of its own KV heads.
+each hold their share of the weights and of the KV cache and wait for work. Every step, rank 0 sends them one compact
+message down a pipe, pickled once: the token ids and the plain lists the step's attention metadata is built from
+(query and context lengths, block tables or slots; `AttentionMetadata.built_from`). Each rank builds its own
+metadata from them (nano-vllm's workers do the same from the sequences), then all run the same forward pass, meeting
+at the parallel layers' collectives; rank 0 gets the gathered logits. The block tables are rank 0's, so every rank
+reads and writes the same blocks: of its own KV heads.
 
-What a serving engineer expects of processes holds here: a rank that dies or stops answering turns the next step
-into a RuntimeError within the timeout (MINI_ENGINE_TP_TIMEOUT seconds, default 60), never a hang, and every rank is
-ended by `shutdown()`, by leaving `with LLM(...)`, by an interrupted step, by garbage collection and at the
-interpreter's exit. A rank whose parent goes away finds its pipe closed and exits. No shared memory is used (the
-weights and inputs travel pickled down the pipes), and the rendezvous folder is removed.
+What a serving engineer expects of processes holds here: every rank joins the group before any weight is sent (so
+start-up cannot outlast the group's timeout however large the model); a rank that raises sends its traceback up its
+pipe, and rank 0's error quotes it; a rank that dies or stops answering turns the next step into a RuntimeError
+within the timeout (MINI_ENGINE_TP_TIMEOUT seconds, default 60), never a hang; every rank is ended by `shutdown()`,
+by leaving `with LLM(...)`, by an interrupted step, by garbage collection and at the interpreter's exit. A rank whose
+parent goes away finds its pipe closed and exits. No shared memory is used, and the rendezvous folder is removed.
 """
 from __future__ import annotations
 
@@ -21,11 +24,14 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
+import traceback
 import weakref
 
 import torch
 import torch.multiprocessing as mp
 
+from ..attention import AttentionMetadata
 from ..kv_cache import ContiguousKVCache, PagedKVCache
 from ..model import LlamaModel, rope_tables
 from ..runner import ModelRunner
@@ -33,6 +39,7 @@ from .comm import Communicator
 from .layers import shard_model, split
 
 DEFAULT_TIMEOUT_S = 60.0
+STARTUP_S = 300.0  # a new process importing torch on a loaded machine; one that dies is seen at once
 
 
 def timeout_s() -> float:
@@ -48,9 +55,10 @@ def threads_per_rank(size: int) -> int:
 
 
 def build_shard(config, rank: int, size: int, comm, attention_backend: str, device, dtype, weights: dict,
-                layers: str | None = None):
+                layers: str | None = None, sequence_parallel: bool = False):
     """Rank `rank`'s model: the layers built at their shard's shapes on the meta device (no memory), then given
-    storage and the rank's weights. The rank never holds the whole model. `layers`: see `layers.resolve_layers`."""
+    storage and the rank's weights. The rank never holds the whole model. `layers`: see `layers.resolve_layers`;
+    `sequence_parallel`: see `sequence.py`."""
     with torch.device("meta"):
         model = LlamaModel(config, attention_backend)
     shard_model(model, rank, size, comm, layers)
@@ -58,6 +66,9 @@ def build_shard(config, rank: int, size: int, comm, attention_backend: str, devi
     model.tie_weights()
     model.rope_cos, model.rope_sin = rope_tables(config, device)  # not weights: computed again, as LlamaModel.empty
     model.load_state_dict(weights)
+    if sequence_parallel:
+        from .sequence import apply_sequence_parallel
+        apply_sequence_parallel(model, rank, size, comm)
     return model.eval()
 
 
@@ -97,20 +108,44 @@ def _recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
+def step_message(input_ids: torch.Tensor, meta, backend, last_only: bool, cached: bool) -> bytes:
+    """One forward step as the other ranks receive it, pickled once for all of them: the token ids and the plain
+    lists `meta` was built from, not its tensors (a decode step's mask alone is batch x longest context)."""
+    if meta is not None and meta.built_from is not None:
+        rows = None if meta.logits_indices is None else meta.logits_indices.tolist()
+        inputs = ("lists", input_ids.tolist(), meta.built_from, rows)
+    else:  # no cache and no metadata (input_ids [B, N]), or metadata made by hand: its tensors, on the CPU
+        cpu = torch.device("cpu")
+        inputs = ("tensors", input_ids.to(cpu), moved(meta, cpu))
+    return pickle.dumps(("forward", inputs, backend, last_only, cached), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def step_inputs(inputs: tuple, device: torch.device):
+    """(input_ids, meta) on `device`, from `step_message`'s inputs."""
+    if inputs[0] == "tensors":
+        return inputs[1].to(device), moved(inputs[2], device)
+    _, ids, built_from, rows = inputs
+    meta = AttentionMetadata.build(**built_from, device=device)
+    if rows is not None:
+        meta.logits_indices = torch.tensor(rows, dtype=torch.long, device=device)
+    return torch.tensor(ids, dtype=torch.long, device=device), meta
+
+
 def rank_main(rank: int, size: int, store_path: str, conn, threads: int, device: str, timeout: float,
-              layers: str | None = None) -> None:
-    """A rank other than 0: receive its weights, join the group, then run what rank 0 sends until "stop" (or until
-    rank 0's end of the pipe closes). An error ends the process; rank 0 sees it at its next collective."""
+              layers: str | None = None, sequence_parallel: bool = False) -> None:
+    """A rank other than 0: join the group, receive its weights, then run what rank 0 sends until "stop" (or until
+    rank 0's end of the pipe closes). An error sends its traceback to rank 0 and ends the process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     torch.set_num_threads(threads)
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
+        _send(conn, ("ready", None))  # torch is imported: what remains of start-up is quick
+        comm = Communicator(store_path, rank, size, device, timeout)  # first: rank 0 sends weights once all are in
         _, config, backend, dtype, count = _recv(conn)
         weights = dict(_recv(conn) for _ in range(count))
-        comm = Communicator(store_path, rank, size, device, timeout)
-        model = build_shard(config, rank, size, comm, backend, device, dtype, weights, layers)
+        model = build_shard(config, rank, size, comm, backend, device, dtype, weights, layers, sequence_parallel)
         del weights
         cache = None
         while True:
@@ -125,15 +160,18 @@ def rank_main(rank: int, size: int, store_path: str, conn, threads: int, device:
                 if args[0]:
                     comm.log = []
                 else:
-                    _send(conn, comm.log or [])
+                    _send(conn, ("log", comm.log or []))
                     comm.log = None
             elif kind == "forward":
-                ids, meta, backend, last_only, cached = args
-                if device.type != "cpu":
-                    ids, meta = ids.to(device), moved(meta, device)
+                inputs, backend, last_only, cached = args
+                ids, meta = step_inputs(inputs, device)
                 model(ids, meta, cache if cached else None, backend, last_only)
     except EOFError:
         pass  # rank 0 has gone: nothing is left to serve
+    except BaseException:
+        with contextlib.suppress(OSError, ValueError):
+            _send(conn, ("error", traceback.format_exc()))
+        raise
 
 
 @contextlib.contextmanager
@@ -185,43 +223,48 @@ class ParallelModel:
     runner_class = ParallelRunner  # LLMEngine builds this runner for a model that brings one
 
     def __init__(self, full: LlamaModel, size: int, device="cpu", timeout: float | None = None,
-                 layers: str | None = None):
+                 layers: str | None = None, sequence_parallel: bool = False):
         device = torch.device(device)
         self.size, self.timeout = size, timeout_s() if timeout is None else timeout
         self.threads = threads_per_rank(size)
         self.quantization = None
+        self.sequence_parallel = sequence_parallel
         self.folder = folder = tempfile.mkdtemp(prefix="mini_engine_tp_")  # the rendezvous: a file store in it
         store = os.path.join(folder, "store")
         self._ranks: list = []
         self._finalizer = weakref.finalize(self, _end_ranks, self._ranks, folder)  # at exit, or when collected
         self._cache = None  # the cache the other ranks mirror
         self.failure: str | None = None
+        first = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 0  # rank r runs on cuda:first+r, counted from rank 0's own GPU
         ctx = mp.get_context("spawn")
         try:
             for rank in range(1, size):
                 parent, child = ctx.Pipe()
-                rank_device = f"cuda:{rank}" if device.type == "cuda" else "cpu"
+                rank_device = f"cuda:{first + rank}" if device.type == "cuda" else "cpu"
                 process = ctx.Process(target=rank_main, name=f"mini_engine-tp-rank{rank}", daemon=True,
                                       args=(rank, size, store, child, self.threads, rank_device, self.timeout,
-                                            layers))
+                                            layers, sequence_parallel))
                 with _main_left_out():
                     process.start()
                 child.close()
                 self._ranks.append((process, parent))
+            self._wait_until_ready()
+            with self._threads():
+                self.comm = Communicator(store, 0, size, device, self.timeout)  # waits for every rank to join
             state = full.state_dict()
             for rank, (_, conn) in enumerate(self._ranks, start=1):  # one weight at a time: no second whole copy
                 _send(conn, ("load", full.config, full.attention_backend, full.dtype, len(state)))
                 for name, w in state.items():
                     _send(conn, (name, split(name, w, full.config, rank, size, layers)))
             with self._threads():
-                self.comm = Communicator(store, 0, size, device, self.timeout)  # waits for every rank to join
                 mine = {name: split(name, w, full.config, 0, size, layers) for name, w in state.items()}
                 self.shard = build_shard(full.config, 0, size, self.comm, full.attention_backend, device, full.dtype,
-                                         mine, layers)
+                                         mine, layers, sequence_parallel)
         except BaseException as e:
+            if isinstance(e, (OSError, EOFError, RuntimeError)):
+                self._fail(e, "a tensor-parallel rank failed to start")
             self.shutdown()
-            if isinstance(e, (OSError, EOFError)):
-                raise RuntimeError(f"a tensor-parallel rank failed to start: {self._exits() or e}") from e
             raise
         self.config = self.shard.config
 
@@ -257,9 +300,7 @@ class ParallelModel:
             if kv_cache is not None and kv_cache is not self._cache:
                 self._broadcast(("cache", cache_spec(kv_cache)))
                 self._cache = kv_cache
-            cpu = torch.device("cpu")
-            inputs = (input_ids, meta) if input_ids.device == cpu else (input_ids.cpu(), moved(meta, cpu))
-            self._broadcast(("forward", *inputs, backend, last_only, kv_cache is not None))
+            self._broadcast(step_message(input_ids, meta, backend, last_only, kv_cache is not None))
             with self._threads():
                 return self.shard(input_ids, meta, kv_cache, backend, last_only)
         except BaseException as e:
@@ -286,7 +327,10 @@ class ParallelModel:
             for rank, (_, conn) in enumerate(self._ranks, start=1):
                 if not conn.poll(self.timeout):
                     raise TimeoutError(f"rank {rank} did not send its log: timed out")
-                logs.append(_recv(conn))
+                kind, payload = _recv(conn)
+                if kind != "log":
+                    raise RuntimeError(f"rank {rank} sent {kind!r} in place of its log")
+                logs.append(payload)
             self.comm.log = None
             return logs
         except BaseException as e:
@@ -296,9 +340,23 @@ class ParallelModel:
         """End every other rank and remove the rendezvous folder; safe to call more than once."""
         self._finalizer()
 
+    def _wait_until_ready(self) -> None:
+        """Each new rank says it is ready once its imports are done (seconds on a quiet machine, a minute on a loaded
+        one): only then does the group's timeout start to count. A rank that dies on the way is an error at once."""
+        for rank, (process, conn) in enumerate(self._ranks, start=1):
+            deadline = time.monotonic() + STARTUP_S
+            while not conn.poll(1.0):
+                if not process.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {rank} did not start within {STARTUP_S:g} s" if process.is_alive()
+                                       else f"rank {rank} died while starting")
+            kind, _ = _recv(conn)
+            if kind != "ready":
+                raise RuntimeError(f"rank {rank} sent {kind!r} while starting")
+
     def _broadcast(self, message) -> None:
+        data = message if isinstance(message, bytes) else pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for _, conn in self._ranks:
-            _send(conn, message)
+            conn.send_bytes(data)
 
     @contextlib.contextmanager
     def _threads(self):
@@ -310,28 +368,47 @@ class ParallelModel:
         finally:
             torch.set_num_threads(before)
 
-    def _exits(self) -> str:
-        return "; ".join(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
-                         for rank, (process, _) in enumerate(self._ranks, start=1) if process.exitcode is not None)
+    def _reports(self) -> tuple[list[str], list[str]]:
+        """What the other ranks say about their end: (causes, tracebacks). A rank that raised on its own is a cause, as
+        is one that exited without a word; one that raised only because a peer went (a closed connection, a
+        collective timed out) is not, but its traceback is kept. Waits a moment for a rank still on its way out."""
+        causes, tracebacks = [], []
+        for rank, (process, conn) in enumerate(self._ranks, start=1):
+            process.join(0.5)
+            said = None
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                while said is None and conn.poll(0.1 if process.exitcode is not None else 0):
+                    kind, payload = _recv(conn)
+                    said = payload.rstrip() if kind == "error" else None
+            if said is not None:
+                last = said.splitlines()[-1]
+                if not any(s in last.lower() for s in ("connection closed", "timed out", "connection reset")):
+                    causes.append(f"rank {rank} raised {last}")
+                tracebacks.append(f"rank {rank}'s traceback:\n{said}")
+            elif process.exitcode is not None:
+                causes.append(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+        return causes, tracebacks
 
     def _check(self) -> None:
         if self.closed:
             raise RuntimeError(f"this tensor-parallel engine's ranks have been shut down"
-                               f"{' (' + self.failure + ')' if self.failure else ''}; make a new LLM to go on")
+                               f"{' (' + self.failure.splitlines()[0] + ')' if self.failure else ''}; "
+                               "make a new LLM to go on")
         if any(not process.is_alive() for process, _ in self._ranks):
             self._fail(None)
 
-    def _fail(self, error: BaseException | None):
-        """A step could not complete: end every rank (they can no longer agree on the cache), then raise."""
-        for process, _ in self._ranks:
-            process.join(0.5 if error is not None else 0)  # a rank that died mid-step: let its exit be seen
-        exits = self._exits()
+    def _fail(self, error: BaseException | None, what: str = "tensor-parallel step failed"):
+        """A step could not complete: end every rank (they can no longer agree on the cache), then raise, naming the
+        cause first and quoting the ranks' own tracebacks."""
+        causes, tracebacks = self._reports()
         self.shutdown()
         if isinstance(error, KeyboardInterrupt):
             self.failure = "interrupted"
             raise error
-        timed_out = error is not None and "timed out" in str(error).lower()
-        self.failure = exits or (f"a rank did not answer within {self.timeout:g} s" if timed_out else
-                                 f"{type(error).__name__}: {error}")
-        raise RuntimeError(f"tensor-parallel step failed: {self.failure}. Every rank has been shut down; make a new "
-                           f"LLM to go on") from error
+        timed_out = error is not None and "timed out" in str(error).lower() or any("imed out" in t for t in tracebacks)
+        if not causes:
+            causes = [f"a rank did not answer within {self.timeout:g} s" if timed_out else
+                      f"{type(error).__name__}: {error}"]
+        self.failure = "\n".join(causes + tracebacks)
+        raise RuntimeError(f"{what}: {self.failure}\nEvery rank has been shut down; make a new LLM to go on") \
+            from error

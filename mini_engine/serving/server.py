@@ -142,6 +142,14 @@ class EngineLoop:
             self.thread.join()
 
     @property
+    def failure(self) -> str | None:
+        """Why this engine can serve no more, or None: a model split over processes whose ranks have failed
+        (chapter 11) is shut down for good, and every later step would only raise."""
+        model = self.engine.model
+        return (getattr(model, "failure", None) or "its ranks were shut down") if getattr(model, "closed", False) \
+            else None
+
+    @property
     def num_waiting(self) -> int:
         """Requests not admitted yet: queued in the engine, or handed in and not yet taken."""
         return self.stats.waiting + self._num_handed_in - self._num_taken
@@ -382,6 +390,8 @@ def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = 
     async def health():
         if not loop.running:
             raise APIError(503, "the engine loop is not running", type="server_error")
+        if loop.failure:
+            raise APIError(503, f"the engine has failed: {loop.failure.splitlines()[0]}", type="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -396,7 +406,10 @@ def build_app(engine, config: ServerConfig | None = None, engine_thread: bool = 
 
     def check_room(prompts: int) -> None:
         """A request of `prompts` prompts refused before any work when the queue cannot take it: 400 when it
-        never could (more prompts than max_waiting), 503 when it could later."""
+        never could (more prompts than max_waiting), 503 when it could later or the engine has failed."""
+        if loop.failure:
+            raise APIError(503, f"the engine has failed and serves no more requests: {loop.failure.splitlines()[0]}",
+                           code="engine_failed", type="server_error")
         if prompts > config.max_waiting:
             raise APIError(400, f"prompt: a batch of {prompts} prompts, more than this server queues at once "
                                 f"(max_waiting={config.max_waiting})", "prompt")

@@ -233,6 +233,77 @@ def test_an_interrupted_step_ends_every_rank():
     assert model.closed and not any(alive(p) for p in pids)
 
 
+def test_the_step_message_is_compact():
+    """What rank 0 sends the other ranks each step: the token ids and the lists the metadata is built from, pickled
+    once. A batch of 16 decoding at 1,000 positions (16-token blocks): a few kilobytes, where the metadata's own
+    tensors (the decode mask alone is batch x longest context) pickle to far more; each rank rebuilds the same
+    metadata from it."""
+    import pickle
+
+    from mini_engine.attention import AttentionMetadata
+    from mini_engine.parallel.ranks import moved, step_inputs, step_message
+    tables = [list(range(63 * i, 63 * i + 63)) for i in range(16)]
+    meta = AttentionMetadata.build([1] * 16, [1000] * 16, block_tables=tables, block_size=16)
+    meta.logits_indices = torch.arange(16)
+    ids = torch.arange(16)
+    message = step_message(ids, meta, "torch", False, True)
+    tensors = pickle.dumps(("forward", ids, moved(meta, torch.device("cpu")), "torch", False, True))
+    assert len(message) < 8_000 and len(message) * 4 < len(tensors), \
+        f"the step message is {len(message):,} bytes, against {len(tensors):,} for the metadata's tensors"
+    kind, inputs, *_ = pickle.loads(message)
+    got_ids, got = step_inputs(inputs, torch.device("cpu"))
+    assert kind == "forward" and torch.equal(got_ids, ids)
+    for name in ("positions", "slot_mapping", "block_tables", "logits_indices"):
+        assert torch.equal(getattr(got, name), getattr(meta, name)), name
+    assert torch.equal(got.decode.context_lens, meta.decode.context_lens)
+
+
+FAULTY = '''
+from mini_engine.parallel import layers
+
+
+class RowParallelLinear(layers.RowParallelLinear):
+    def forward(self, x):
+        if self.comm is not None and self.comm.rank == 2 and x.shape[0] == 13:
+            raise ValueError("rank 2 refuses a step of 13 tokens (this test's layer)")
+        return super().forward(x)
+'''
+
+
+def test_a_rank_that_raises_is_quoted_on_rank_0(tmp_path, monkeypatch):
+    """A rank's own exception travels up its pipe: rank 0's error quotes it, traceback and all, and every rank ends.
+    The ranks build from a module of this test's (the `layers=` hook) whose row-parallel layer raises on rank 2."""
+    (tmp_path / "tp_faulty_layers.py").write_text(FAULTY)
+    monkeypatch.syspath_prepend(str(tmp_path))  # a spawned rank starts with this sys.path
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=6,
+                         num_kv_heads=3, head_dim=8, tie_word_embeddings=True)
+    model = ParallelModel(LlamaModel(config).eval(), SIZE, timeout=20, layers="tp_faulty_layers")
+    pids = model.pids
+    assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 96)
+    with pytest.raises(RuntimeError, match=r"step failed: rank 2 raised ValueError: rank 2 refuses a step of 13 "
+                                           r"tokens") as failed:
+        model(torch.tensor([list(range(13))]))
+    assert re.search(r"(?s)rank 2's traceback:\nTraceback .*tp_faulty_layers.py.* in forward", str(failed.value))
+    assert model.closed and not any(alive(p) for p in pids)
+    with pytest.raises(RuntimeError, match=r"shut down \(rank 2 raised ValueError"):
+        model(torch.tensor([[1, 2, 3]]))
+
+
+def test_sequence_and_pipeline_options_are_checked_before_any_process_starts():
+    import multiprocessing
+    before = set(multiprocessing.active_children())
+    for kwargs, match in ((dict(sequence_parallel=True), "sequence_parallel=True .* needs tensor_parallel_size > 1"),
+                          (dict(sequence_parallel="yes", tensor_parallel_size=3), "sequence_parallel must be"),
+                          (dict(tensor_parallel_size=3, pipeline_parallel_size=2), "one way at a time"),
+                          (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be an int >= 1"),
+                          (dict(pipeline_micro_batches=0), "pipeline_micro_batches must be an int >= 1"),
+                          (dict(pipeline_parallel_size=2, compile=True), "compile")):
+        with pytest.raises(ValueError, match=match):
+            me.LLM("smollm2-135m", **kwargs)
+    assert set(multiprocessing.active_children()) == before
+
+
 def test_interpreter_exit_ends_every_rank(tmp_path):
     """A script (no `if __name__ == "__main__":` guard) that makes an engine and exits without shutdown."""
     script = tmp_path / "serve_and_exit.py"
@@ -265,3 +336,20 @@ def test_a_killed_rank_is_an_error_and_shutdown_leaves_nothing(tp):
     assert not any(alive(p) for p in pids)
     assert not Path(folder).exists()
     tp.shutdown()  # a second shutdown does nothing
+
+
+def test_a_server_whose_ranks_failed_says_so(tp):
+    """After the test above ended the module's engine: the server's /health answers 503, and a request gets a clear
+    503 at once (no hang) naming what failed."""
+    from fastapi.testclient import TestClient
+
+    from mini_engine.serving.server import build_app
+    assert tp.engine.model.closed
+    with TestClient(build_app(tp)) as client:
+        health = client.get("/health", timeout=10)
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        start = time.perf_counter()
+        answer = client.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 4},
+                             timeout=30)
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_failed"
+        assert "rank 1" in answer.json()["error"]["message"] and time.perf_counter() - start < 10
