@@ -19,7 +19,9 @@
 # one device reads every weight once per decode step (chapter 02), so a step takes at least model bytes / one
 # device's bandwidth. Split every weight matrix across p devices and each device holds and reads 1/p of the bytes:
 # the model fits, and the weight-bound part of a step shrinks by p. The price is communication: the devices must
-# exchange partial results inside every layer.
+# exchange partial results inside every layer, over whatever joins them: **NVLink** (NVIDIA's direct GPU-to-GPU
+# links, through an NVSwitch chip on 8-GPU A100 and H100 boards), **PCIe** (the bus that joins a GPU to its host
+# computer, and so to other GPUs in that host), or, between machines, **InfiniBand** or **Ethernet** network cards.
 #
 # This chapter builds that split, Megatron-LM's tensor parallelism (Shoeybi et al. 2019), into our engine and
 # serves the real model with it, `LLM("smollm2-135m", tensor_parallel_size=3)`, as vLLM spells it. Three ranks
@@ -27,10 +29,12 @@
 #
 # 1. why and how a linear layer is split: column-parallel, then row-parallel, one all-reduce a block;
 # 2. what is split and what is replicated, and the memory each rank holds, measured;
-# 3. the communication a step needs, as a formula with a widget: when does splitting pay?
+# 3. the communication a step needs, as a formula with a widget: which all-reduce algorithm, on which GPUs and
+#    links, and when splitting pays;
 # 4. this machine's all-reduce, measured over payload sizes and fitted as latency + bytes / bandwidth;
 # 5. one rank against three on the same requests: the same tokens, and the step times explained by the formula;
-# 6. vLLM's `tensor_parallel_size` and pipeline parallelism; what you measured; exercises.
+# 6. what an all-reduce is made of: a reduce-scatter and an all-gather;
+# 7. vLLM's `tensor_parallel_size` and pipeline parallelism; what you measured; exercises.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -60,15 +64,17 @@ import torch
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.config import PRESETS
-from mini_engine.course import widgets
+from mini_engine.course import interconnects, widgets
 from mini_engine.course.formulas import human_bytes
+from mini_engine.course.tp_drawing import tensor_parallel_split_image
 from mini_engine.parallel import ColumnParallelLinear, RowParallelLinear, shard_model
-from mini_engine.parallel.layers import split_columns, split_gate_up
+from mini_engine.parallel.layers import check_tensor_parallel_size, split_columns, split_gate_up
 from mini_engine.parallel.measure import all_reduce_seconds, decode_step_times, fit_latency_bandwidth
 
 RANKS = 3
-# NCCL, the GPUs' collective library, wants one GPU per rank: with two or more GPUs the ranks run there; with one
-# GPU (Colab) or none, the ranks run on the CPU, over gloo.
+# The ranks exchange results through a collective library: NCCL (NVIDIA's, between GPUs) or gloo (the CPU library
+# PyTorch ships, which sends over TCP). NCCL wants one GPU per rank: with at least RANKS GPUs the ranks run there;
+# with fewer (one on Colab) or none, they run on the CPU, over gloo.
 device = "cuda" if torch.cuda.device_count() >= RANKS else "cpu"
 print(f"ranks run on: {device} ({'NCCL' if device == 'cuda' else 'gloo over 127.0.0.1'}); "
       f"{torch.get_num_threads()} threads in this process")
@@ -80,20 +86,30 @@ print(f"SmolLM2-135M: {cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads, 
 # %% [markdown]
 # ## 1. Column, then row
 #
-# A linear layer computes y = x Wᵀ with W of shape [out, in]. Cut W two ways:
+# A linear layer computes y = x Wᵀ with W of shape [out, in] (how PyTorch's `nn.Linear` stores it). The names of
+# the two cuts come from the Megatron-LM paper, which writes the same layer as Y = XA with A = Wᵀ of shape
+# [in, out]: a *column* of A is one output, which in W is a *row*. So:
 #
-# - **column-parallel**: cut W's rows, the outputs. Rank r computes y_r = x W_rᵀ, its slice of y, from the whole
-#   x. No rank needs another's result: no communication.
-# - **row-parallel**: cut W's columns, the inputs. Rank r needs only its slice of x and computes a *partial* y;
-#   the full y is the sum of the ranks' partials: one **all-reduce** (a sum that every rank receives).
+# - **column-parallel** (A's columns): cut W's rows, the outputs. Rank r computes y_r = x W_rᵀ, its slice of y,
+#   from the whole x. No rank needs another's result: no communication.
+# - **row-parallel** (A's rows): cut W's columns, the inputs. Rank r needs only its slice of x and computes a
+#   *partial* y; the full y is the sum of the ranks' partials: one **all-reduce** (a sum that every rank receives).
 #
 # The trick is to chain them. The MLP's gate and up projections are column-parallel: rank r gets its third of
-# the 1,536 MLP columns, and SwiGLU acts element by element, so rank r can apply it to its own third. That third
+# the 1,536 MLP columns. The MLP's activation, SwiGLU, is silu(gate) × up, element by element (silu(z) =
+# z · sigmoid(z)), so rank r can apply it to its own third of gate and up. That third
 # is exactly the input slice the row-parallel down projection wants. So the whole MLP costs one all-reduce, at
 # its end. Attention works the same way, cut by heads: q, k and v are column-parallel (rank r owns 3 of the 9
 # query heads and the 1 KV head they read), attention runs per head with no exchange, and o_proj is
-# row-parallel. Two all-reduces a layer, 60 for the model's 30 layers. We check it on one layer's MLP, every
-# rank's share run in this one process:
+# row-parallel. Two all-reduces a layer, 60 for the model's 30 layers. The picture below is the whole cut, drawn
+# from this model's sizes: blue is a rank's share of a split weight, grey what every rank holds whole, green the
+# work a rank does on its own share, orange the collectives that join the ranks.
+
+# %%
+tensor_parallel_split_image(cfg, RANKS)
+
+# %% [markdown]
+# We check it on one layer's MLP, every rank's share run in this one process:
 
 # %%
 mlp = model.layers[0].mlp
@@ -145,19 +161,97 @@ del shard
 #
 # A decode step at batch b computes, on each of p ranks, 1/p of the products; its time falls as 1/p while the step
 # is bound by reading weights. Each of its 2L all-reduces carries the block's output, b × h values: 2·h·b bytes in
-# 16 bits. A ring all-reduce (what NCCL and gloo use for large payloads) passes the payload around the ranks twice,
-# so each rank sends and receives 2(p − 1)/p of it, in 2(p − 1) hops that each pay the link's latency:
+# 16 bits, a few KB for one request. So
 #
-#   t_step ≈ t_compute / p + 2L · [2(p − 1) · latency + 2(p − 1)/p · 2·h·b / bandwidth]
+#   t_step ≈ t_one GPU / p + 2L · t_all-reduce(2·h·b bytes, p)
 #
 # The first term shrinks with p, because each rank computes on a device of its own; ranks that share one device
-# share its compute too (section 5 meets this). The second term grows. It pays when a rank's compute is long
-# against a hop's latency:
-# wide, deep models at a decent batch, over NVLink. Move the sliders: a 70B model on NVLink gains nearly p;
-# SmolLM2 (width 576) at batch 1 gains nothing even on NVLink, and over PCIe or Ethernet it loses.
+# share its compute too (section 5 meets this). The second term does not shrink, and what it costs depends on the
+# **algorithm**, each a latency per collective plus bytes over the link's bandwidth B (one GPU's, each way):
+#
+# - **ring** (NCCL's default for large payloads): the ranks pass slices around a ring, a reduce-scatter then an
+#   all-gather (section 6), 2(p − 1) steps that each pay a hop's latency: base + 2(p − 1) · hop + 2(p − 1)/p · n / B.
+#   It moves the fewest bytes, and pays the most latencies.
+# - NCCL runs the ring under one of three **protocols**. *Simple* waits for a whole chunk and a memory fence
+#   before each hop; *LL* (low latency) sends 8-byte words that each carry 4 bytes of data and a 4-byte flag, so the
+#   receiver knows data has landed without a fence: hops far cheaper, at half the bandwidth; *LL128* does the same on
+#   128-byte lines (NVLink only). NCCL prices every pair from a model in its source and runs the cheapest.
+# - **NVLS** (NVLink SHARP, on H100 boards): the NVSwitch itself adds the payloads, each GPU sends n and reads the
+#   sum once: latency + n / B.
+# - **one-shot** (vLLM's custom all-reduce for payloads under 256-512 KB on NVLink): every GPU reads every other
+#   GPU's whole buffer at once, over the NVSwitch, and sums it itself: one latency, flat in p, + (p − 1) · n / B.
+#
+# The cell prints the constants: NCCL's model, quoted from its `tuning.cc`, and vLLM's kernel as SGLang's developers
+# timed it (`mini_engine/course/interconnects.py` cites each source). Then it prices one all-reduce of decode's
+# payload by each algorithm on each system, at 4 ranks, and names the fastest.
+
+# %%
+print("NCCL's model (src/graph/tuning.cc), µs: base latency per collective", interconnects.NCCL_BASE_US)
+for kind, hops in interconnects.NCCL_HOP_US.items():
+    print(f"  hop latency over {kind:8s}", hops)
+print("  NVLS latency", interconnects.NCCL_NVLS_US, "µs; share of the bandwidth by protocol",
+      {k: round(v, 3) for k, v in interconnects.NCCL_PROTOCOL_BANDWIDTH.items()})
+print("vLLM's custom all-reduce of 4 KiB, measured, µs:",
+      {gpu: {p: t[4096] for p, t in table.items()} for gpu, table in interconnects.VLLM_CUSTOM_ALL_REDUCE_US.items()})
+print(f"  on GPUs {interconnects.VLLM_CUSTOM_SIZES} of one NVLink node, one-shot below 256-512 KiB, "
+      f"payloads under {interconnects.VLLM_CUSTOM_MAX_BYTES // 2**20} MiB")
+decode_payload = 8 * PRESETS["llama-70b-gqa"].hidden_size * 2  # Llama-70B, batch 8, 16-bit
+print(f"\none all-reduce of {decode_payload // 1024} KiB (Llama-70B's block output at batch 8) among 4 GPUs:")
+for name, system in interconnects.SYSTEMS.items():
+    options = interconnects.all_reduce_options(system, decode_payload, 4)
+    best = interconnects.all_reduce(system, decode_payload, 4)
+    print(f"  {name:34s} " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in options.items())
+          + f" µs -> {best.algorithm}")
+
+# %% [markdown]
+# At decode's payloads every system's cheapest is a low-latency algorithm (LL or one-shot), about ten microseconds
+# on NVLink; the ring's Simple protocol, with its 2(p − 1) full hops, costs about three times as much there. The
+# bandwidths are the links' data-sheet peaks, so large payloads come out optimistic. The cell compares the model
+# with the measurements it took its latencies from:
+
+# %%
+h100 = interconnects.SYSTEMS["H100 × NVLink 4 (NVSwitch)"]
+for p, table in interconnects.VLLM_CUSTOM_ALL_REDUCE_US["H100"].items():
+    row = ", ".join(f"{n // 1024 if n >= 1024 else n}{'K' if n >= 1024 else ' B'}: "
+                    f"{t:.1f}/{interconnects.all_reduce(h100, n, p).seconds * 1e6:.1f}" for n, t in table.items())
+    print(f"H100, {p} GPUs, vLLM measured / model µs  {row}")
+
+# %% [markdown]
+# Up to 32 KB the model is within a couple of microseconds of the measurements; at a megabyte it is several times
+# too fast: the measured kernel ran without CUDA graphs and copied its input into a shared buffer first, and no
+# kernel reaches a link's data-sheet peak. Decode's payloads sit at the left of that table, where the latency is
+# the cost.
+#
+# Move the sliders. The dropdown picks GPUs and their link together: T4s in one host over PCIe, A100s and H100s on
+# NVLink, or H100s in two machines over InfiniBand or Ethernet, each with its own compute and memory bandwidth for
+# the one-GPU step (the roofline of chapter 02). The right panel prices one all-reduce by every algorithm over
+# payload sizes, with the dot at this step's payload.
 
 # %%
 widgets.tensor_parallel_widget()
+
+# %% [markdown]
+# Two cases the widget shows, computed here: a 70B model at batch 8 on H100s, and SmolLM2 at batch 1 on each system.
+
+# %%
+for p in (2, 4, 8):
+    st = interconnects.tensor_parallel_decode(h100, "llama-70b-gqa", 8, p)
+    print(f"llama-70b-gqa, batch 8, {p} H100s on NVLink: {st.speedup:.2f}x one GPU's speed, "
+          f"{st.communication_share:.0%} of the step communicating ({st.all_reduce.algorithm})")
+print(f"smollm2-135m: {human_bytes(formulas.weight_bytes('smollm2-135m'))} of 16-bit weights, "
+      f"{2 * cfg.num_layers} all-reduces of {cfg.hidden_size * 2} bytes a step at batch 1")
+for name, system in interconnects.SYSTEMS.items():
+    st = interconnects.tensor_parallel_decode(system, "smollm2-135m", 1, 3)
+    print(f"  3 ranks, {name:34s}: one GPU {st.one_rank_s * 1e3:.3f} ms; 3 ranks {st.step_s * 1e3:.3f} ms, "
+          f"all-reduces {st.all_reduce.seconds * 1e6:.1f} µs each: {st.step_s / st.one_rank_s:.1f}x slower")
+
+# %% [markdown]
+# A 70B model gains most of p at 2 and 4 GPUs, and less at 8, where its compute per rank has shrunk toward the
+# all-reduces' fixed cost. SmolLM2 at batch 1 is *slower* on three GPUs than on one, on every system: a little on
+# T4s, whose own step is slow, and several times on A100s and H100s, which read its weights in well under a
+# millisecond, while its 60 all-reduces at the printed microseconds each cost several times that, however
+# fast the link. Splitting pays when a rank's compute is long against the all-reduces' latency: wide, deep models,
+# on fast links.
 
 # %% [markdown]
 # ## 4. This machine's all-reduce
@@ -267,21 +361,57 @@ plt.show()
 # that. Meanwhile the step pays 61 all-reduces, each at the latency measured above, and the fitted constants
 # predict that communication closely. What the formula leaves out is the grey part. Three ranks on fewer than
 # three cores never compute all at once: at any moment one of them waits for a core, and the others then wait
-# for it at the next all-reduce. On GPUs joined by NVLink, each rank computes on its own device, a hop costs a few
-# microseconds, and a 70B model's per-rank compute is milliseconds: the widget of section 3 shows the gain
-# coming back.
+# for it at the next all-reduce. On GPUs joined by NVLink, each rank computes on its own device, an all-reduce of
+# decode's payload costs what section 3 printed, and a 70B model's per-rank compute is milliseconds: the widget of
+# section 3 shows the gain coming back.
 #
-# ## 6. vLLM, and pipeline parallelism
+# ## 6. The collectives inside an all-reduce
+#
+# A ring all-reduce is two collectives in a row. A **reduce-scatter** leaves rank r with the sum of slice r of
+# everyone's payload: p − 1 steps, each rank sending and receiving (p − 1)/p of the payload. An **all-gather** then
+# hands every rank every summed slice: the same p − 1 steps and bytes. Together: 2(p − 1) hops and 2(p − 1)/p of
+# the bytes, the ring all-reduce of section 3. The formulas, at this machine's fitted constants (section 4) and at
+# NCCL's Simple ring on H100s:
+
+# %%
+for label, hop, bw in (("this machine (gloo)", latency, bandwidth),
+                       ("H100 NVLink, NCCL Simple", interconnects.NCCL_HOP_US["NVLink"]["Simple"] * 1e-6, 450e9)):
+    for n in (cfg.hidden_size * 4, 64 * 2**20):
+        rs = formulas.reduce_scatter_seconds(n, RANKS, hop, bw)
+        ag = formulas.all_gather_seconds(n, RANKS, hop, bw)
+        ar = formulas.ring_all_reduce_seconds(n, RANKS, hop, bw)
+        print(f"{label:25s} {human_bytes(n):>10}: reduce-scatter {rs * 1e6:9.1f} µs + all-gather {ag * 1e6:9.1f} µs "
+              f"= {(rs + ag) * 1e6:9.1f} µs; ring all-reduce {ar * 1e6:9.1f} µs")
+
+# %% [markdown]
+# ## 7. vLLM, and pipeline parallelism
 #
 # vLLM's `LLM(model, tensor_parallel_size=p)` is what we built: Megatron's layers, one worker process per GPU,
-# the scheduler on one driver, NCCL all-reduces (with custom one-shot kernels for small payloads over NVLink,
-# because of the latency term above). It pays inside one machine, where NVLink makes a hop microseconds; p is
-# usually 2, 4 or 8, and must divide the heads. **Pipeline parallelism** (`pipeline_parallel_size`) splits the
-# other way: rank r holds whole layers r·L/p ... (r+1)·L/p and passes the activations on once per step, so it
-# communicates p − 1 times a step instead of 2L, over slow links too (across machines). But a single request's
-# step runs the stages one after another, so pipelining gains throughput only when several micro-batches are in
-# flight, and never cuts one token's latency. The usual recipe: tensor parallelism inside a node, pipeline
-# parallelism across nodes.
+# the scheduler on one driver, NCCL all-reduces, and for small payloads on NVLink its own custom all-reduce, the
+# one-shot kernel of section 3 (a single step in which each GPU reads all the others' buffers directly), because
+# of the latency term. It pays inside one machine, where NVLink joins the GPUs; p is usually 2, 4 or 8. vLLM asks
+# less of p than this engine does: p must divide the query heads, but when p exceeds the KV heads each KV head is
+# copied to p / (KV heads) ranks, and the vocabulary is padded to a multiple of 64 before it is cut. This engine
+# asks p to divide the KV heads, the MLP width and the vocabulary too (exercise 3).
+#
+# **Pipeline parallelism** (`pipeline_parallel_size`) splits the other way: rank r holds whole layers
+# r·L/p ... (r+1)·L/p and passes the activations on once per step, so it communicates p − 1 times a step instead
+# of 2L, over slow links too (across machines). But one batch's step runs the stages one after another. To keep
+# every stage busy, the batch is cut into **micro-batches**, smaller groups of requests that follow each other
+# through the stages, so stage 2 works on the first while stage 1 starts the second. Filling and draining the pipe
+# still leaves stages idle, the **bubble**: with p stages and m micro-batches of equal cost, a share
+# (p − 1)/(m + p − 1) of the time (GPipe, Huang et al. 2019). Pipelining gains throughput, never one token's
+# latency. The usual recipe: tensor parallelism inside a node, pipeline parallelism across nodes.
+
+# %%
+ms = np.arange(1, 17)
+fig, ax = plt.subplots(figsize=(6.5, 3.2))
+for stages in (2, 3, 4, 8):
+    ax.plot(ms, formulas.pipeline_bubble(stages, ms) * 100, "o-", ms=3, label=f"{stages} stages")
+ax.set(xlabel="micro-batches m", ylabel="idle share of the time (%)", title="The pipeline bubble, (p − 1)/(m + p − 1)")
+ax.legend(fontsize=8)
+plt.show()
+print(f"{RANKS} stages: " + ", ".join(f"m = {m}: {formulas.pipeline_bubble(RANKS, m):.0%} idle" for m in (1, 2, 4, 8)))
 
 # %%
 tp.shutdown()
@@ -318,42 +448,46 @@ for k, v in summary:
 # %%
 comm_b1 = steps[1]["comm"]
 print(f"communication per step ≈ {comm_b1 * 1e3:.1f} ms; break-even when one process's step t satisfies "
-      f"t = t/{RANKS} + comm, t = {comm_b1 * RANKS / (RANKS - 1) * 1e3:.1f} ms "
-      f"({comm_b1 * RANKS / (RANKS - 1) / steps[1]['one']:.1f}x this model's step)")
+      f"t = t/{RANKS} + comm, t = comm × {RANKS}/{RANKS - 1} = comm × {RANKS / (RANKS - 1):.2f} = "
+      f"{comm_b1 * RANKS / (RANKS - 1) * 1e3:.1f} ms ({comm_b1 * RANKS / (RANKS - 1) / steps[1]['one']:.1f}x this "
+      f"model's step)")
 
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# Break-even is t = t/p + c, so t = c · p / (p − 1): one and a half times the communication for p = 3. The
-# communication is dominated by 61 latencies, so it hardly depends on the model's width: only a model whose
+# Break-even is t = t/p + c, so t = c · p / (p − 1): the printed multiple of the communication for p = 3. The
+# communication is dominated by its all-reduces' latencies, so it hardly depends on the model's width: only a model whose
 # one-process step is at least the printed t breaks even. Ranks that share one CPU, as ours do, never break even:
 # their compute is not divided at all. This is why tensor parallelism is used for big models on
 # fast links, and why small ones are served by replicas instead (one whole copy per device, no communication).
 # </details>
 #
-# **2. Batch.** In the widget, set llama-70b-gqa on NVLink 3 with 4 ranks, and move the batch from 1 to 256.
-# Predict how the communication share changes.
+# **2. Batch.** In the widget, set llama-70b-gqa with 4 ranks, and move the batch from 1 to 256, first on
+# H100s over NVLink, then on H100s in two nodes over 100 Gb/s Ethernet. Predict how the communication share
+# changes on each.
 
 # %%
-shape, (lat, bw) = PRESETS["llama-70b-gqa"], formulas.LINKS["NVLink 3 (A100)"]
-for bt in (1, 8, 64, 256):
-    one_step = formulas.roofline_time(formulas.decode_flops("llama-70b-gqa", 512, bt),
-                                      formulas.decode_bytes("llama-70b-gqa", bt, 512), 312e12, 2.039e12)
-    compute, comm = formulas.tensor_parallel_step(shape.num_layers, shape.hidden_size, bt, 4, one_step, lat, bw)
-    print(f"batch {bt:3d}: compute {compute * 1e3:6.2f} ms a rank, all-reduces {comm * 1e3:5.2f} ms "
-          f"({comm / (compute + comm):.0%} of the step)")
+for name in ("H100 × NVLink 4 (NVSwitch)", "H100 × 2 nodes, Ethernet 100 Gb/s"):
+    print(name)
+    for bt in (1, 8, 64, 256):
+        st = interconnects.tensor_parallel_decode(interconnects.SYSTEMS[name], "llama-70b-gqa", bt, 4)
+        print(f"  batch {bt:3d}: compute {st.compute_s * 1e3:6.2f} ms a rank, all-reduces "
+              f"{st.communication_s * 1e3:6.2f} ms of {st.payload_bytes / 1024:5.0f} KiB each by "
+              f"{st.all_reduce.algorithm:17s} ({st.communication_share:.0%} of the step, {st.speedup:.2f}x)")
 
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# At batch 1 a step is bound by reading weights: compute per rank is fixed, and the all-reduces are tiny and
-# latency-bound. As the batch grows, the step's compute grows slowly (weights are read once for all rows) while
-# each all-reduce's payload, 2·h·b bytes, grows in proportion: the bandwidth term takes over, and the share
-# rises. Once the products turn compute-bound (chapter 02's knee) compute grows with b too, and the share levels
-# off.
+# The share rises with the batch on both, slowly on NVLink and steeply over Ethernet. The compute grows slowly
+# (a step is bound by reading the weights, which all rows share), while each all-reduce's payload, 2·h·b bytes,
+# grows in proportion to the batch. On NVLink a payload costs little more than its latency until it nears a
+# megabyte (the printed KiB), so the share grows slowly, mostly at the largest batches. Over Ethernet the
+# link is far slower, so the bytes soon outweigh the latency: at the largest batch most of the step is
+# communication, and tensor parallelism across two machines gains little. That is why it stays inside a node.
 # </details>
 #
-# **3. Two ranks.** Try `me.LLM("smollm2-135m", tensor_parallel_size=2)`. What happens, and why?
+# **3. Two ranks.** Try `me.LLM("smollm2-135m", tensor_parallel_size=2)`. What happens, and why? Which sizes
+# would vLLM accept for this model, and for Llama-2-70B?
 
 # %%
 try:
@@ -361,13 +495,38 @@ try:
 except ValueError as e:
     print("ValueError:", e)
 
+
+def vllm_accepts(c, p):
+    """vLLM's rules: p divides the query heads (ModelConfig.verify_with_parallel_config); the KV heads divide among
+    the ranks or are copied, p a multiple of them (QKVParallelLinear); the vocabulary, padded to a multiple of 64,
+    divides (VocabParallelEmbedding)."""
+    kv_ok = c.num_kv_heads % p == 0 if p < c.num_kv_heads else p % c.num_kv_heads == 0
+    return c.num_heads % p == 0 and kv_ok and (-(-c.vocab_size // 64) * 64) % p == 0
+
+
+def engine_accepts(c, p):
+    try:
+        check_tensor_parallel_size(c, p)
+        return True
+    except ValueError:
+        return False
+
+
+for name in ("smollm2-135m", "llama-70b-gqa"):
+    c = PRESETS[name]
+    print(f"{name} ({c.num_heads} query heads, {c.num_kv_heads} KV heads): "
+          f"this engine takes {[p for p in range(1, 65) if engine_accepts(c, p)]}, "
+          f"vLLM {[p for p in range(1, 65) if vllm_accepts(c, p)]}")
+
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
 # It is refused before any process starts: 2 does not divide the 9 query heads. A rank must own whole heads
-# (attention mixes the 64 values of a head; cutting a head would need an exchange inside attention), and its
-# query heads must share their KV head, so p must divide both 9 and 3: only 1 and 3 work for this model.
-# Llama-2-70B (64 query heads, 8 KV heads) takes 2, 4 or 8.
+# (attention mixes the 64 values of a head; cutting a head would need an exchange inside attention), so vLLM
+# refuses it too. The other rules differ. This engine also asks p to divide the KV heads, the MLP width and the
+# vocabulary, so a rank's query heads share its own KV heads. vLLM copies a KV head to several ranks when p
+# exceeds the KV heads, and pads the vocabulary, so it accepts the larger sizes the cell prints for Llama-2-70B,
+# at the price of storing each copied KV head's cache on every rank that holds it. For SmolLM2 the two agree.
 # </details>
 #
 # **4. Pipeline instead.** With 30 layers on 3 ranks split by layers, how many messages does one decode step

@@ -52,13 +52,15 @@ VLLM_CUSTOM_ALL_REDUCE_US = {
              8: {512: 14.0, 4096: 14.2}},
 }
 # vLLM's rules (csrc/custom_all_reduce.cuh and vllm/distributed/device_communicators/custom_all_reduce.py): only
-# 2, 4, 6 or 8 GPUs of one node, all joined by NVLink (or just two); payloads under 8 MiB; one-shot below 512 KiB
-# (up to 4 GPUs) or 256 KiB (up to 8), else two-shot (a reduce-scatter then an all-gather, both over NVLink).
+# 2, 4, 6 or 8 GPUs of one node, all joined by NVLink (or just two); payloads under 8 MiB; one-shot always for two
+# GPUs, and below 512 KiB (up to 4 GPUs) or 256 KiB (up to 8) for more, else two-shot (a reduce-scatter then an all-gather, both over NVLink).
 VLLM_CUSTOM_SIZES = (2, 4, 6, 8)
 VLLM_CUSTOM_MAX_BYTES = 8 * 1024 * 1024
 
 
-def _vllm_one_shot_below(ranks: int) -> int:
+def _vllm_one_shot_below(ranks: int) -> float:
+    if ranks == 2:
+        return float("inf")  # two GPUs always take the one-shot kernel
     return 512 * 1024 if ranks <= 4 else 256 * 1024
 
 

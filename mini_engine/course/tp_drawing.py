@@ -80,3 +80,15 @@ def draw_tensor_parallel_split(config: ModelConfig, ranks: int = 3, width: float
             ax.text(r + 0.5, y, stage.label.format(lo=r * q, hi=(r + 1) * q - 1, v0=r * vocab, v1=(r + 1) * vocab - 1),
                     ha="center", va="center", fontsize=7)
     return fig
+
+
+def tensor_parallel_split_image(config: ModelConfig, ranks: int = 3, width: float = 9.0):
+    """The drawing as an IPython image, which every notebook front end shows (a standalone Figure needs the inline
+    backend to show itself)."""
+    import io
+
+    from IPython.display import Image
+
+    buf = io.BytesIO()
+    draw_tensor_parallel_split(config, ranks, width).savefig(buf, format="png", dpi=80)
+    return Image(buf.getvalue())
