@@ -72,13 +72,15 @@ class Link:
     bandwidth: float  # bytes/s, each direction, one GPU
 
 
-# Peak per-direction bandwidths from the vendors' data sheets: T4 (PCIe Gen3 x16, "32 GB/s" both ways together),
-# https://www.nvidia.com/en-us/data-center/tesla-t4/ ; A100 SXM ("600 GB/s" NVLink, both ways),
+# Peak per-direction bandwidths. A T4 sits on PCIe Gen3 x16, https://www.nvidia.com/en-us/data-center/tesla-t4/ :
+# 8 GT/s × 16 lanes with 128b/130b encoding, 15.75 GB/s each way (its data sheet's "32 GB/s" counts both); A100 SXM ("600 GB/s" NVLink, both ways),
 # https://www.nvidia.com/en-us/data-center/a100/ ; H100 SXM ("900 GB/s" NVLink, both ways),
 # https://www.nvidia.com/en-us/data-center/h100/ ; DGX H100, one 400 Gb/s ConnectX-7 InfiniBand NDR port per GPU,
 # https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html ; 100 Gb/s Ethernet (RoCE).
+# NCCL's model gives InfiniBand and RoCE the same hop latencies (its IB and socket transports both report a network
+# latency of 0, "Not set"); over plain TCP sockets, without RDMA, real hops cost more than this model counts.
 LINKS = {
-    "PCIe 3 x16": Link("PCIe 3 x16", "PCIe", 16e9),
+    "PCIe 3 x16": Link("PCIe 3 x16", "PCIe", 8e9 * 16 * 128 / 130 / 8),
     "NVLink 3": Link("NVLink 3", "NVLink", 300e9),
     "NVLink 4": Link("NVLink 4", "NVLink", 450e9),
     "InfiniBand NDR": Link("InfiniBand NDR, 400 Gb/s a GPU", "network", 50e9),
