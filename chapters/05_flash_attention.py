@@ -259,9 +259,9 @@ print(f"doubling N from {ns[-2]} to {ns[-1]}: naive intermediates x{mem_rows[-1]
 # Memory size is half the story; the other half is traffic. A GPU keeps its big tensors in device memory
 # (tens of GB: HBM on a data-centre GPU such as the A100 or H100, at a few TB/s; GDDR6 on a T4 or L4, at about
 # 300 GB/s) and computes out of on-chip SRAM (shared memory and registers: a few hundred KB per
-# multiprocessor, an order of magnitude faster). Like the FlashAttention paper, this chapter calls device
-# memory HBM, whichever kind a GPU has. Naive attention sends the N × N scores
-# S and probabilities P through HBM: written, read back, written again, read again. The tiled kernel
+# multiprocessor, an order of magnitude faster). This chapter, like the FlashAttention paper, calls device
+# memory HBM; on a T4 or L4, read GDDR6. Naive attention sends the N × N scores S and probabilities P through
+# HBM: written, read back, written again, read again. The tiled kernel
 # keeps a Q tile in SRAM, streams K and V tiles past it, and the only score tile that ever exists is the
 # `BLOCK_M × BLOCK_N` one in registers. `formulas.attention_hbm_bytes` counts both, per head:
 
@@ -557,9 +557,9 @@ chunk_bytes = 2 * fd_chunk * smol.head_dim * 2  # the chunk's keys and values, r
 print(f"\nwhat a split costs: each chunk writes {state_bytes} B of state for the {chunk_bytes / 1024:.0f} KiB of keys "
       f"and values it reads ({state_bytes / chunk_bytes:.1%} more traffic), and a second, short launch merges them")
 fill_batch = -(-A100.num_sms // smol.num_kv_heads)  # the first batch whose unsplit step has a program per SM
-fa_programs = 0.8 * 2 * A100.num_sms  # flash-attn's num_splits_heuristic: 1 split from 80% of 2 programs per SM
+fa_programs = 0.8 * 2 * A100.num_sms  # FlashAttention-2's num_splits_heuristic: 1 split from 80% of 2 per SM
 vllm_v2_batch = 512 // smol.num_heads  # vLLM's V2 kernel (past 512 tokens) while seqs × query heads <= 512
-print(f"A100: every SM has an unsplit program from batch {fill_batch}; flash-attn may split below "
+print(f"A100: every SM has an unsplit program from batch {fill_batch}; FlashAttention-2 may split below "
       f"{fa_programs:.0f} programs (batch {-(-fa_programs // smol.num_kv_heads) - 1:.0f} and less); vLLM picks its V2 "
       f"kernel for contexts over 512 tokens up to batch {vllm_v2_batch} ({smol.num_heads} query heads)")
 
@@ -579,9 +579,10 @@ plt.show()
 # use. The price is small: under a kilobyte of state per chunk against the 128 KiB of keys and values it
 # reads, and one short merge. From batch 36 on (3 KV heads each), the unsplit step already has a program for
 # every SM of an A100 (the cell's last line), but that does not end the gain: an SM runs several programs at
-# once, and more of them hide more of the memory latency. flash-attn's decode path (`num_splits_heuristic` in
-# its `flash_api.cpp`) counts two programs per SM and considers splitting while the unsplit programs are
-# fewer than 80% of that, about 173 on an A100: up to batch 57 of SmolLM2's. So Flash Decoding pays exactly
+# once, and more of them hide more of the memory latency. FlashAttention-2's decode path
+# (`num_splits_heuristic` in flash-attn's `csrc/flash_attn/flash_api.cpp`) counts two programs per SM and
+# considers splitting while the unsplit programs are fewer than 80% of that, about 173 on an A100: up to
+# batch 57 of SmolLM2's. So Flash Decoding pays exactly
 # where chapter 02 found batching pays least: few sequences, long contexts. vLLM's own paged-attention kernels
 # make the same choice: its V2 kernel splits the context into partitions of 512 tokens, and vLLM runs it for
 # contexts over 8,192 tokens, and for contexts over 512 whenever sequences × query heads is at most 512 (up to

@@ -589,9 +589,9 @@ print(f"every prompt shares its first {short.shared_prefix_len} tokens ({short.s
 
 # %%
 for name, wbytes in (("fp16", 2), ("int4 weights", 0.5)):
-    step_bytes = formulas.weight_bytes("llama-2-13b", wbytes) + formulas.kv_cache_bytes_for("llama-2-13b", 1024)
-    print(f"Llama-2-13B, {name}: {step_bytes / 1e9:.1f} GB per decode step at 1K context -> "
-          f"{2.039e12 / step_bytes:.0f} tok/s ceiling at batch 1")
+    weights, kv = formulas.weight_bytes("llama-2-13b", wbytes), formulas.kv_cache_bytes_for("llama-2-13b", 1024)
+    print(f"Llama-2-13B, {name}: {weights / 1e9:.1f} GB of weights + {kv / 1e9:.1f} GB of KV per decode step at 1K "
+          f"context -> {2.039e12 / (weights + kv):.0f} tok/s ceiling at batch 1")
 
 # %% [markdown]
 # <details><summary>Answer</summary>

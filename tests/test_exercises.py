@@ -113,7 +113,7 @@ ANSWER_NUMBERS = {
                 "150": "printed: one cached stream's ceiling (151 tok/s)"},
     ("07", 1): {"206": "printed: a contiguous slot of 256 positions, 50 written"},
     ("07", 2): {"3.5": "derived in the answer: (8 - 1) / 2"},
-    ("09", 3): {"0.8": "printed: GB per step of Llama-2-13B's KV cache at 1K, with the weights",
+    ("09", 3): {"0.8": "printed: GB of Llama-2-13B's KV cache at 1K",
                 "280": "printed: the int4 ceiling"},
     ("10", 2): {"4.5": "printed: the decoder's bits a weight in groups of 64"},
     ("10", 3): {"31.25": "printed: Q4_1's 5 bits a weight over bf16's 16, in %"},
