@@ -165,6 +165,23 @@ def test_a_decode_step_splits_into_computing_communicating_and_waiting(tp, ref):
     assert tp.engine.num_free_blocks == tp.engine.num_kv_blocks
 
 
+def test_the_memory_win_a_rank_holds_a_share_of_the_kv_heads(ref):
+    """At one budget of bytes a rank, three ranks hold three times the blocks (a KV head each, not three); and the
+    largest batch an engine runs is capped by its pool: 12 blocks of 8 hold at most 4 requests of 20 + 4 tokens (3
+    blocks each; the scheduler may keep room for growth), 36 hold all 8."""
+    from mini_engine.parallel import rank_config
+    from mini_engine.parallel.measure import kv_blocks_within, largest_batch
+    config = ref.engine.model.config
+    per_block = 2 * 30 * 3 * 64 * 16 * 4
+    assert kv_blocks_within(100 * per_block, config, 16) == 100
+    assert kv_blocks_within(100 * per_block, rank_config(config, SIZE), 16) == 300
+    model, tok = ref.engine.model, ref.engine.tokenizer
+    small, large = (me.LLM.from_model(model, tok, num_kv_blocks=n, block_size=8, max_num_seqs=16,
+                                      enable_prefix_caching=False) for n in (12, 36))
+    assert 2 <= largest_batch(small, requests=8, prompt_tokens=20, new_tokens=4) <= 4
+    assert largest_batch(large, requests=8, prompt_tokens=20, new_tokens=4) == 8
+
+
 @pytest.mark.parametrize("size, number", [(2, "num_heads (9)"), (4, "num_heads (9)"), (9, "num_kv_heads (3)")])
 def test_a_size_that_does_not_divide_the_model_is_refused(size, number):
     smollm = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
