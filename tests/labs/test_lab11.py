@@ -165,6 +165,11 @@ def test_parallel_attention_holds_its_heads_as_copies(impl):
         assert heads == (3, 1), (
             f"rank {rank} of 3 holds 3 of the 9 query heads and 1 of the 3 KV heads: self.num_heads and "
             f"self.num_kv_heads must be (3, 1), got {heads}")
+        kept = [name for name in ("qkv_proj", "o_proj")
+                if isinstance(getattr(getattr(block, name, None), "weight", None), torch.Tensor)]
+        assert kept == ["qkv_proj", "o_proj"], (
+            f"rank {rank}'s block keeps {kept or 'neither'} of self.qkv_proj and self.o_proj with a .weight: the "
+            "engine loads each rank's weights by those names (the class docstring)")
         qkv, o = block.qkv_proj.weight, block.o_proj.weight
         want = engine_layers.split_qkv(attn.qkv_proj.weight, SMALL, rank, size)
         assert qkv.shape == want.shape and torch.equal(qkv, want), (
@@ -225,12 +230,14 @@ def test_each_rank_looks_up_only_its_vocabulary_range(impl):
     table = rand(12, 6)
     for r in range(3):
         part = embed(impl, IDS, table[4 * r:4 * (r + 1)], 4 * r)
-        assert tuple(part.shape) == (2, 4, 6), f"ids [2, 4] and a hidden size of 6 give [2, 4, 6], got {tuple(part.shape)}"
+        assert tuple(part.shape) == (2, 4, 6), (
+            f"ids [2, 4] and a hidden size of 6 give [2, 4, 6], got {tuple(part.shape)}")
         mine = (IDS >= 4 * r) & (IDS < 4 * (r + 1))
         assert torch.equal(part[~mine], torch.zeros_like(part[~mine])), (
             f"rank {r} holds ids {4 * r} ... {4 * r + 3}: every other id's row must be zeros (another rank holds it)")
         assert torch.equal(part[mine], table[IDS[mine]]), (
-            f"rank {r} holds ids {4 * r} ... {4 * r + 3}: each of them gives its row of the table (id - start in the shard)")
+            f"rank {r} holds ids {4 * r} ... {4 * r + 3}: each of them gives its row of the table (id - start in the "
+            "shard)")
 
 
 def test_the_ranks_parts_sum_to_the_full_embedding(impl):
@@ -244,7 +251,8 @@ def test_the_ranks_parts_sum_to_the_full_embedding(impl):
 def test_the_embedding_keeps_the_tables_dtype(impl):
     table = rand(12, 6).bfloat16()
     part = embed(impl, IDS, table[4:8], 4)
-    assert part.dtype == torch.bfloat16, f"a bfloat16 table gave {part.dtype} rows: zero the others' rows in the table's dtype"
+    assert part.dtype == torch.bfloat16, (
+        f"a bfloat16 table gave {part.dtype} rows: zero the others' rows in the table's dtype")
 
 
 # ---------------------------------------------------------------- 4. vocabulary-parallel LM head
@@ -284,7 +292,8 @@ class ThreadComm:
         if send.shape != recv.shape:
             raise ValueError(f"sendrecv: send {list(send.shape)} and recv {list(recv.shape)} must have one shape")
         if not (0 <= to < self.size and 0 <= source < self.size) or self.rank in (to, source):
-            raise ValueError(f"sendrecv on rank {self.rank} of {self.size}: to={to}, source={source} must be other ranks")
+            raise ValueError(f"sendrecv on rank {self.rank} of {self.size}: to={to}, source={source} must be other "
+                             "ranks")
         self.sent.append(send.numel())
         self.boxes[self.rank, to].put(send.clone())
         try:
@@ -362,8 +371,8 @@ def test_ring_all_reduce_is_a_sum_in_place_for_any_shape(impl):
         assert close(ts[r], total), f"rank {r}'s ring_all_reduce must leave the sum over the ranks in t"
         sent = sum(comms[r].sent)
         assert sent == 48, (
-            f"rank {r}'s ring_all_reduce sent {sent} elements: a reduce-scatter then an all-gather send 2 (p - 1) / p of "
-            "the (padded) 36, 48: each rank's share, not the whole tensor")
+            f"rank {r}'s ring_all_reduce sent {sent} elements: a reduce-scatter then an all-gather send 2 (p - 1) / p "
+            "of the (padded) 36, 48: each rank's share, not the whole tensor")
 
 
 # ---------------------------------------------------------------- three real ranks (slow, last)
@@ -415,7 +424,8 @@ def ring_forward(rank, comm):
     dist.all_reduce(want)
     lab = comm.lab
     got = {"ring_all_reduce": lab.ring_all_reduce(t.clone(), comm), "want_all_reduce": want,
-           "reduce_scatter": lab.reduce_scatter(t[:6].clone(), comm), "want_reduce_scatter": want[2 * rank:2 * rank + 2],
+           "reduce_scatter": lab.reduce_scatter(t[:6].clone(), comm),
+           "want_reduce_scatter": want[2 * rank:2 * rank + 2],
            "all_gather": lab.all_gather(t[:2].clone(), comm)}
     parts = [torch.empty(2, 5) for _ in range(SIZE)]
     dist.all_gather(parts, t[:2].clone())
@@ -455,7 +465,8 @@ def rank_worker(rank: int, module: str, job: str, folder: str, timeout: float) -
 
             def sendrecv(self, send, to, recv, source):
                 if send.shape != recv.shape:
-                    raise ValueError(f"sendrecv: send {list(send.shape)} and recv {list(recv.shape)} must have one shape")
+                    raise ValueError(f"sendrecv: send {list(send.shape)} and recv {list(recv.shape)} must have one "
+                                     "shape")
                 Comm.sent.append(send.numel())
                 incoming = torch.empty_like(recv)  # gloo receives into a contiguous buffer
                 works = [dist.isend(send.contiguous(), to), dist.irecv(incoming, source)]
@@ -530,9 +541,9 @@ def test_three_real_ranks_run_your_ring(impl):
         y = result["y"]
         for part in RING:
             want = y[f"want_{part.removeprefix('ring_')}"]
-            assert close(y[part], want), (
-                f"rank {rank}'s {part} differs from torch.distributed's on real ranks (max |diff| "
-                f"{(y[part] - want).abs().max() if y[part].shape == want.shape else 'shapes ' + str(list(y[part].shape))})")
+            gap = f"max |diff| {(y[part] - want).abs().max():.2e}" if y[part].shape == want.shape else \
+                f"shape {list(y[part].shape)}, not {list(want.shape)}"
+            assert close(y[part], want), f"rank {rank}'s {part} differs from torch.distributed's on real ranks ({gap})"
         assert result["sent"] == [12] * 4 + [10] * 4, (
             f"rank {rank}'s ring sent {result['sent']} elements per step: each of the ring's steps sends one chunk")
 
@@ -558,7 +569,8 @@ class AttentionReducedByTheEngine(solution.ParallelAttention):
     def forward(self, x, cos, sin, meta, layer_idx, kv_cache, attention):
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q, k = (engine_model.apply_rope(q.view(t, -1, d), cos, sin), engine_model.apply_rope(k.view(t, -1, d), cos, sin))
+        q, k = (engine_model.apply_rope(q.view(t, -1, d), cos, sin),
+                engine_model.apply_rope(k.view(t, -1, d), cos, sin))
         out = attention(q, k, v.view(t, -1, d), meta, kv_cache, layer_idx).reshape(t, -1)
         return engine_layers.RowParallelLinear(self.o_proj.weight, self.comm)(out)
 
@@ -593,7 +605,8 @@ HAND_OFFS = [
     ("ParallelAttention.__init__", AttentionCutByTheEngine, test_parallel_attention_holds_its_heads_as_copies),
     ("ParallelAttention.forward", AttentionReducedByTheEngine,
      test_parallel_attention_sums_to_the_full_block_with_one_all_reduce),
-    ("vocab_parallel_embedding", lambda ids, w, start, comm=None: engine_layers.VocabParallelEmbedding(w, start, comm)(ids),
+    ("vocab_parallel_embedding",
+     lambda ids, w, start, comm=None: engine_layers.VocabParallelEmbedding(w, start, comm)(ids),
      test_the_ranks_parts_sum_to_the_full_embedding),
     ("ParallelLMHead.forward", LMHeadOfTheEngine, test_lm_head_gives_each_rank_its_vocabulary_columns),
     ("reduce_scatter", reduce_scatter_by_torch, test_reduce_scatter_sums_each_ranks_own_chunk),
@@ -637,7 +650,8 @@ class AttentionReducedBeforeOProj(solution.ParallelAttention):
     def forward(self, x, cos, sin, meta, layer_idx, kv_cache, attention):
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q, k = (engine_model.apply_rope(q.view(t, -1, d), cos, sin), engine_model.apply_rope(k.view(t, -1, d), cos, sin))
+        q, k = (engine_model.apply_rope(q.view(t, -1, d), cos, sin),
+                engine_model.apply_rope(k.view(t, -1, d), cos, sin))
         out = attention(q, k, v.view(t, -1, d), meta, kv_cache, layer_idx).reshape(t, -1)
         out = out if self.comm is None else self.comm.all_reduce(out)
         return F.linear(out, self.o_proj.weight)
