@@ -15,7 +15,10 @@ waits while stage 0 computes, then stage 0 waits. GPipe (Huang et al. 2019) cuts
 stage 1 computes micro-batch 0, stage 0 computes micro-batch 1. Here a step's sequences are cut into
 `micro_batches` groups (whole sequences, about equal tokens each). With p stages of equal time t a micro-batch, the
 step takes (m + p - 1) t, and each stage idles (p - 1) t of it: the bubble, (p - 1)/(m + p - 1) of the stage-time.
-`measure_bubble` measures it (see there for what a 2-core CPU does to the measurement).
+`measure_bubble` measures it (see there for what a 2-core CPU does to the measurement). vLLM's engine fills its
+stages another way: it keeps up to pipeline_parallel_size whole batches in flight, each a scheduler step of its own
+(one scheduler per stage, "virtual engines", in its V0 engine: vllm-project/vllm#4461; a queue of batches in V1,
+#11945); here one step is cut, which keeps the engine's one scheduler and one batch a step as they are.
 
 Failures are handled as `ranks.ParallelModel` handles them: a stage that dies, raises or stops answering makes the
 step a RuntimeError on stage 0 within the timeout (MINI_ENGINE_TP_TIMEOUT seconds, default 60), quoting a stage's
@@ -233,7 +236,7 @@ def stage_main(stage: int, size: int, stores: tuple[str, str], conn, threads: in
     except BaseException as e:  # noqa: BLE001 (whatever it is, stage 0 should read it)
         with contextlib.suppress(OSError, ValueError):
             _send(conn, ("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
-        os._exit(1)  # not sys.exit: a spawned child's exit would first wait on gloo's threads
+        os._exit(1)  # at once, with code 1: no interpreter shutdown while gloo's threads are mid-operation
 
 
 class PipelineRunner(ModelRunner):
@@ -267,7 +270,7 @@ class PipelineModel:
                 raise ValueError(f"pipeline_parallel_size={size} needs a GPU per stage from cuda:{first} on, but "
                                  f"{torch.cuda.device_count()} are visible; run the stages on device='cpu' instead")
             device = torch.device("cuda", first)
-        self.size, self.micro_batches = size, micro_batches
+        self.size, self._micro_batches = size, micro_batches
         self.cuts = [stage_layers(full.config.num_layers, size, s) for s in range(size)]  # each stage's layers
         self.timeout = timeout_s() if timeout is None else timeout
         self.threads = threads_per_rank(size)
@@ -317,6 +320,17 @@ class PipelineModel:
         self.vocab_size, self.hidden_size = full.config.vocab_size, full.config.hidden_size
         self.max_positions = full.config.max_position_embeddings
         self.config = self.stage.config
+
+    @property
+    def micro_batches(self) -> int:
+        """Groups each step's sequences are cut into (fewer when a step has fewer sequences); may change between
+        steps."""
+        return self._micro_batches
+
+    @micro_batches.setter
+    def micro_batches(self, value: int) -> None:
+        check_pipeline_parallel_size(self.config, 1, value)
+        self._micro_batches = value
 
     # What LLMEngine reads of a model.
     @property
@@ -569,7 +583,6 @@ def measure_bubble(model: PipelineModel, micro_batches: int, batch: int = 16, pr
     bound by reading weights) m micro-batches cost nearly m times one: the bubble shrinks, the step does not."""
     if kind not in ("prefill", "decode"):
         raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
-    check_pipeline_parallel_size(model.config, 1, micro_batches)
     before = model.micro_batches
     device, generator = model.device, torch.Generator().manual_seed(seed)
     width = -(-(prompt_len + 1) // block_size)

@@ -73,12 +73,20 @@ def tiny(num_layers: int = 3) -> LlamaModel:
     return LlamaModel(config).eval()
 
 
+GREEDY = me.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def want(ref):
+    """The one process's greedy tokens for PROMPTS."""
+    return [o.token_ids for o in ref.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2])
-def test_three_stages_give_one_process_greedy_tokens(pp, ref, micro_batches):
+def test_three_stages_give_one_process_greedy_tokens(pp, want, micro_batches):
+    """Prompts cut into chunks of 24 tokens and decodes mixed in the same steps, one micro-batch or two."""
     pp.engine.model.micro_batches = micro_batches
-    params = me.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    got, want = pp.generate(PROMPTS, params, use_tqdm=False), ref.generate(PROMPTS, params, use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in pp.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     assert pp.engine.num_free_blocks == pp.engine.num_kv_blocks
 
 
@@ -89,6 +97,8 @@ def test_each_stage_holds_its_layers_and_their_cache(pp):
     assert stage_layers(30, 4, 1) == range(7, 15) and stage_layers(30, 4, 3) == range(22, 30)
     assert len(model.stage.layers) == 10 and pp.engine.runner.kv_cache.data.shape[0] == 10
     assert isinstance(model.stage.lm_head, torch.nn.Identity) and model.config.vocab_size == 49152
+    with pytest.raises(ValueError, match="micro_batches"):
+        model.micro_batches = 0
 
 
 def test_prefix_cache_hits_and_prompt_logprobs_under_two_micro_batches(pp, ref):
@@ -120,8 +130,8 @@ def test_logits_come_back_in_the_steps_row_order(pp, ref):
     want = ref.engine.model(ids, meta)
     assert got.shape == want.shape == (6, 49152)
     assert (got - want).abs().max().item() < 1e-3
-    batched = model(ids[None, :], last_only=True)
-    assert batched.shape == (1, 1, 49152) and (batched - ref.engine.model(ids[None, :], last_only=True)).abs().max() < 1e-3
+    batched, one = model(ids[None, :], last_only=True), ref.engine.model(ids[None, :], last_only=True)
+    assert batched.shape == one.shape == (1, 1, 49152) and (batched - one).abs().max().item() < 1e-3
 
 
 def test_sequences_are_cut_whole_into_about_equal_micro_batches():
