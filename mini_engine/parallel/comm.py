@@ -88,7 +88,8 @@ class Communicator:
         host-side timeout, as a host-side wait(timeout) makes the host poll and sleep until the GPU has finished,
         at every collective; wait() only orders the current stream after NCCL's, so the host runs ahead and
         queues the next kernels. A rank that hangs is caught by the process group's own timeout (`options._timeout`
-        above: NCCL's watchdog aborts a collective that runs past it)."""
+        above): NCCL's watchdog thread finds the collective past it and, by PyTorch's default
+        (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), ends the process, rank 0's included, where gloo raises."""
         if self.device.type == "cuda":
             work.wait()
         else:
