@@ -13,6 +13,10 @@ import concurrent.futures
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -217,3 +221,29 @@ def test_a_stage_killed_mid_step_is_an_error_and_shutdown_leaves_nothing(pp):
     assert not any(alive(p) for p in pids)
     assert not Path(folder).exists()
     pp.shutdown()  # a second shutdown does nothing
+
+
+def test_interpreter_exit_ends_every_stage(tmp_path):
+    """A script (no `if __name__ == "__main__":` guard) that starts stages and exits without shutdown."""
+    script = tmp_path / "stages_and_exit.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from mini_engine.config import ModelConfig
+        from mini_engine.model import LlamaModel
+        from mini_engine.parallel.pipeline import PipelineModel
+        config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=6,
+                             num_kv_heads=3, head_dim=8)
+        model = PipelineModel(LlamaModel(config).eval(), 3, micro_batches=2)
+        print(*model.pids, flush=True)
+        print(tuple(model(torch.tensor([[1, 2, 3]])).shape), flush=True)
+    """))
+    before = set(Path(tempfile.gettempdir()).glob("mini_engine_pp_*"))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    pids = [int(p) for p in run.stdout.splitlines()[0].split()]
+    assert run.stdout.splitlines()[1] == "(1, 3, 96)"
+    deadline = time.time() + 10
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)
+    assert set(Path(tempfile.gettempdir()).glob("mini_engine_pp_*")) <= before
