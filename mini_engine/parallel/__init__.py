@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import torch
 
+from .collectives import (COLLECTIVES, Overlap, all_reduce_from_halves, check_collectives, collective_seconds,
+                          overlap_seconds)
 from .layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
                      check_tensor_parallel_size, rank_config, shard_model, shard_weights)
 from .ranks import ParallelModel, threads_per_rank, timeout_s
+from .sequence import apply_sequence_parallel, residual_bytes
 
-__all__ = ["ColumnParallelLinear", "ParallelLMHead", "ParallelModel", "RowParallelLinear", "VocabParallelEmbedding",
-           "check_tensor_parallel_size", "rank_config", "shard_model", "shard_weights", "load_parallel",
-           "threads_per_rank", "timeout_s"]
+__all__ = ["COLLECTIVES", "ColumnParallelLinear", "Overlap", "ParallelLMHead", "ParallelModel", "RowParallelLinear",
+           "VocabParallelEmbedding", "all_reduce_from_halves", "apply_sequence_parallel", "check_collectives",
+           "check_tensor_parallel_size", "collective_seconds", "load_parallel", "overlap_seconds", "rank_config",
+           "residual_bytes", "shard_model", "shard_weights", "threads_per_rank", "timeout_s"]
 
 
 def load_parallel(config):
