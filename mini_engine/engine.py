@@ -23,20 +23,19 @@ import contextlib
 import dataclasses
 import importlib
 import itertools
-import os
 import numbers
 import time
 
 import torch
 
 from .compiled_decode import CompiledDecode
-from .engine_config import EngineConfig, SpeculativeConfig
+from .engine_config import EngineConfig
 from .kv_cache import ContiguousKVCache, PagedKVCache
-from .outputs import BlockPoolSnapshot, RequestOutput, StepRecord, request_steps  # noqa: F401 (chapter 08's import)
+from .outputs import BlockPoolSnapshot, RequestOutput, StepRecord, as_prompt_list, request_steps  # noqa: F401
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample, stop_tokens
 from .scheduler import Chunk, Request, Scheduler, make_policy
-from .speculative import DraftModelProposer, NgramProposer, verify
+from .speculative import DraftModelProposer, make_proposer, verify
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -61,7 +60,8 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         c = self.config
         # Before the KV cache is allocated: a draft model with another vocabulary fails fast.
-        self.proposer = self._make_proposer(c.speculative) if c.speculative else None
+        self.proposer = make_proposer(c.speculative, model, c.max_model_len, c.max_num_seqs) if c.speculative \
+            else None
         # compile=True: one more block (or slot) than the scheduler manages, for the compiled step's padded rows.
         scratch = int(bool(c.compile))
         if c.kv_cache == "paged":
@@ -130,25 +130,6 @@ class LLMEngine:
         that needs it; returns the seconds it took (0.0 without compile). The cache is left as it was, but for
         the scratch row only padded rows use. `progress`: a bar over the buckets."""
         return self.runner.compiled.warmup(progress) if self.runner.compiled is not None else 0.0
-
-    def _make_proposer(self, spec: SpeculativeConfig):
-        if spec.method != "draft":  # prompt lookup, or a proposer of your own (`speculative.Proposer`)
-            return NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else spec.method
-        draft = spec.model
-        if isinstance(draft, (str, os.PathLike)):
-            from .loading.loader import load_model
-            draft, _ = load_model(str(draft), device=str(self.model.device),
-                                  dtype=spec.dtype or _dtype_name(self.model.dtype), quantization=spec.quantization)
-        elif spec.dtype is not None and _dtype_name(draft.dtype) != spec.dtype:
-            raise ValueError(f"speculative['dtype']={spec.dtype!r} but the draft model given is in "
-                             f"{_dtype_name(draft.dtype)}")
-        if draft.device.type != self.model.device.type:
-            raise ValueError(f"speculative['model'] is on {draft.device} but the target is on {self.model.device}")
-        try:  # one draft cache slot per engine slot: the draft's cache is contiguous, max_num_seqs x max_model_len
-            return DraftModelProposer(draft, self.model.config.vocab_size, self.config.max_model_len,
-                                      self.config.max_num_seqs)
-        except ValueError as e:
-            raise ValueError(f"speculative['model']: {str(e).removeprefix('model: ')}") from None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -271,28 +252,49 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one packed forward pass, sample; return the requests that finished in this step."""
-        start = time.perf_counter()
-        if self.proposer is not None:
-            self._propose()
-        chunks = self.scheduler.schedule(start)
-        if not chunks:
-            wait = self.scheduler.seconds_until_admission(start)
-            if self.has_unfinished() and wait <= 0:
-                raise RuntimeError("scheduler made no progress with requests pending")
-            time.sleep(max(wait, 0.0))  # a dynamic batcher waiting for its bucket: nothing to compute
-            return []
-        logits = self.runner.execute(chunks, self.scheduler.block_copies)
-        tokens = self._sample(chunks, logits)
-        self.runner.record_logprobs(chunks, logits, self.scheduler.samplers(chunks), tokens)
-        end = time.perf_counter()  # sample() read the tokens back, so the device has finished the step
+        """Schedule, run one packed forward pass, sample; return the requests that finished in this step.
+        All or nothing: if anything in it raises (Ctrl-C too), the requests it scheduled are aborted (see
+        `_abort_step`) and the exception goes on, with a note naming them; the engine serves on."""
+        start, chunks = time.perf_counter(), []
+        try:
+            if self.proposer is not None:
+                self._propose()
+            chunks = None  # from here on, a failure may leave half-planned chunks behind
+            chunks = self.scheduler.schedule(start)
+            if not chunks:
+                wait = self.scheduler.seconds_until_admission(start)
+                if self.has_unfinished() and wait <= 0:
+                    raise RuntimeError("scheduler made no progress with requests pending")
+                time.sleep(max(wait, 0.0))  # a dynamic batcher waiting for its bucket: nothing to compute
+                return []
+            logits = self.runner.execute(chunks, self.scheduler.block_copies)
+            tokens = self._sample(chunks, logits)
+            self.runner.record_logprobs(chunks, logits, self.scheduler.samplers(chunks), tokens)
+            end = time.perf_counter()  # sample() read the tokens back, so the device has finished the step
+            finished = self.scheduler.update(chunks, tokens, end)
+        except BaseException as e:
+            self._abort_step(chunks, e)
+            raise
         if self.config.record_trace:
             self.trace.append(StepRecord(self._num_steps, start, end, tuple(
                 (c.request.request_id, c.request.slot, c.num_tokens, c.samples) for c in chunks),
                 len(self.scheduler.waiting), len(self.scheduler.running)))
         self._num_steps += 1
-        finished = self.scheduler.update(chunks, tokens, end)
         return [out for out in map(self._finish_sample, finished) if out is not None]
+
+    def _abort_step(self, chunks: list[Chunk] | None, error: BaseException) -> None:
+        """A failed step may have planned block copies that never ran and written keys and values it never
+        recorded. Run on, those requests would compute on uncopied blocks and the prefix cache would take them
+        in; so every request the step scheduled (every running one, if scheduling itself failed) is aborted:
+        its blocks go back to the pool and only what earlier steps computed stays cached. Aborted, not queued
+        again: a step that fails for one request's sake would fail again, forever."""
+        running = self.scheduler.running if chunks is None else [c.request for c in chunks]
+        ids = sorted({self._request_of[r.request_id] for r in running if r.request_id in self._request_of})
+        for request_id in ids:
+            self.abort_request(request_id)
+        if ids:
+            error.add_note(f"mini_engine: step {self._num_steps} failed; requests {ids}, which it scheduled, were "
+                           "aborted (finish_reason 'abort') and their KV blocks freed; the engine serves on")
 
     def _propose(self) -> None:
         """Draft up to k tokens for every decoding request (the scheduler then verifies what fits the step).
@@ -357,13 +359,6 @@ class LLMEngine:
         return RequestOutput.of(samples, self.tokenizer)
 
 
-def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and all(isinstance(t, int) for t in prompts)):
-        return [prompts]  # one prompt: a string or one list of token ids
-    return list(prompts)
-
-
 class LLM(contextlib.AbstractContextManager):
     """Offline serving in one call, vLLM style:
 
@@ -425,7 +420,7 @@ class LLM(contextlib.AbstractContextManager):
         any runs: a bad one raises ValueError naming its index, and nothing is queued."""
         from tqdm.auto import tqdm
 
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if not prompts:
             raise ValueError("prompts must not be empty")
         many = isinstance(sampling_params, (list, tuple))
@@ -441,10 +436,15 @@ class LLM(contextlib.AbstractContextManager):
         ids = [self.engine.add_request(prompt, sp) for prompt, sp in checked]
         wanted = set(ids)
         outputs: dict[int, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
-            while len(outputs) < len(ids):
-                for out in self.engine.step():
-                    if out.request_id in wanted:  # the engine may also hold requests added step by step
-                        outputs[out.request_id] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
+                while len(outputs) < len(ids):
+                    for out in self.engine.step():
+                        if out.request_id in wanted:  # the engine may also hold requests added step by step
+                            outputs[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # a failed step (or Ctrl-C): nobody will collect the rest, as the server aborts
+            for i in ids:      # a failed step's streams; the step has aborted the requests it scheduled
+                self.engine.abort_request(i)
+            raise
         return [outputs[i] for i in ids]

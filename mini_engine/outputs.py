@@ -116,3 +116,11 @@ class BlockPoolSnapshot:
                    tuple(r.request_id for r in scheduler.waiting), scheduler.num_preemptions,
                    tuple(blocks.ref_counts), tuple(h is not None for h in blocks.block_hash),
                    {i: tuple(t) for i, t in blocks.block_tables.items()})
+
+
+def as_prompt_list(prompts) -> list:
+    """`LLM.generate`'s prompts as a list: one prompt (a string or one list of token ids) becomes a list of one."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)

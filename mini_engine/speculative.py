@@ -19,6 +19,7 @@ so the Triton kernel (kernels/rejection_sampler.py) and this torch form make the
 """
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import numpy as np
@@ -141,6 +142,26 @@ class DraftModelProposer:
         meta = AttentionMetadata.build([len(new_tokens)], [context_len], slots=[slot], device=self.model.device,
                                        last_only=True)
         return self.model(torch.tensor(new_tokens, device=self.model.device), meta, self.kv_cache)
+
+
+def make_proposer(spec, target, max_len: int, num_slots: int):
+    """The proposer an engine's `SpeculativeConfig` asks for, next to `target` (a draft model is checked against
+    it, or loaded on its device): one draft cache slot per engine slot, each `max_len` positions."""
+    if spec.method != "draft":  # prompt lookup, or a proposer of your own (`Proposer`)
+        return NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else spec.method
+    draft, dtype_of = spec.model, lambda m: str(m.dtype).removeprefix("torch.")
+    if isinstance(draft, (str, os.PathLike)):
+        from .loading.loader import load_model
+        draft, _ = load_model(str(draft), device=str(target.device), dtype=spec.dtype or dtype_of(target),
+                              quantization=spec.quantization)
+    elif spec.dtype is not None and dtype_of(draft) != spec.dtype:
+        raise ValueError(f"speculative['dtype']={spec.dtype!r} but the draft model given is in {dtype_of(draft)}")
+    if draft.device.type != target.device.type:
+        raise ValueError(f"speculative['model'] is on {draft.device} but the target is on {target.device}")
+    try:
+        return DraftModelProposer(draft, target.config.vocab_size, max_len, num_slots)
+    except ValueError as e:
+        raise ValueError(f"speculative['model']: {str(e).removeprefix('model: ')}") from None
 
 
 def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
