@@ -261,6 +261,15 @@ class Scheduler:
         return chunks
 
     def _admit(self, budget: float, chunks: list[Chunk], now: float) -> None:
+        # Each candidate's lookup tokens are built once and passed as the same list to every lookup below, so a block
+        # manager can match once per admission (the radix tree remembers a match until it changes).
+        probes: dict[int, list[int]] = {}
+
+        def probe(r: Request) -> list[int]:
+            if r.request_id not in probes:
+                probes[r.request_id] = r.lookup_tokens
+            return probes[r.request_id]
+
         if self.blocks is not None and self.blocks.enable_prefix_caching:
             # Tell the policy what each candidate will really compute (lookups change nothing): those it may start
             # in arrival order, or every waiting request when it ranks them by their hits (CacheAwarePolicy).
@@ -269,7 +278,7 @@ class Scheduler:
             for i, r in enumerate(self.waiting):
                 if not ranks and (i == len(self.free_slots) or left <= 0):
                     break
-                r.num_cached_hint = self.blocks.num_cached_tokens(r.lookup_tokens)
+                r.num_cached_hint = self.blocks.num_cached_tokens(probe(r))
                 left -= r.num_uncomputed - r.num_cached_hint
         promised = 0  # blocks the requests admitted in this step will still need for the rest of their prompts
         for r in self.policy.admit(self.waiting, self.running, len(self.free_slots), budget, now):
@@ -278,8 +287,8 @@ class Scheduler:
             if self.blocks is not None:
                 # A hit on an evictable block leaves the free count; a fork copies (or starts) one at its first
                 # decode. Each running request keeps a block to grow into, or the newcomer would be preempted.
-                hits = self.blocks.lookup(r.lookup_tokens)
-                full = self.blocks.num_cached_tokens(r.lookup_tokens) // self.blocks.block_size  # a partly matched
+                hits = self.blocks.lookup(probe(r))
+                full = self.blocks.num_cached_tokens(probe(r)) // self.blocks.block_size  # a partly matched
                 need = self.blocks.blocks_for(r.num_tokens) - full + len(r.forks)  # last block is copied: a new one
                 if need + len(self.running) > self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - promised:
                     break  # first come, first served: nobody overtakes a request that does not fit yet
@@ -290,7 +299,7 @@ class Scheduler:
                 f.slot = self.free_slots.pop()
             r.first_scheduled_time = now if r.first_scheduled_time is None else r.first_scheduled_time
             if self.blocks is not None:
-                r.num_computed = self.blocks.allocate_cached(r.request_id, r.lookup_tokens)
+                r.num_computed = self.blocks.allocate_cached(r.request_id, probe(r))
                 if r.num_cached_tokens is None:
                     r.num_cached_tokens = r.num_computed
             self.running.append(r)

@@ -15,7 +15,9 @@ block exact and eviction a block at a time, at the price of a few sibling leaves
 When blocks enter the tree: each full block once a step has written it (so requests running together share), and
 a sequence's whole computed prefix, last partial block included, when it is freed (finished, preempted or aborted),
 so the next turn of a conversation finds the previous answer. Eviction takes a leaf no block table holds, least
-recently used first, so a trunk that many branches share outlives them.
+recently used first, so a trunk that many branches share outlives them. The unheld leaves are kept in a set and in
+a heap by last use (stale entries are skipped as they surface), so an eviction costs O(log n), not a scan of the
+tree; `eviction_visits` counts the heap entries examined.
 
 The bookkeeping rests on one property: the blocks of a table that are in the tree are its first ones, a path from
 the root. So a node no table holds has no held node below it, and `evictable` (every tree block only the tree
@@ -23,6 +25,7 @@ holds) counts exactly the blocks that evicting leaves, one after another, can fr
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Hashable, Sequence
 
@@ -31,12 +34,14 @@ from ..paging import BlockManager, hash_block
 
 class Node:
     """One block of the tree: `tokens` are those written in `block` (block_size of them, or fewer in a leaf)."""
-    __slots__ = ("tokens", "block", "parent", "children", "last_used")
+    __slots__ = ("tokens", "block", "parent", "children", "by_first", "last_used", "stamp")
 
     def __init__(self, tokens: tuple[int, ...], block: int | None, parent: Node | None):
         self.tokens, self.block, self.parent = tokens, block, parent
         self.children: dict[tuple[int, ...], Node] = {}  # by their tokens
+        self.by_first: dict[int, list[Node]] = {}  # the same children by their first token (a match ending inside)
         self.last_used = 0
+        self.stamp = -1  # last_used when last pushed on the eviction heap
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -63,12 +68,24 @@ class RadixBlockManager(BlockManager):
         self.computed: dict[Hashable, tuple[Sequence[int], int]] = {}  # sequence -> (its tokens, how many computed)
         self.in_tree: dict[Hashable, tuple[Node | None, int]] = {}  # sequence -> (its deepest tree node, depth)
         self.clock = itertools.count(1)  # ticks for least recently used
+        self.leaves: set[Node] = set()  # the evictable leaves: in the tree, no children, no table holds them
+        self.heap: list[tuple[int, int, int, Node]] = []  # (stamp, block, tick, node); stale entries skipped
+        self.ticks = itertools.count()
+        self.eviction_visits = 0  # heap entries examined by evictions (a timing-free cost)
+        self.version = 0  # bumped whenever the tree changes shape: a remembered match is good until then
+        self.matches: dict[int, tuple[Sequence[int], int, tuple[list[Node], int]]] = {}
 
     # ------------------------------------------------------------------ matching
 
     def _match(self, token_ids: Sequence[int]) -> tuple[list[Node], int]:
         """The nodes a new sequence of `token_ids` can share, root first, and how many of its tokens they hold:
-        never its last token, whose logits the step needs."""
+        never its last token, whose logits the step needs. The scheduler asks several times per admission with
+        the same list: the answer is remembered until the tree changes (the list must not change meanwhile)."""
+        memo = self.matches.get(id(token_ids))
+        if memo is not None and memo[0] is token_ids and memo[1] == self.version:
+            return memo[2]
+        if len(self.matches) > 1024 or next(iter(self.matches.values()), (0, self.version))[1] != self.version:
+            self.matches.clear()  # entries are all of one version: stale together
         path, node, matched, size = [], self.root, 0, self.block_size
         limit = len(token_ids) - 1
         while matched < limit:
@@ -79,12 +96,13 @@ class RadixBlockManager(BlockManager):
                 node, matched = child, matched + size
                 continue
             # The match ends inside this block: take the child agreeing longest with the tokens, if any does.
-            best = max(node.children.values(), key=lambda c: common_prefix(c.tokens, want), default=None)
+            best = max(node.by_first.get(want[0], ()), key=lambda c: common_prefix(c.tokens, want), default=None)
             n = min(common_prefix(best.tokens, want), limit - matched) if best else 0
             if n:
                 path.append(best)
                 matched += n
             break
+        self.matches[id(token_ids)] = (token_ids, self.version, (path, matched))  # keeps the list, so its id
         return path, matched
 
     def lookup(self, token_ids: Sequence[int]) -> list[int]:
@@ -132,9 +150,10 @@ class RadixBlockManager(BlockManager):
             want = tuple(tokens[i * size:min(end, (i + 1) * size)])
             child = node.children.get(want)
             if child is None:
-                if any(c.tokens[:len(want)] == want for c in node.children.values()):
+                siblings = node.by_first.get(want[0], ())
+                if any(c.tokens[:len(want)] == want for c in siblings):
                     break  # a partial last block whose tokens a longer block in the tree holds already
-                for leaf in [c for c in node.children.values() if want[:len(c.tokens)] == c.tokens]:
+                for leaf in [c for c in siblings if want[:len(c.tokens)] == c.tokens]:
                     self._remove(leaf)  # a shorter partial leaf this block extends holds nothing it lacks
                 child = self._add(node, want, table[i])
             elif child.block != table[i]:
@@ -151,7 +170,10 @@ class RadixBlockManager(BlockManager):
     def _add(self, parent: Node, tokens: tuple[int, ...], block: int) -> Node:
         node = Node(tokens, block, parent)
         parent.children[tokens] = node
+        parent.by_first.setdefault(tokens[0], []).append(node)
         self.node_of[block] = node
+        self.version += 1
+        self._refresh(parent)  # a parent with a child is no leaf
         key = hash_block(self.block_hash[parent.block] if parent.block is not None else None, tokens)
         self.cached_blocks[key], self.block_hash[block] = block, key
         self._hold(block)  # the tree's own reference
@@ -159,18 +181,41 @@ class RadixBlockManager(BlockManager):
 
     def _remove(self, node: Node) -> None:
         """Take a leaf out of the tree and drop the tree's reference on its block."""
-        del node.parent.children[node.tokens]
+        parent, self.version = node.parent, self.version + 1
+        del parent.children[node.tokens]
+        siblings = parent.by_first[node.tokens[0]]
+        siblings.remove(node)
+        if not siblings:
+            del parent.by_first[node.tokens[0]]
+        self.leaves.discard(node)
         del self.node_of[node.block]
         del self.cached_blocks[self.block_hash[node.block]]
         self.block_hash[node.block] = None
         self.evictable.pop(node.block, None)
         self._drop(node.block)
+        self._refresh(parent)  # its last child gone, an unheld parent is an evictable leaf now
+
+    def _refresh(self, node: Node) -> None:
+        """Keep `leaves` and the heap true for one node after its holders or its children changed."""
+        if node.block is None or self.node_of.get(node.block) is not node:
+            return
+        if node.children or self.ref_counts[node.block] != 1:
+            self.leaves.discard(node)
+        elif node not in self.leaves or node.stamp != node.last_used:
+            self.leaves.add(node)
+            node.stamp = node.last_used
+            heapq.heappush(self.heap, (node.stamp, node.block, next(self.ticks), node))
+            if len(self.heap) > 2 * len(self.leaves) + 64:  # mostly stale: rebuild, O(n) once per n pushes
+                self.heap = [(n.stamp, n.block, next(self.ticks), n) for n in self.leaves]
+                heapq.heapify(self.heap)
 
     # ------------------------------------------------------------------ references
 
     def _hold(self, block: int) -> None:
         self.ref_counts[block] += 1
         self.evictable.pop(block, None)  # a table holds it now
+        if block in self.node_of:
+            self._refresh(self.node_of[block])
 
     def _drop(self, block: int) -> None:
         """One holder fewer: a block nobody holds is free; a tree block only the tree holds is evictable."""
@@ -179,6 +224,7 @@ class RadixBlockManager(BlockManager):
             self.free_blocks.append(block)
         elif self.ref_counts[block] == 1 and block in self.node_of:
             self.evictable[block] = None
+            self._refresh(self.node_of[block])
 
     def free(self, seq_id: Hashable) -> None:
         """Insert everything the sequence computed, its last partial block too, then drop its table."""
@@ -202,6 +248,7 @@ class RadixBlockManager(BlockManager):
         for src, _ in copies:
             if self.ref_counts[src] == 1 and src in self.node_of:
                 self.evictable[src] = None  # only the tree holds the original now
+                self._refresh(self.node_of[src])
         if copies:
             # The copy runs with the step. Until then the new block holds nothing: a preemption in this very step
             # must not insert it, so the sequence counts as computed up to the copied block only.
@@ -222,21 +269,24 @@ class RadixBlockManager(BlockManager):
         return super()._take_block()
 
     def _evict_one(self) -> None:
-        """Free the least recently used leaf no table holds."""
-        leaves = [self.node_of[b] for b in self.evictable if not self.node_of[b].children]
-        if not leaves:
-            raise RuntimeError("no free block and no evictable leaf: check can_allocate first")
-        self._remove(min(leaves, key=lambda n: n.last_used))
-        self.num_evictions += 1
+        """Free the least recently used leaf no table holds: the heap's first entry that is still true."""
+        while self.heap:
+            stamp, _, _, node = heapq.heappop(self.heap)
+            self.eviction_visits += 1
+            if node in self.leaves and stamp == node.stamp:
+                self._remove(node)
+                self.num_evictions += 1
+                return
+        raise RuntimeError("no free block and no evictable leaf: check can_allocate first")
 
     def reset_prefix_cache(self) -> int:
         """Drop every node no table holds (leaves first); held paths stay. Returns how many blocks were dropped."""
         dropped = 0
-        while self.evictable:
-            leaves = [self.node_of[b] for b in self.evictable if not self.node_of[b].children]
-            if not leaves:
-                raise RuntimeError("an unheld node has held nodes below it")
-            for leaf in leaves:
-                self._remove(leaf)
-            dropped += len(leaves)
+        while self.leaves:  # in rounds, each in block order (a set's own order would vary from run to run)
+            for leaf in sorted(self.leaves, key=lambda n: n.block):
+                self._remove(leaf)  # its parent may join the leaves of the next round
+                dropped += 1
+        if self.evictable:
+            raise RuntimeError("an unheld node has held nodes below it")
+        self.heap = []
         return dropped
