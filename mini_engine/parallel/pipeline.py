@@ -34,14 +34,12 @@ import datetime
 import itertools
 import os
 import signal
-import tempfile
 import time
 import traceback
 import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from ..attention import AttentionMetadata, resolve_backend
@@ -49,8 +47,7 @@ from ..kv_cache import PagedKVCache
 from ..model import LlamaModel, rope_tables
 from .comm import Communicator
 from ..runner import ModelRunner
-from .ranks import (_end_ranks, _main_left_out, _recv, _send, cache_spec, make_cache, threads_per_rank,
-                    timeout_s)
+from .ranks import Ranks, _recv, _send, cache_spec, make_cache
 
 PER_SEQUENCE = ("query_lens", "context_lens", "slots", "block_tables")  # built_from's lists with one entry a sequence
 
@@ -184,7 +181,7 @@ def _timed(device: torch.device, timing: bool):
 
 
 def stage_main(stage: int, size: int, stores: tuple[str, str], conn, threads: int, device: str,
-               timeout: float, meeting: float) -> None:
+               timeout: float) -> None:
     """A stage other than 0: join both groups, receive its layers' weights, then run what stage 0 sends until
     "stop" (or until stage 0's end of the pipe closes). An error is sent to stage 0 as text, then ends the stage."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: stage 0 decides
@@ -194,7 +191,8 @@ def stage_main(stage: int, size: int, stores: tuple[str, str], conn, threads: in
         torch.cuda.set_device(device)
     wait = datetime.timedelta(seconds=timeout)
     try:
-        forward, back = (Communicator(path, stage, size, device, meeting).group for path in stores)
+        _send(conn, ("ready", None))  # torch is imported: what remains of start-up is quick
+        forward, back = (Communicator(path, stage, size, device, timeout).group for path in stores)
         _, config, backend, dtype, count = _recv(conn)
         model = build_stage(config, size, stage, backend, device, dtype, dict(_recv(conn) for _ in range(count)))
         last, caches, times = stage == size - 1, {}, []  # caches: stage 0's cache id -> this stage's layers of it
@@ -233,9 +231,9 @@ def stage_main(stage: int, size: int, stores: tuple[str, str], conn, threads: in
                     work.wait(wait)
     except EOFError:
         pass  # stage 0 has gone: nothing is left to serve
-    except BaseException as e:  # noqa: BLE001 (whatever it is, stage 0 should read it)
+    except BaseException:  # noqa: BLE001 (whatever it is, stage 0 should read it)
         with contextlib.suppress(OSError, ValueError):
-            _send(conn, ("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+            _send(conn, ("error", traceback.format_exc()))
         os._exit(1)  # at once, with code 1: no interpreter shutdown while gloo's threads are mid-operation
 
 
@@ -248,7 +246,7 @@ class PipelineRunner(ModelRunner):
         return super().execute(chunks, block_copies)
 
 
-class PipelineModel:
+class PipelineModel(Ranks):
     """What the engine holds in place of a LlamaModel when the model's layers are cut into `size` stages: stage 0's
     model here, the other stages behind it. Calling it runs one forward pass through every stage, in
     `micro_batches` groups of the step's sequences, and returns the whole logits in the step's row order.
@@ -257,6 +255,7 @@ class PipelineModel:
     `micro_batches` may be changed between steps (`measure_bubble` does)."""
 
     runner_class = PipelineRunner  # hands each step's copy-on-write block copies to the other stages
+    noun, step_failed = "stage", "pipeline-parallel step failed"
 
     def __init__(self, full: LlamaModel, size: int, device="cpu", micro_batches: int = 1,
                  timeout: float | None = None):
@@ -270,40 +269,24 @@ class PipelineModel:
                 raise ValueError(f"pipeline_parallel_size={size} needs a GPU per stage from cuda:{first} on, but "
                                  f"{torch.cuda.device_count()} are visible; run the stages on device='cpu' instead")
             device = torch.device("cuda", first)
-        self.size, self._micro_batches = size, micro_batches
+        super().__init__(size, timeout, "mini_engine_pp_")
+        self._micro_batches = micro_batches
         self.cuts = [stage_layers(full.config.num_layers, size, s) for s in range(size)]  # each stage's layers
-        self.timeout = timeout_s() if timeout is None else timeout
-        self.threads = threads_per_rank(size)
         self.quantization = None
         self.timing = False  # when True, each stage waits for its GPU before reading the clock (measure_bubble)
         self.last_step: tuple[float, float] | None = None  # stage 0's (start, end) clock of the last step
         self.times: list = []  # stage 0's (micro-batch, start, end, CPU seconds) of the last step
-        self.folder = folder = tempfile.mkdtemp(prefix="mini_engine_pp_")  # the rendezvous: two file stores in it
-        stores = (os.path.join(folder, "forward"), os.path.join(folder, "back"))
-        self._stages: list = []
-        self._finalizer = weakref.finalize(self, _end_ranks, self._stages, folder)  # at exit, or when collected
+        stores = (os.path.join(self.folder, "forward"), os.path.join(self.folder, "back"))
         self._caches: dict[int, weakref.ref] = {}  # id -> a cache of stage 0's that the others mirror (their layers)
         self._cache_ids = itertools.count()
-        self.failure: str | None = None
-        # The meeting waits for processes still importing torch (seconds on a busy machine): at least the default
-        # timeout, however short the steps' own; every send and receive then waits `timeout` at most.
-        meeting = max(self.timeout, timeout_s())
-        ctx = mp.get_context("spawn")
         try:
-            for stage in range(1, size):
-                parent, child = ctx.Pipe()
-                where = f"cuda:{device.index + stage}" if device.type == "cuda" else "cpu"
-                process = ctx.Process(target=stage_main, name=f"mini_engine-pp-stage{stage}", daemon=True,
-                                      args=(stage, size, stores, child, self.threads, where, self.timeout,
-                                            meeting))
-                with _main_left_out():
-                    process.start()
-                child.close()
-                self._stages.append((process, parent))
+            self._spawn(stage_main, lambda stage, conn: (
+                stage, size, stores, conn, self.threads,
+                f"cuda:{device.index + stage}" if device.type == "cuda" else "cpu", self.timeout))
             # Every stage joins both groups before any weight streams: a slow stream cannot time the meeting out.
-            self.forward, self.back = (Communicator(path, 0, size, device, meeting).group for path in stores)
+            self.forward, self.back = (Communicator(path, 0, size, device, self.timeout).group for path in stores)
             state = full.state_dict()
-            for stage, (_, conn) in enumerate(self._stages, start=1):  # one weight at a time: no second whole copy
+            for stage, (_, conn) in enumerate(self._ranks, start=1):  # one weight at a time: no second whole copy
                 mine = list(stage_weights(state, full.config, size, stage))
                 _send(conn, ("load", full.config, full.attention_backend, full.dtype, len(mine)))
                 for name, w in mine:
@@ -311,11 +294,9 @@ class PipelineModel:
             weights = {name: w.clone() for name, w in stage_weights(state, full.config, size, 0)}
             self.stage = build_stage(full.config, size, 0, full.attention_backend, device, full.dtype, weights)
         except BaseException as e:
-            exits = self._exits()  # before shutdown(), which ends the stages still running
-            self.shutdown()
             if isinstance(e, (OSError, EOFError, RuntimeError)):
-                raise RuntimeError(f"a pipeline stage failed to start: {type(e).__name__}: {e}"
-                                   f"{'; ' + exits if exits else ''}") from e
+                self._fail(e, "a pipeline stage failed to start")
+            self.shutdown()
             raise
         self.vocab_size, self.hidden_size = full.config.vocab_size, full.config.hidden_size
         self.max_positions = full.config.max_position_embeddings
@@ -344,15 +325,6 @@ class PipelineModel:
     @property
     def attention_backend(self) -> str:
         return self.stage.attention_backend
-
-    @property
-    def pids(self) -> list[int]:
-        """The process ids of stages 1 ... size-1 (stage 0 is this process)."""
-        return [process.pid for process, _ in self._stages]
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def __repr__(self) -> str:
         state = "shut down" if self.closed else f"stages 1-{self.size - 1}: pids {self.pids}"
@@ -461,75 +433,9 @@ class PipelineModel:
         self._check()
         try:
             self._broadcast(("times",))
-            out = [self.times]
-            for stage, (_, conn) in enumerate(self._stages, start=1):
-                if not conn.poll(self.timeout):
-                    raise TimeoutError(f"stage {stage} did not send its times: timed out")
-                reply = _recv(conn)
-                if reply[0] != "times":
-                    raise RuntimeError(reply[1])
-                out.append(reply[1])
-            return out
+            return [self.times] + self._replies("times")
         except BaseException as e:
             self._fail(e)
-
-    def shutdown(self) -> None:
-        """End every other stage and remove the rendezvous folder; safe to call more than once."""
-        self._finalizer()
-
-    def _broadcast(self, message) -> None:
-        for _, conn in self._stages:
-            _send(conn, message)
-
-    @contextlib.contextmanager
-    def _threads(self):
-        """This process computes as stage 0 with its share of the cores, and with all of them again afterwards."""
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-    def _exits(self) -> str:
-        """Each stage that has ended: its exit code, and the error it sent, if any."""
-        said = []
-        for stage, (process, conn) in enumerate(self._stages, start=1):
-            if process.exitcode is None:
-                continue
-            error = ""
-            with contextlib.suppress(OSError, EOFError, ValueError):
-                while conn.poll(0):
-                    reply = _recv(conn)
-                    if reply[0] == "error":
-                        error = f" ({reply[1]})"
-            said.append(f"stage {stage} (pid {process.pid}) exited with code {process.exitcode}{error}")
-        return "; ".join(said)
-
-    def _check(self) -> None:
-        if self.closed:
-            raise RuntimeError(f"this pipeline-parallel engine's stages have been shut down"
-                               f"{' (' + self.failure + ')' if self.failure else ''}; make a new LLM to go on")
-        if any(not process.is_alive() for process, _ in self._stages):
-            self._fail(None)
-
-    def _fail(self, error: BaseException | None):
-        """A step could not complete: end every stage (they can no longer agree on the cache), then raise."""
-        for process, _ in self._stages:
-            process.join(1.0 if error is not None else 0)  # a stage that failed mid-step: let its exit be seen
-        exits = self._exits()
-        running = "; ".join(f"stage {stage} (pid {process.pid}) had not ended (stopped, or still waiting)"
-                            for stage, (process, _) in enumerate(self._stages, start=1) if process.is_alive())
-        self.shutdown()
-        if isinstance(error, KeyboardInterrupt):
-            self.failure = "interrupted"
-            raise error
-        timed_out = error is not None and "timed out" in str(error).lower()
-        cause = f"a stage did not answer within {self.timeout:g} s" if timed_out else \
-            f"{type(error).__name__}: {error}" if error is not None and not exits else ""
-        self.failure = "; ".join(part for part in (cause, exits, running) if part)
-        raise RuntimeError(f"pipeline-parallel step failed: {self.failure}. Every stage has been shut down; make a "
-                           f"new LLM to go on") from error
 
 
 @dataclass

@@ -201,6 +201,134 @@ def _end_ranks(ranks: list, folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+class Ranks:
+    """Processes 1 ... size-1 behind the engine's own (rank 0), for a model split over them (`ParallelModel`, and
+    `pipeline.PipelineModel`, whose ranks are stages): started with `spawn`, each with a pipe to this process and its
+    share of the cores; ended by `shutdown()`, garbage collection or the interpreter's exit (a finalizer), after
+    which the rendezvous folder is gone. A step that fails ends them all and raises, quoting what they said."""
+
+    noun = "rank"
+    step_failed = "step failed"  # what a failed step's error opens with
+
+    def __init__(self, size: int, timeout: float | None, prefix: str):
+        self.size, self.timeout = size, timeout_s() if timeout is None else timeout
+        self.threads = threads_per_rank(size)
+        self.folder = tempfile.mkdtemp(prefix=prefix)  # the rendezvous: file stores in it
+        self._ranks: list = []  # (process, pipe) of ranks 1 ... size-1
+        self._finalizer = weakref.finalize(self, _end_ranks, self._ranks, self.folder)  # at exit, or when collected
+        self.failure: str | None = None
+
+    def _spawn(self, target, args_of) -> None:
+        """Start ranks 1 ... size-1 running `target(*args_of(rank, pipe))`, then wait until each says it is ready
+        (imports done: seconds on a quiet machine, a minute on a loaded one), so that the group's own timeout only
+        counts from then. A rank that dies on the way is an error at once."""
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.size):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=target, args=args_of(rank, child), daemon=True,
+                                  name=f"mini_engine-{self.noun}{rank}")
+            with _main_left_out():
+                process.start()
+            child.close()
+            self._ranks.append((process, parent))
+        for rank, (process, conn) in enumerate(self._ranks, start=1):
+            deadline = time.monotonic() + STARTUP_S
+            while not conn.poll(1.0):
+                if not process.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.noun} {rank} did not start within {STARTUP_S:g} s"
+                                       if process.is_alive() else f"{self.noun} {rank} died while starting")
+            kind, _ = _recv(conn)
+            if kind != "ready":
+                raise RuntimeError(f"{self.noun} {rank} sent {kind!r} while starting")
+
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of ranks 1 ... size-1 (rank 0 is this process)."""
+        return [process.pid for process, _ in self._ranks]
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def shutdown(self) -> None:
+        """End every other rank and remove the rendezvous folder; safe to call more than once."""
+        self._finalizer()
+
+    def _broadcast(self, message) -> None:
+        """`message` to every other rank, pickled once (bytes are sent as they are)."""
+        data = message if isinstance(message, bytes) else pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for _, conn in self._ranks:
+            conn.send_bytes(data)
+
+    def _replies(self, kind: str) -> list:
+        """Each other rank's answer of `kind`, in rank order, each within the timeout."""
+        out = []
+        for rank, (_, conn) in enumerate(self._ranks, start=1):
+            if not conn.poll(self.timeout):
+                raise TimeoutError(f"{self.noun} {rank} did not send its {kind}: timed out")
+            got, payload = _recv(conn)
+            if got != kind:
+                raise RuntimeError(f"{self.noun} {rank} sent {got!r} in place of its {kind}")
+            out.append(payload)
+        return out
+
+    @contextlib.contextmanager
+    def _threads(self):
+        """This process computes as rank 0 with its share of the cores, and with all of them again afterwards."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def _reports(self) -> tuple[list[str], list[str]]:
+        """What the other ranks say about their end: (causes, tracebacks). A rank that raised on its own is a cause, as
+        is one that exited without a word; one that raised only because a peer went (a closed connection, a
+        collective timed out) is not, but its traceback is kept. Waits a moment for a rank still on its way out."""
+        causes, tracebacks = [], []
+        for rank, (process, conn) in enumerate(self._ranks, start=1):
+            process.join(0.5)
+            said = None
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                while said is None and conn.poll(0.1 if process.exitcode is not None else 0):
+                    kind, payload = _recv(conn)
+                    said = payload.rstrip() if kind == "error" else None
+            name = f"{self.noun} {rank} (pid {process.pid})"
+            if said is not None:
+                last = said.splitlines()[-1]
+                if not any(s in last.lower() for s in ("connection closed", "timed out", "connection reset")):
+                    causes.append(f"{name} raised {last}")
+                tracebacks.append(f"{self.noun} {rank}'s traceback:\n{said}")
+            elif process.exitcode is not None:
+                causes.append(f"{name} exited with code {process.exitcode}")
+        return causes, tracebacks
+
+    def _check(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"this engine's {self.noun}s have been shut down"
+                               f"{' (' + self.failure.splitlines()[0] + ')' if self.failure else ''}; "
+                               "make a new LLM to go on")
+        if any(not process.is_alive() for process, _ in self._ranks):
+            self._fail(None)
+
+    def _fail(self, error: BaseException | None, what: str | None = None):
+        """A step could not complete: end every rank (they can no longer agree on the cache), then raise, naming the
+        cause first and quoting the ranks' own tracebacks."""
+        causes, tracebacks = self._reports()
+        self.shutdown()
+        if isinstance(error, KeyboardInterrupt):
+            self.failure = "interrupted"
+            raise error
+        timed_out = error is not None and "timed out" in str(error).lower() or any("imed out" in t for t in tracebacks)
+        if not causes:
+            causes = [f"a {self.noun} did not answer within {self.timeout:g} s" if timed_out else
+                      f"{type(error).__name__}: {error}"]
+        self.failure = "\n".join(causes + tracebacks)
+        raise RuntimeError(f"{what or self.step_failed}: {self.failure}\nEvery {self.noun} has been shut down; make a new LLM to go on") \
+            from error
+
+
 class ParallelRunner(ModelRunner):
     """Rank 0's runner: the core's, which also hands each step's copy-on-write block copies to the other ranks."""
 
@@ -210,7 +338,7 @@ class ParallelRunner(ModelRunner):
         return super().execute(chunks, block_copies)
 
 
-class ParallelModel:
+class ParallelModel(Ranks):
     """What the engine holds in place of a LlamaModel when the model is split over `size` ranks: rank 0's shard,
     and the other ranks behind it. Calling it runs one forward pass on every rank and returns the whole logits.
     `config` is one rank's share (its heads and KV heads, which size the engine's KV cache; the whole vocabulary).
@@ -221,35 +349,22 @@ class ParallelModel:
     hand the result to `LLMEngine(model, tokenizer, config)` to serve with them."""
 
     runner_class = ParallelRunner  # LLMEngine builds this runner for a model that brings one
+    step_failed = "tensor-parallel step failed"
 
     def __init__(self, full: LlamaModel, size: int, device="cpu", timeout: float | None = None,
                  layers: str | None = None, sequence_parallel: bool = False):
+        super().__init__(size, timeout, "mini_engine_tp_")
         device = torch.device(device)
-        self.size, self.timeout = size, timeout_s() if timeout is None else timeout
-        self.threads = threads_per_rank(size)
         self.quantization = None
         self.sequence_parallel = sequence_parallel
-        self.folder = folder = tempfile.mkdtemp(prefix="mini_engine_tp_")  # the rendezvous: a file store in it
-        store = os.path.join(folder, "store")
-        self._ranks: list = []
-        self._finalizer = weakref.finalize(self, _end_ranks, self._ranks, folder)  # at exit, or when collected
         self._cache = None  # the cache the other ranks mirror
-        self.failure: str | None = None
+        store = os.path.join(self.folder, "store")
         first = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else 0  # rank r runs on cuda:first+r, counted from rank 0's own GPU
-        ctx = mp.get_context("spawn")
         try:
-            for rank in range(1, size):
-                parent, child = ctx.Pipe()
-                rank_device = f"cuda:{first + rank}" if device.type == "cuda" else "cpu"
-                process = ctx.Process(target=rank_main, name=f"mini_engine-tp-rank{rank}", daemon=True,
-                                      args=(rank, size, store, child, self.threads, rank_device, self.timeout,
-                                            layers, sequence_parallel))
-                with _main_left_out():
-                    process.start()
-                child.close()
-                self._ranks.append((process, parent))
-            self._wait_until_ready()
+            self._spawn(rank_main, lambda rank, conn: (
+                rank, size, store, conn, self.threads, f"cuda:{first + rank}" if device.type == "cuda" else "cpu",
+                self.timeout, layers, sequence_parallel))
             with self._threads():
                 self.comm = Communicator(store, 0, size, device, self.timeout)  # waits for every rank to join
             state = full.state_dict()
@@ -280,15 +395,6 @@ class ParallelModel:
     @property
     def attention_backend(self) -> str:
         return self.shard.attention_backend
-
-    @property
-    def pids(self) -> list[int]:
-        """The process ids of ranks 1 ... size-1 (rank 0 is this process)."""
-        return [process.pid for process, _ in self._ranks]
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def __repr__(self) -> str:
         state = "shut down" if self.closed else f"ranks 1-{self.size - 1}: pids {self.pids}"
@@ -323,92 +429,8 @@ class ParallelModel:
             if on:
                 self.comm.log = []
                 return None
-            logs = [self.comm.log or []]
-            for rank, (_, conn) in enumerate(self._ranks, start=1):
-                if not conn.poll(self.timeout):
-                    raise TimeoutError(f"rank {rank} did not send its log: timed out")
-                kind, payload = _recv(conn)
-                if kind != "log":
-                    raise RuntimeError(f"rank {rank} sent {kind!r} in place of its log")
-                logs.append(payload)
+            logs = [self.comm.log or []] + self._replies("log")
             self.comm.log = None
             return logs
         except BaseException as e:
             self._fail(e)
-
-    def shutdown(self) -> None:
-        """End every other rank and remove the rendezvous folder; safe to call more than once."""
-        self._finalizer()
-
-    def _wait_until_ready(self) -> None:
-        """Each new rank says it is ready once its imports are done (seconds on a quiet machine, a minute on a loaded
-        one): only then does the group's timeout start to count. A rank that dies on the way is an error at once."""
-        for rank, (process, conn) in enumerate(self._ranks, start=1):
-            deadline = time.monotonic() + STARTUP_S
-            while not conn.poll(1.0):
-                if not process.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {rank} did not start within {STARTUP_S:g} s" if process.is_alive()
-                                       else f"rank {rank} died while starting")
-            kind, _ = _recv(conn)
-            if kind != "ready":
-                raise RuntimeError(f"rank {rank} sent {kind!r} while starting")
-
-    def _broadcast(self, message) -> None:
-        data = message if isinstance(message, bytes) else pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for _, conn in self._ranks:
-            conn.send_bytes(data)
-
-    @contextlib.contextmanager
-    def _threads(self):
-        """This process computes as rank 0 with its share of the cores, and with all of them again afterwards."""
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-    def _reports(self) -> tuple[list[str], list[str]]:
-        """What the other ranks say about their end: (causes, tracebacks). A rank that raised on its own is a cause, as
-        is one that exited without a word; one that raised only because a peer went (a closed connection, a
-        collective timed out) is not, but its traceback is kept. Waits a moment for a rank still on its way out."""
-        causes, tracebacks = [], []
-        for rank, (process, conn) in enumerate(self._ranks, start=1):
-            process.join(0.5)
-            said = None
-            with contextlib.suppress(OSError, EOFError, ValueError):
-                while said is None and conn.poll(0.1 if process.exitcode is not None else 0):
-                    kind, payload = _recv(conn)
-                    said = payload.rstrip() if kind == "error" else None
-            if said is not None:
-                last = said.splitlines()[-1]
-                if not any(s in last.lower() for s in ("connection closed", "timed out", "connection reset")):
-                    causes.append(f"rank {rank} raised {last}")
-                tracebacks.append(f"rank {rank}'s traceback:\n{said}")
-            elif process.exitcode is not None:
-                causes.append(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
-        return causes, tracebacks
-
-    def _check(self) -> None:
-        if self.closed:
-            raise RuntimeError(f"this tensor-parallel engine's ranks have been shut down"
-                               f"{' (' + self.failure.splitlines()[0] + ')' if self.failure else ''}; "
-                               "make a new LLM to go on")
-        if any(not process.is_alive() for process, _ in self._ranks):
-            self._fail(None)
-
-    def _fail(self, error: BaseException | None, what: str = "tensor-parallel step failed"):
-        """A step could not complete: end every rank (they can no longer agree on the cache), then raise, naming the
-        cause first and quoting the ranks' own tracebacks."""
-        causes, tracebacks = self._reports()
-        self.shutdown()
-        if isinstance(error, KeyboardInterrupt):
-            self.failure = "interrupted"
-            raise error
-        timed_out = error is not None and "timed out" in str(error).lower() or any("imed out" in t for t in tracebacks)
-        if not causes:
-            causes = [f"a rank did not answer within {self.timeout:g} s" if timed_out else
-                      f"{type(error).__name__}: {error}"]
-        self.failure = "\n".join(causes + tracebacks)
-        raise RuntimeError(f"{what}: {self.failure}\nEvery rank has been shut down; make a new LLM to go on") \
-            from error

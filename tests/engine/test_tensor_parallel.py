@@ -298,12 +298,12 @@ def test_a_rank_that_raises_is_quoted_on_rank_0(tmp_path, monkeypatch):
     model = ParallelModel(LlamaModel(config).eval(), SIZE, timeout=20, layers="tp_faulty_layers")
     pids = model.pids
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 96)
-    with pytest.raises(RuntimeError, match=r"step failed: rank 2 raised ValueError: rank 2 refuses a step of 13 "
-                                           r"tokens") as failed:
+    with pytest.raises(RuntimeError, match=r"step failed: rank 2 \(pid \d+\) raised ValueError: rank 2 refuses a "
+                                           r"step of 13 tokens") as failed:
         model(torch.tensor([list(range(13))]))
     assert re.search(r"(?s)rank 2's traceback:\nTraceback .*tp_faulty_layers.py.* in forward", str(failed.value))
     assert model.closed and not any(alive(p) for p in pids)
-    with pytest.raises(RuntimeError, match=r"shut down \(rank 2 raised ValueError"):
+    with pytest.raises(RuntimeError, match=r"shut down \(rank 2 \(pid \d+\) raised ValueError"):
         model(torch.tensor([[1, 2, 3]]))
 
 
