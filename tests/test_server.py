@@ -392,3 +392,32 @@ def test_cli_server_with_api_key_and_the_loadtest(tmp_path, capsys):
         srv.process.wait(30)
     assert srv.process.returncode == 0, f"SIGTERM should stop the server cleanly:\n{srv.log()}"
     assert "mini_engine server stopped" in srv.log()
+
+
+def test_a_failed_step_answers_500_and_the_engine_serves_on_with_a_clean_cache(real, offline):
+    """A step that raises (here with a copy-on-write pending: a radix match ending inside a block, n=2) fails the
+    streams it served with 500; the engine aborted what it scheduled, so nothing uncopied entered the tree and
+    the same prompt then gets the offline engine's text (issue 59)."""
+    prefix = "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz"
+    prompt = prefix + " built a machine that changed how books were made"
+    with serving(real, prefix_cache="radix") as (url, llm):
+        c = client(url, timeout=60)
+        c.completions.create(model=MODEL, prompt=prefix, max_tokens=1, temperature=0)  # the prefix is cached
+        runner, fired = llm.engine.runner, []
+        execute = runner.execute
+
+        def failing(chunks, copies=()):
+            if copies and not fired:
+                fired.append(copies)
+                raise RuntimeError("injected")
+            return execute(chunks, copies)
+        runner.execute = failing
+        with pytest.raises(openai.InternalServerError, match="engine step failed: injected"):
+            c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, n=2, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert fired, "the step with the pending copy should have failed"
+        wait_idle(url)
+        again = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+        assert again.choices[0].text == offline(prompt, max_tokens=8, ignore_eos=True).outputs[0].text
+        wait_idle(url)
