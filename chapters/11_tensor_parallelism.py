@@ -33,8 +33,12 @@
 #    links, and when splitting pays;
 # 4. this machine's all-reduce, measured over payload sizes and fitted as latency + bytes / bandwidth;
 # 5. one rank against three on the same requests: the same tokens, and the step times explained by the formula;
-# 6. what an all-reduce is made of: a reduce-scatter and an all-gather;
-# 7. vLLM's `tensor_parallel_size` and pipeline parallelism; what you measured; exercises.
+# 6. the memory win: each rank holds a share of the KV cache, so the same memory holds a larger batch, measured;
+# 7. what an all-reduce is made of: a reduce-scatter and an all-gather, on the real ranks; and sequence
+#    parallelism, which keeps the two halves apart to split the activations;
+# 8. overlapping an all-reduce with compute that does not need it, measured;
+# 9. vLLM's `tensor_parallel_size`, and pipeline parallelism measured: stages, micro-batches and the bubble; when
+#    to prefer which, and why serving engines combine them; what you measured; exercises.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -61,15 +65,22 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from IPython.display import display
+from tqdm.auto import tqdm
+
 import mini_engine as me
 from mini_engine import formulas
 from mini_engine.config import PRESETS
 from mini_engine.course import interconnects, widgets
 from mini_engine.course.formulas import human_bytes
 from mini_engine.course.tp_drawing import tensor_parallel_split_image
-from mini_engine.parallel import ColumnParallelLinear, RowParallelLinear, shard_model
+from mini_engine.parallel import ColumnParallelLinear, RowParallelLinear, rank_config, shard_model
+from mini_engine.parallel.collectives import check_collectives, collective_seconds, overlap_seconds
 from mini_engine.parallel.layers import check_tensor_parallel_size, split_columns, split_gate_up
-from mini_engine.parallel.measure import all_reduce_seconds, decode_step_times, fit_latency_bandwidth
+from mini_engine.parallel.measure import (all_reduce_seconds, decode_step_times, fit_latency_bandwidth,
+                                          kv_blocks_within, largest_batch)
+from mini_engine.parallel.pipeline import PipelineModel, format_bubbles, measure_bubble
+from mini_engine.parallel.sequence import residual_bytes
 
 RANKS = 3
 # The ranks exchange results through a collective library: NCCL (NVIDIA's, between GPUs) or gloo (the CPU library
@@ -170,7 +181,7 @@ del shard
 # **algorithm**, each a latency per collective plus bytes over the link's bandwidth B (one GPU's, each way):
 #
 # - **ring** (NCCL's default for large payloads): the ranks pass slices around a ring, a reduce-scatter then an
-#   all-gather (section 6), 2(p − 1) steps that each pay a hop's latency: base + 2(p − 1) · hop + 2(p − 1)/p · n / B.
+#   all-gather (section 7), 2(p − 1) steps that each pay a hop's latency: base + 2(p − 1) · hop + 2(p − 1)/p · n / B.
 #   It moves the fewest bytes, and pays the most latencies.
 # - NCCL runs the ring under one of three **protocols**. *Simple* waits for a whole chunk and a memory fence
 #   before each hop; *LL* (low latency) sends 8-byte words that each carry 4 bytes of data and a 4-byte flag, so the
@@ -364,8 +375,65 @@ plt.show()
 # for it at the next all-reduce. On GPUs joined by NVLink, each rank computes on its own device, an all-reduce of
 # decode's payload costs what section 3 printed, and a 70B model's per-rank compute is milliseconds: the widget of
 # section 3 shows the gain coming back.
+
+# %% [markdown]
+# ## 6. The memory win: a share of the KV cache each
 #
-# ## 6. The collectives inside an all-reduce
+# So far tensor parallelism has been about time. For a serving engine its larger gift is memory. Section 2 measured
+# it: a rank holds a third of the weights and, because it keeps only its own KV heads, a third of every token's keys
+# and values. On a GPU, the memory left after the weights is the KV cache, and the KV cache decides how many
+# requests can run at once: a request whose blocks do not fit waits. So at p ranks the same memory on each GPU holds
+# p times the tokens, and more, because each rank's weights shrink by p too and leave more room for the cache
+# (exercise 6 works it out for a 70B model). And a decode step is bound by reading the weights, which the whole
+# batch shares: a larger batch is more tokens a step for nearly the same step time. This holds however slow the
+# links are, which is why tensor parallelism pays in serving even where one request's token gets no faster.
+#
+# We measure it on the engine. Fix a budget of bytes a rank may spend on keys and values. `kv_blocks_within` counts
+# the blocks of 16 positions whose keys and values, every layer's, fit that budget: for one process (its 3 KV heads)
+# and for one rank of three (its 1 KV head, `rank_config`). Each engine gets a pool of that many blocks, and the
+# same burst of requests arrives at both at once; `largest_batch` reports the most requests the engine ran in one
+# step. The three-rank engine is section 5's ranks with a new pool (`LLM.from_model` on the same model: the ranks
+# build their share of a new cache when its first step arrives). After this cell the three ranks are done, and
+# the cell shuts them down.
+
+# %%
+block_size, budget = 16, 4 * 2**20  # 4 MiB of keys and values a rank
+blocks = {"1 process": kv_blocks_within(budget, cfg, block_size),
+          f"{RANKS} ranks": kv_blocks_within(budget, rank_config(cfg, RANKS), block_size)}
+burst = dict(requests=10, prompt_tokens=24, new_tokens=4)  # 28 positions: two blocks a request
+knobs = dict(block_size=block_size, max_num_seqs=64, enable_prefix_caching=False)
+budget_engines = {name: me.LLM.from_model(m, tokenizer, num_kv_blocks=blocks[name], **knobs)
+                  for name, m in (("1 process", model), (f"{RANKS} ranks", tp.engine.model))}
+largest = {name: largest_batch(llm, **burst) for name, llm in tqdm(budget_engines.items(), desc="bursts")}
+tp.shutdown()  # the last use of the three ranks
+print(f"after shutdown: {tp.engine.model}")
+per_request = -(-(burst["prompt_tokens"] + burst["new_tokens"]) // block_size)
+for name in blocks:
+    print(f"{name:9s}: {blocks[name]:3d} blocks of {block_size} positions in {human_bytes(budget)} a rank "
+          f"({blocks[name] * block_size} positions), room for {blocks[name] // per_request} requests of "
+          f"{per_request} blocks; of {burst['requests']} arriving at once, at most {largest[name]} ran in one step")
+print(f"{RANKS} ranks: {blocks[f'{RANKS} ranks'] / blocks['1 process']:.0f}x the blocks, "
+      f"{largest[f'{RANKS} ranks'] / largest['1 process']:.1f}x the batch")
+
+fig, axes = plt.subplots(1, 2, figsize=(7.5, 2.8))
+for ax_, values, title in ((axes[0], blocks, f"KV blocks in {human_bytes(budget)} a rank"),
+                           (axes[1], largest, f"largest batch of {burst['requests']} requests run")):
+    bars = ax_.bar(list(values), list(values.values()), color=["tab:grey", "tab:blue"])
+    ax_.bar_label(bars)
+    ax_.set_title(title, fontsize=9)
+fig.suptitle("The memory win: a rank holds 1 of SmolLM2's 3 KV heads", fontsize=10)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Three ranks hold three times the blocks in the same bytes a rank (less the rounding down to whole blocks), and run
+# the larger batch the printout shows. Where the batch run is below the room printed, the scheduler admitted a
+# request only once it could see blocks for it, keeping room for the running ones to grow (a request that outgrows
+# the pool is preempted, as chapter 07 showed). On a GPU this is the win that makes tensor parallelism worth its communication for serving: more
+# requests in each step, each step reading every weight once for all of them.
+
+# %% [markdown]
+# ## 7. The collectives inside an all-reduce
 #
 # A ring all-reduce is two collectives in a row. A **reduce-scatter** leaves rank r with the sum of slice r of
 # everyone's payload: p − 1 steps, each rank sending and receiving (p − 1)/p of the payload. An **all-gather** then
@@ -384,7 +452,161 @@ for label, hop, bw in (("this machine (gloo)", latency, bandwidth),
               f"= {(rs + ag) * 1e6:9.1f} µs; ring all-reduce {ar * 1e6:9.1f} µs")
 
 # %% [markdown]
-# ## 7. vLLM, and pipeline parallelism
+# A reduce-scatter is the all-reduce stopped halfway. With three ranks each holding a payload of three slices,
+# rank 0 ends with slice 0 summed over the ranks, rank 1 with slice 1, rank 2 with slice 2: every rank has done a
+# third of the adding, and holds a third of the answer. The all-gather then copies each rank's third to the others.
+# Neither moves more than (p − 1)/p of the payload through any rank's link, which is why the ring is
+# bandwidth-optimal; each pays p − 1 latencies, which is why small payloads go to other algorithms (section 3).
+#
+# Now on real ranks. `check_collectives` starts three processes over gloo (NCCL where each rank has a GPU), gives
+# each a random fp32 input of 7 × 5 values (35: not a multiple of 3, so the all-reduce made of halves pads it), and
+# reports the largest difference, over the ranks, between: torch's all-reduce and the sum of the inputs; each
+# rank's reduce-scatter and its slice of the sum; the all-gather and the inputs joined in rank order; and an
+# all-reduce made of our reduce-scatter then all-gather (`all_reduce_from_halves`) and torch's. A sum taken in
+# another order differs in the last bits of fp32, so expect about 1e-7, not zero; the all-gather is a copy. Then
+# `collective_seconds` times each of the four over three payloads: one decode token's block output, sixteen
+# tokens' and 256 tokens'.
+
+# %%
+errors = check_collectives(RANKS, shape=(7, 5), device=device)
+for name, err in errors.items():
+    print(f"{name:24s} largest difference {err:.1e}")
+token_bytes = cfg.hidden_size * 4  # one token's block output, fp32
+coll_payloads = [token_bytes * n for n in (1, 16, 256)]
+coll_s = collective_seconds(coll_payloads, RANKS, repeats=20, device=device)
+print(f"\nmean µs a call among {RANKS} ranks ({'NCCL' if device == 'cuda' else 'gloo'}):")
+print(f"{'payload':>10} " + " ".join(f"{name:>23}" for name in coll_s) + "  halves / all_reduce")
+for i, n in enumerate(coll_payloads):
+    print(f"{human_bytes(n):>10} " + " ".join(f"{coll_s[name][i] * 1e6:23.0f}" for name in coll_s)
+          + f"  {coll_s['all_reduce_from_halves'][i] / coll_s['all_reduce'][i]:19.1f}x")
+fig, ax = plt.subplots(figsize=(7, 3.2))
+width = 0.2
+for j, name in enumerate(coll_s):
+    ax.bar(np.arange(len(coll_payloads)) + (j - 1.5) * width, np.array(coll_s[name]) * 1e6, width, label=name)
+ax.set_xticks(range(len(coll_payloads)), [f"{human_bytes(n)}\n({n // token_bytes} token(s))" for n in coll_payloads])
+ax.set(ylabel="µs a call (mean)", yscale="log", title=f"The four collectives among {RANKS} ranks on this machine")
+ax.legend(fontsize=7)
+plt.show()
+
+# %% [markdown]
+# All four agree with their definitions to the last bits. Read the last column: our all-reduce made of two calls
+# pays two calls' fixed costs (and a copy to pad and join) where torch's pays one, so at a decode token's payload,
+# where the fixed cost is nearly everything (section 4's fit), it costs more than torch's one call. A real ring
+# does the same two halves inside one call, with one fixed cost. The timings are this machine's and vary from run
+# to run.
+#
+# ### Sequence parallelism: the same bytes, the activations split
+#
+# Look again at what tensor parallelism left whole (section 2): the residual stream between the blocks,
+# [tokens, 576], and the RMSNorms applied to it. Every rank stores the same activations and does the same norm
+# work: p copies of both. Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer
+# Models") noticed that a norm, like the residual add, treats each token alone, so that part can be split along the
+# tokens: rank r holds and normalises rows r·T/p ... (r + 1)·T/p of the residual stream. The exchanges change
+# shape, not volume:
+#
+# - where a row-parallel layer (o_proj, down_proj) ended with an all-reduce, it now ends with a **reduce-scatter**:
+#   each rank keeps the summed rows of its own tokens, the slice of the residual stream it holds;
+# - before a column-parallel layer (qkv, gate_up), which needs every token, an **all-gather** hands it all rows.
+#
+# An all-reduce is a reduce-scatter and an all-gather, so the same bytes cross the links, in twice as many
+# collectives; what a rank holds between the projections is a p-th. Megatron-LM calls this sequence parallelism
+# (`--sequence-parallel`); here it is `LLM(..., tensor_parallel_size=3, sequence_parallel=True)`. Its win is largest
+# in training, where every layer's activations are kept for the backward pass. At inference it shrinks the residual
+# stream a rank holds during a long prefill, while the gathered input of each column-parallel layer is whole under
+# both schemes and lives only for that product.
+#
+# The cell starts one sequence-parallel engine, checks its greedy tokens against the one process's of section 5,
+# measures the largest residual-stream activation it holds on rank 0 during a prefill (`residual_bytes`: the largest
+# input or output of a decoder layer, or input of a norm) against the one process's, which every plain
+# tensor-parallel rank holds too (`tests/engine/test_sequence_parallel.py` checks the two equal), and times a decode
+# step against section 5's plain three ranks.
+
+# %%
+sp = me.LLM("smollm2-135m", device=device, tensor_parallel_size=RANKS, sequence_parallel=True, num_kv_blocks=256)
+sp_out = sp.generate(prompts, greedy, use_tqdm=False)
+sp_same = [x.token_ids for x in a] == [z.token_ids for z in sp_out]
+long_prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in
+                ("Explain how a lighthouse keeper spent a winter night, step by step.",
+                 "List the planets of the solar system and one fact about each.")]
+resid = {"1 process (= a plain TP rank)": residual_bytes(one, long_prompts),
+         f"sequence-parallel rank of {RANKS}": residual_bytes(sp, long_prompts)}
+sp_step = decode_step_times(sp, 16, 4)
+sp.shutdown()
+print(f"same tokens as one process: {sp_same}")
+for name, n in resid.items():
+    print(f"largest residual-stream activation, {name:34s}: {human_bytes(n):>10} "
+          f"({n // token_bytes} tokens x {cfg.hidden_size} fp32)")
+tp16 = steps[16]["parts"]
+print(f"decode step at batch 16: plain {RANKS} ranks {tp16.step_s * 1e3:.1f} ms, {tp16.collectives} collectives "
+      f"({tp16.communication_s * 1e3:.1f} ms communicating); sequence-parallel {sp_step.step_s * 1e3:.1f} ms, "
+      f"{sp_step.collectives} collectives ({sp_step.communication_s * 1e3:.1f} ms communicating)")
+
+fig, axes = plt.subplots(1, 2, figsize=(8, 2.8))
+bars = axes[0].barh(["1 process /\nplain TP rank", "sequence-\nparallel rank"], [n / 1024 for n in resid.values()],
+                    color=["tab:grey", "tab:blue"])
+axes[0].bar_label(bars, fmt="%.0f KiB")
+axes[0].set_title("largest residual activation a rank holds", fontsize=9)
+bars = axes[1].barh(["plain TP", "sequence-parallel"], [tp16.collectives, sp_step.collectives],
+                    color=["tab:grey", "tab:blue"])
+axes[1].bar_label(bars)
+axes[1].set_title("collectives a decode step", fontsize=9)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The same tokens, a third of the residual stream on each rank (its rows rounded up to whole rows a rank), and the
+# collective count the cell printed: each of the 2L all-reduces became a pair, plus the final norm's all-gather. At
+# decode, a step of a few tokens, the activations are tiny and every extra collective pays a latency, so on a link
+# where latency is the cost (this machine's, and decode's on any link, section 3) sequence parallelism buys nothing
+# and costs collectives. It pays where activations are large: long prefills, and training.
+#
+# ## 8. Overlap: communicating while computing
+#
+# While an all-reduce runs, a rank's compute units wait for it, unless there is other work ready.
+# `dist.all_reduce(t, async_op=True)` starts the collective and returns a handle at once; the program computes
+# something else and calls `wait()` on the handle when it needs the sum. At best the pair then takes
+# max(compute, communication) instead of their sum. The catch is the word *independent*. In a tensor-parallel
+# layer the all-reduce after o_proj carries the very output that the next norm needs, so nothing in the same chain
+# of layers can run under it. Engines find independent work by cutting the batch in two and running one half's
+# all-reduce under the other half's matmuls (NanoFlow's nano-batches, Zhu et al. 2024), or by fusing the collective
+# into the matmul that produces it, a tile sent as soon as it is computed.
+#
+# On a GPU, kernels queue on **streams**: those of one stream run in order, those of two streams may run at once.
+# NCCL runs its collectives on a stream of its own, copying over NVLink with a few of the GPU's SMs (its
+# multiprocessors), while the matmul on the default stream uses the rest; `wait()` only makes the default stream
+# wait for an event of NCCL's stream, so the host never blocks. It hides communication when the two do not fight
+# for the same SMs and memory bandwidth. On this CPU, gloo's collective runs on gloo's own thread while the rank's
+# threads multiply, and three ranks with their gloo threads share two cores: overlap hides only what a free core can
+# run, and it can lose when the threads take turns. `overlap_seconds` measures it on three fresh ranks: a matmul of
+# 64 tokens through SmolLM2's MLP width (576 to 1,536) and an all-reduce of 64 tokens' block output that does not
+# depend on it, alone, one after the other, and overlapped.
+
+# %%
+ov = overlap_seconds(RANKS, tokens=64, repeats=10, device=device)
+best = max(ov.compute_s, ov.all_reduce_s)
+print(f"matmul alone {ov.compute_s * 1e3:.1f} ms, all-reduce alone {ov.all_reduce_s * 1e3:.1f} ms")
+print(f"serial {ov.serial_s * 1e3:.1f} ms, overlapped {ov.overlapped_s * 1e3:.1f} ms: gain {ov.gain:.2f}x "
+      f"(at best max(matmul, all-reduce) = {best * 1e3:.1f} ms, {ov.serial_s / best:.2f}x)")
+fig, ax = plt.subplots(figsize=(7, 2.2))
+ax.barh("serial", ov.compute_s * 1e3, color="tab:green", label="matmul")
+ax.barh("serial", ov.all_reduce_s * 1e3, left=ov.compute_s * 1e3, color="tab:orange", label="all-reduce")
+ax.barh("overlapped", ov.overlapped_s * 1e3, color="tab:purple", label="both at once (measured)")
+ax.barh("at best", ov.compute_s * 1e3, color="tab:green", height=0.35, align="edge")
+ax.barh("at best", ov.all_reduce_s * 1e3, color="tab:orange", height=-0.35, align="edge")
+ax.set(xlabel="ms (mean a step, rank 0)", title=f"An all-reduce under an independent matmul, {RANKS} ranks, {device}")
+ax.legend(fontsize=7, loc="lower right")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The top bar is the two alone, end to end (the serial step measured beside them may differ by this machine's
+# noise); the bottom bar is what perfect overlap would give; the middle one is what this machine did. On a CPU with
+# fewer cores than threads, overlap moves work around more than it hides it: the gain printed is whatever the
+# cores had spare. On GPUs, fused and nano-batched overlap recovers a real part of communication, at the cost of
+# smaller matmuls (each half of a batch is less efficient than the whole) and more complex scheduling.
+
+# %% [markdown]
+# ## 9. vLLM, and pipeline parallelism
 #
 # vLLM's `LLM(model, tensor_parallel_size=p)` is what we built: Megatron's layers, one worker process per GPU,
 # the scheduler on one driver, NCCL all-reduces, and for small payloads on NVLink its own custom all-reduce, the
@@ -401,7 +623,7 @@ for label, hop, bw in (("this machine (gloo)", latency, bandwidth),
 # through the stages, so stage 2 works on the first while stage 1 starts the second. Filling and draining the pipe
 # still leaves stages idle, the **bubble**: with p stages and m micro-batches of equal cost, a share
 # (p − 1)/(m + p − 1) of the time (GPipe, Huang et al. 2019). Pipelining gains throughput, never one token's
-# latency. The usual recipe: tensor parallelism inside a node, pipeline parallelism across nodes.
+# latency.
 
 # %%
 ms = np.arange(1, 17)
@@ -413,9 +635,74 @@ ax.legend(fontsize=8)
 plt.show()
 print(f"{RANKS} stages: " + ", ".join(f"m = {m}: {formulas.pipeline_bubble(RANKS, m):.0%} idle" for m in (1, 2, 4, 8)))
 
+# %% [markdown]
+# ### Pipeline parallelism, measured
+#
+# `LLM(..., pipeline_parallel_size=3)` cuts SmolLM2's 30 layers into three stages of 10, each a process of its own
+# that holds its layers and their part of the KV cache (all 3 KV heads, for its 10 layers: a third of the cache
+# again, cut the other way). Stage 0 is this process and also holds the embedding; the last stage holds the final
+# norm and the LM head. Every step, stage 0 sends the other stages the step's compact inputs (each sequence's
+# lengths and block table), and each builds its own attention metadata from them. The activations pass from stage to
+# stage with `torch.distributed`'s point-to-point `send` and `recv` (gloo here, NCCL between GPUs), and the last
+# stage sends the logits back. `pipeline_micro_batches=m` cuts each step's sequences into m groups of about equal
+# tokens. We build it from the model already loaded, `PipelineModel(model, 3, micro_batches=2)` under
+# `LLM.from_model` (what `me.LLM("smollm2-135m", pipeline_parallel_size=3, pipeline_micro_batches=2)` builds, without
+# loading the weights again), and check its greedy tokens against the one process's.
+#
+# Then the bubble. `measure_bubble` times one prefill step of 8 sequences of 32 tokens through the stages, in
+# m = 1, 2, 4 and 8 micro-batches, each stage timestamping every micro-batch it computes. It reports three numbers:
+#
+# - **measured**: 1 − (the stages' busy time) / (3 × the step's time), the idle share of the stage-time;
+# - **replayed**: the bubble that the same per-micro-batch times would give if each stage had a core of its own and
+#   sending were free (GPipe's schedule replayed from the timestamps): the formula, except that real stages and
+#   micro-batches are not all equal;
+# - **from CPU**: the same as measured, counting only the CPU time each stage actually ran.
+#
+# On a 2-core machine three stages share two cores, so a "busy" stage may be waiting for a core: measured then
+# comes out below what a core (or a GPU) per stage would show, and from CPU cannot fall below a third (1 − 2 cores /
+# 3 stages). Replayed is the one to set beside the formula.
+
 # %%
-tp.shutdown()
-print(f"after shutdown: {tp.engine.model}")
+pp = me.LLM.from_model(PipelineModel(model, RANKS, micro_batches=2), tokenizer, num_kv_blocks=256)
+print(pp.engine.model)
+pp_out = pp.generate(prompts, greedy, use_tqdm=False)
+pp_same = [x.token_ids for x in a] == [z.token_ids for z in pp_out]
+print(f"same tokens as one process: {pp_same}")
+bubbles = [measure_bubble(pp.engine.model, m, batch=8, prompt_len=32, repeats=1)
+           for m in tqdm((1, 2, 4, 8), desc="micro-batches")]
+pp.shutdown()
+print(format_bubbles(bubbles))
+measured_ms = [b.micro_batches for b in bubbles]
+ax.plot(measured_ms, [b.measured * 100 for b in bubbles], "k*", ms=9, label=f"{RANKS} stages, measured here")
+ax.plot(measured_ms, [b.replayed * 100 for b in bubbles], "kx", ms=8, mew=2,
+        label=f"{RANKS} stages, replayed with a core each")
+ax.set_title("The pipeline bubble: (p − 1)/(m + p − 1), and SmolLM2's 3 stages measured", fontsize=9)
+ax.legend(fontsize=7)
+display(fig)  # the bubble plot above, with the measurements on it
+
+# %% [markdown]
+# The same tokens as one process, through three processes that each hold a third of the layers. By the formula,
+# the bubble falls with m: with one micro-batch, two stages wait while the third works; with eight, the pipe is
+# full for most of the step. The replayed points would sit on the 3-stage curve if every stage took the same time
+# for every micro-batch; they stray from it by how unequal the measured times are (stage 0 also embeds, the last
+# stage also computes the logits over the 49,152-word vocabulary, and on a shared CPU a stage's micro-batch takes
+# longer while the others compute at once). The measured points are what this machine did: where stages share
+# cores, idle time turns into slower compute, and a stage's timestamps also hold time it waited for a core; compare
+# the busy and CPU milliseconds the table prints.
+# Micro-batches are not free: a decode step reads every weight of a stage once per micro-batch, so on hardware
+# bound by reading weights, m micro-batches cost nearly m reads of them. A serving engine can instead keep the pipe
+# full with separate batches in flight, one per stage, rather than cut one batch thinner.
+#
+# **Tensor or pipeline?** Tensor parallelism cuts every layer: each rank reads a p-th of the weights, so one
+# token's step gets faster, and each rank holds a p-th of every token's KV cache; but it puts 2L all-reduces on the
+# critical path of every step, so it wants NVLink-class links, and p is limited by the heads. Pipeline parallelism
+# cuts between layers: it sends one activation per micro-batch from a stage to the next, p − 1 transfers a step
+# that tolerate slow links, and it too divides the weights and the KV cache by p; but one token still passes through
+# every stage in turn, so its latency does not fall, and throughput needs the pipe kept full. Serving engines
+# combine them: vLLM's documentation recommends, when a model needs more than one node, "the tensor parallel size
+# [as] the number of GPUs in each node, and the pipeline parallel size [as] the number of nodes" (16 GPUs in 2
+# nodes: tensor parallel 8, pipeline parallel 2). The 2L all-reduces of every step stay on the node's NVLink; only
+# the activations between stages cross the slower network between nodes.
 
 # %% [markdown]
 # ## What you measured
@@ -433,6 +720,21 @@ summary = [
        f"{s['parts'].communication_s * 1e3:.1f} / {s['comm'] * 1e3:.1f} ms "
        f"({s['parts'].communication_share:.0%} / {s['comm'] / s['predicted']:.0%} of the step)")
       for bt, s in steps.items()),
+    ("memory win: KV blocks in " + human_bytes(budget) + " a rank, 1 / 3 ranks",
+     f"{blocks['1 process']} / {blocks[f'{RANKS} ranks']}"),
+    ("memory win: largest batch run, 1 / 3 ranks", f"{largest['1 process']} / {largest[f'{RANKS} ranks']}"),
+    ("reduce-scatter + all-gather vs all-reduce", f"largest difference {errors['all_reduce_from_halves']:.1e}"),
+    (f"{human_bytes(token_bytes)}: all-reduce / from halves",
+     f"{coll_s['all_reduce'][0] * 1e6:.0f} / {coll_s['all_reduce_from_halves'][0] * 1e6:.0f} µs"),
+    ("sequence parallel: same tokens", str(sp_same)),
+    ("residual stream a rank: plain TP / SP", " / ".join(human_bytes(n) for n in resid.values())),
+    ("decode step, batch 16: plain TP / SP", f"{tp16.step_s * 1e3:.1f} / {sp_step.step_s * 1e3:.1f} ms "
+                                             f"({tp16.collectives} / {sp_step.collectives} collectives)"),
+    ("overlap: serial / overlapped (gain)",
+     f"{ov.serial_s * 1e3:.1f} / {ov.overlapped_s * 1e3:.1f} ms ({ov.gain:.2f}x)"),
+    ("pipeline, 3 stages: same tokens", str(pp_same)),
+    *((f"bubble, m = {b.micro_batches}: formula / replayed / measured",
+       f"{b.formula:.0%} / {b.replayed:.0%} / {b.measured:.0%}") for b in bubbles),
 ]
 width = max(len(k) for k, _ in summary)
 for k, v in summary:
@@ -544,6 +846,53 @@ print(f"pipeline: {RANKS - 1} messages, step ≈ {(steps[1]['one'] + (RANKS - 1)
 # Two (rank 0 to 1, rank 1 to 2), instead of 61 all-reduces. But the ranks run one after another: one request's
 # step still takes the whole model's compute plus two hops, no faster than one process. Pipelining pays only with
 # several batches in flight, one in each stage.
+# </details>
+#
+# **5. A small bubble.** How many micro-batches keep the bubble of 3 stages under 10%? Of 8 stages? Predict from
+# the formula, then compute it.
+
+# %%
+for stages in (RANKS, 8):
+    m = next(m for m in range(1, 1000) if formulas.pipeline_bubble(stages, m) < 0.1)
+    print(f"{stages} stages: m = {m} micro-batches give {formulas.pipeline_bubble(stages, m):.1%} idle "
+          f"(m = {m - 1}: {formulas.pipeline_bubble(stages, m - 1):.1%}); 9 × (p − 1) = {9 * (stages - 1)}")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# (p − 1)/(m + p − 1) < 1/10 means 10(p − 1) < m + p − 1, so m > 9(p − 1): the cell prints the smallest m for
+# each.
+# The micro-batches needed grow with the stages, so deep pipelines need large batches to stay busy, and each
+# micro-batch must still be large enough to use a stage well. That is one reason serving engines keep pipelines
+# short (a stage per node) and do the rest of the splitting inside each stage with tensor parallelism.
+# </details>
+#
+# **6. The memory win on a large model.** Llama-2-70B (`llama-70b-gqa`: 80 layers, 8 KV heads of 128) in 16 bits
+# on GPUs of 80 GB, 90% of which the engine may use (vLLM's default `gpu_memory_utilization`). How many tokens of
+# KV cache fit at 2, 4 and 8 GPUs with tensor parallelism? Does the capacity grow by p, by less, or by more?
+
+# %%
+c70 = PRESETS["llama-70b-gqa"]
+usable = 0.9 * 80e9
+weights70 = formulas.weight_bytes("llama-70b-gqa")
+kv70 = formulas.kv_bytes_per_token(c70.num_layers, c70.num_kv_heads, c70.head_dim, 2)
+print(f"weights {human_bytes(weights70)}, KV {human_bytes(kv70)} a token; one GPU: {human_bytes(usable)} usable")
+capacity = {}
+for p in (1, 2, 4, 8):
+    free = usable - weights70 / p
+    capacity[p] = max(0, int(free // (kv70 / p)))
+    print(f"  {p} GPU(s): weights {human_bytes(weights70 / p)} a GPU, {human_bytes(max(free, 0))} left for KV, "
+          f"{capacity[p]:,} tokens ({capacity[p] // 4096:,} requests of 4,096 positions)")
+print(f"from 2 to 4 GPUs: {capacity[4] / capacity[2]:.1f}x the tokens; from 4 to 8: {capacity[8] / capacity[4]:.1f}x")
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# One GPU cannot even hold the weights. From then on the capacity grows by more than p: doubling the GPUs halves
+# each token's share of the KV cache on a rank (twice the tokens in the same bytes) and also halves each rank's
+# weights, which leaves more bytes for the cache. The cell prints how much more than double each doubling gives; at
+# 2 GPUs the weights leave little room, so the first doubling gives the most. That extra batch, not a faster single
+# token, is what tensor parallelism buys a serving engine first.
 # </details>
 #
 # **Lab.** [Lab 11](../labs/lab11_notebook.ipynb) has you write the column- and row-parallel products, the split
