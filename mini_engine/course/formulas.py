@@ -561,7 +561,7 @@ def naive_generation_time(model, prompt_len, new_tokens, dtype_bytes, peak_flops
     step s is a forward pass over all n = P + s − 1 tokens so far, `prefill_time(n)` with nothing cached. Past a
     few hundred tokens each step is compute-bound, and the steps grow with n: Llama-7B on an A100-80GB (312
     TFLOP/s, 2.04 TB/s, fp16) reaches at most 59 tok/s for 512 tokens after a 128-token prompt and 22 tok/s for
-    1,024 after 512; the textbook's "5 to 10 tokens per second" is 25-50% of that second roof, what eager code
+    1,024 after 512; the textbook's "5 to 10 tokens per second" is 23-46% of that second roof, what eager code
     attains."""
     _check_at_least("prompt_len", prompt_len, 1)
     _check_at_least("new_tokens", new_tokens, 1)
