@@ -895,6 +895,7 @@ print(f"from 2 to 4 GPUs: {capacity[4] / capacity[2]:.1f}x the tokens; from 4 to
 # token, is what tensor parallelism buys a serving engine first.
 # </details>
 #
-# **Lab.** [Lab 11](../labs/lab11_notebook.ipynb) has you write the column- and row-parallel products, the split
-# of attention by heads and the vocabulary-parallel embedding, graded first on shards in one process, then in
-# three real ranks, and serves requests with your layers.
+# **Lab.** [Lab 11](../labs/lab11_notebook.ipynb) has you write the two cuts of a weight, the attention block split
+# by heads (which query and KV heads a rank holds, and where its one all-reduce goes), the vocabulary-parallel
+# embedding and LM head (its gather), and optionally an all-reduce made of a reduce-scatter and an all-gather; it
+# grades them on shards in one process, then in three real ranks, and serves requests with your layers.
