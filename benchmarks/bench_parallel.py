@@ -95,8 +95,8 @@ def main() -> None:
     print(f"\n3. Overlap on 3 ranks: matmul {o.compute_s * 1e3:.2f} ms, all-reduce {o.all_reduce_s * 1e3:.2f} ms; "
           f"serial {o.serial_s * 1e3:.2f} ms, overlapped {o.overlapped_s * 1e3:.2f} ms: {o.gain:.2f}x")
 
-    budget = 64 * 1024 * 1024  # bytes of KV cache a rank
-    print(f"\n4. The largest batch at {budget / 2**20:.0f} MiB of KV cache a rank (48 requests of 100 + 28 tokens)")
+    budget = 32 * 1024 * 1024  # bytes of KV cache a rank
+    print(f"\n4. The largest batch at {budget / 2**20:.0f} MiB of KV cache a rank (24 requests of 100 + 28 tokens)")
     print("| ranks | KV heads a rank | blocks of 16 | largest batch run |\n| --- | --- | --- | --- |")
     for ranks in (1, 3):
         config = rank_config(model.config, ranks)
@@ -105,7 +105,7 @@ def main() -> None:
         llm = me.LLM.from_model(model, tokenizer, **knobs) if ranks == 1 else \
             me.LLM("smollm2-135m", tensor_parallel_size=ranks, **knobs)
         with llm:
-            batch = largest_batch(llm, requests=48, prompt_tokens=100, new_tokens=28)
+            batch = largest_batch(llm, requests=24, prompt_tokens=100, new_tokens=28)
         print(f"| {ranks} | {config.num_kv_heads} | {blocks} | {batch} |")
 
 

@@ -36,7 +36,6 @@ import os
 import signal
 import time
 import traceback
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,7 @@ from ..kv_cache import PagedKVCache
 from ..model import LlamaModel, rope_tables
 from .comm import Communicator
 from ..runner import ModelRunner
-from .ranks import Ranks, _recv, _send, cache_spec, make_cache
+from .ranks import Ranks, _recv, _send, make_cache
 
 PER_SEQUENCE = ("query_lens", "context_lens", "slots", "block_tables")  # built_from's lists with one entry a sequence
 
@@ -277,8 +276,6 @@ class PipelineModel(Ranks):
         self.last_step: tuple[float, float] | None = None  # stage 0's (start, end) clock of the last step
         self.times: list = []  # stage 0's (micro-batch, start, end, CPU seconds) of the last step
         stores = (os.path.join(self.folder, "forward"), os.path.join(self.folder, "back"))
-        self._caches: dict[int, weakref.ref] = {}  # id -> a cache of stage 0's that the others mirror (their layers)
-        self._cache_ids = itertools.count()
         try:
             self._spawn(stage_main, lambda stage, conn: (
                 stage, size, stores, conn, self.threads,
@@ -402,22 +399,6 @@ class PipelineModel(Ranks):
                     logits[torch.tensor(plan.rows, device=self.device)] = part
         self.last_step = (start, time.perf_counter())
         return logits
-
-    def _cache_id(self, kv_cache) -> int | None:
-        """The id under which the other stages hold their layers of `kv_cache` (made on first use); the stages let
-        go of the caches stage 0 no longer holds (a notebook's cache of a few steps, `measure_bubble`'s)."""
-        found = None
-        for cache_id, ref in list(self._caches.items()):
-            if ref() is None:
-                self._broadcast(("drop", cache_id))
-                del self._caches[cache_id]
-            elif ref() is kv_cache:
-                found = cache_id
-        if found is None and kv_cache is not None:
-            found = next(self._cache_ids)
-            self._broadcast(("cache", found, cache_spec(kv_cache)))
-            self._caches[found] = weakref.ref(kv_cache)
-        return found
 
     def copy_blocks(self, pairs, kv_cache) -> None:
         """The other stages' share of a step's copy-on-write in `kv_cache` (stage 0's own is copied by the runner)."""

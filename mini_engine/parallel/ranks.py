@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import pickle
 import shutil
@@ -108,7 +109,7 @@ def _recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
-def step_message(input_ids: torch.Tensor, meta, backend, last_only: bool, cached: bool) -> bytes:
+def step_message(input_ids: torch.Tensor, meta, backend, last_only: bool, cache_id: int | None) -> bytes:
     """One forward step as the other ranks receive it, pickled once for all of them: the token ids and the plain
     lists `meta` was built from, not its tensors (a decode step's mask alone is batch x longest context)."""
     if meta is not None and meta.built_from is not None:
@@ -117,7 +118,7 @@ def step_message(input_ids: torch.Tensor, meta, backend, last_only: bool, cached
     else:  # no cache and no metadata (input_ids [B, N]), or metadata made by hand: its tensors, on the CPU
         cpu = torch.device("cpu")
         inputs = ("tensors", input_ids.to(cpu), moved(meta, cpu))
-    return pickle.dumps(("forward", inputs, backend, last_only, cached), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps(("forward", inputs, backend, last_only, cache_id), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def step_inputs(inputs: tuple, device: torch.device):
@@ -147,15 +148,17 @@ def rank_main(rank: int, size: int, store_path: str, conn, threads: int, device:
         weights = dict(_recv(conn) for _ in range(count))
         model = build_shard(config, rank, size, comm, backend, device, dtype, weights, layers, sequence_parallel)
         del weights
-        cache = None
+        caches = {}  # rank 0's cache id -> this rank's share of it
         while True:
             kind, *args = _recv(conn)
             if kind == "stop":
                 break
             if kind == "cache":
-                cache = make_cache(args[0], model.config, device, model.dtype)
+                caches[args[0]] = make_cache(args[1], model.config, device, model.dtype)
+            elif kind == "drop":
+                del caches[args[0]]
             elif kind == "copy":
-                cache.copy_blocks(args[0])
+                caches[args[0]].copy_blocks(args[1])
             elif kind == "log":  # start logging each collective's time, or stop and send the log to rank 0
                 if args[0]:
                     comm.log = []
@@ -163,9 +166,9 @@ def rank_main(rank: int, size: int, store_path: str, conn, threads: int, device:
                     _send(conn, ("log", comm.log or []))
                     comm.log = None
             elif kind == "forward":
-                inputs, backend, last_only, cached = args
+                inputs, backend, last_only, cache_id = args
                 ids, meta = step_inputs(inputs, device)
-                model(ids, meta, cache if cached else None, backend, last_only)
+                model(ids, meta, None if cache_id is None else caches[cache_id], backend, last_only)
     except EOFError:
         pass  # rank 0 has gone: nothing is left to serve
     except BaseException:
@@ -217,6 +220,8 @@ class Ranks:
         self._ranks: list = []  # (process, pipe) of ranks 1 ... size-1
         self._finalizer = weakref.finalize(self, _end_ranks, self._ranks, self.folder)  # at exit, or when collected
         self.failure: str | None = None
+        self._caches: dict[int, weakref.ref] = {}  # id -> a KV cache of rank 0's that the others mirror (their share)
+        self._cache_ids = itertools.count()
 
     def _spawn(self, target, args_of) -> None:
         """Start ranks 1 ... size-1 running `target(*args_of(rank, pipe))`, then wait until each says it is ready
@@ -253,6 +258,22 @@ class Ranks:
     def shutdown(self) -> None:
         """End every other rank and remove the rendezvous folder; safe to call more than once."""
         self._finalizer()
+
+    def _cache_id(self, kv_cache) -> int | None:
+        """The id under which the other ranks hold their share of `kv_cache` (made on first use): two engines may
+        share one set of ranks, each with a cache of its own. The ranks let go of a cache rank 0 no longer holds."""
+        found = None
+        for cache_id, ref in list(self._caches.items()):
+            if ref() is None:
+                self._broadcast(("drop", cache_id))
+                del self._caches[cache_id]
+            elif ref() is kv_cache:
+                found = cache_id
+        if found is None and kv_cache is not None:
+            found = next(self._cache_ids)
+            self._broadcast(("cache", found, cache_spec(kv_cache)))
+            self._caches[found] = weakref.ref(kv_cache)
+        return found
 
     def _broadcast(self, message) -> None:
         """`message` to every other rank, pickled once (bytes are sent as they are)."""
@@ -334,7 +355,7 @@ class ParallelRunner(ModelRunner):
 
     def execute(self, chunks, block_copies=()):
         if block_copies:
-            self.model.copy_blocks(block_copies)
+            self.model.copy_blocks(block_copies, self.kv_cache)
         return super().execute(chunks, block_copies)
 
 
@@ -357,7 +378,6 @@ class ParallelModel(Ranks):
         device = torch.device(device)
         self.quantization = None
         self.sequence_parallel = sequence_parallel
-        self._cache = None  # the cache the other ranks mirror
         store = os.path.join(self.folder, "store")
         first = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else 0  # rank r runs on cuda:first+r, counted from rank 0's own GPU
@@ -403,20 +423,17 @@ class ParallelModel(Ranks):
     def __call__(self, input_ids, meta=None, kv_cache=None, backend=None, last_only=False):
         self._check()
         try:
-            if kv_cache is not None and kv_cache is not self._cache:
-                self._broadcast(("cache", cache_spec(kv_cache)))
-                self._cache = kv_cache
-            self._broadcast(step_message(input_ids, meta, backend, last_only, kv_cache is not None))
+            self._broadcast(step_message(input_ids, meta, backend, last_only, self._cache_id(kv_cache)))
             with self._threads():
                 return self.shard(input_ids, meta, kv_cache, backend, last_only)
         except BaseException as e:
             self._fail(e)
 
-    def copy_blocks(self, pairs) -> None:
-        """The other ranks' share of a step's copy-on-write (rank 0's own cache is copied by the runner)."""
+    def copy_blocks(self, pairs, kv_cache) -> None:
+        """The other ranks' share of a step's copy-on-write in `kv_cache` (rank 0's own is copied by the runner)."""
         self._check()
         try:
-            self._broadcast(("copy", list(pairs)))
+            self._broadcast(("copy", self._cache_id(kv_cache), list(pairs)))
         except BaseException as e:
             self._fail(e)
 

@@ -104,6 +104,20 @@ def test_prefix_cache_hits_under_three_ranks(tp, ref):
     assert got.token_ids == want.token_ids
 
 
+def test_two_engines_on_one_set_of_ranks_keep_their_own_caches(tp, ref):
+    """A second engine served by the module's ranks (chapter 11 does this to measure a smaller pool): each engine's
+    KV cache has its own share on every rank, so after the second has run, the first's cached prefix still holds
+    the right keys and values."""
+    params = me.SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = SYSTEM + "What is a light-year?"
+    tp.generate([prompt], params, use_tqdm=False)
+    other = me.LLM.from_model(tp.engine.model, tp.engine.tokenizer, **{**KNOBS, "num_kv_blocks": 48})
+    want = ref.generate([PROMPTS[3], prompt], params, use_tqdm=False)
+    assert [o.token_ids for o in other.generate([PROMPTS[3]], params, use_tqdm=False)] == [want[0].token_ids]
+    again = tp.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == want[1].token_ids
+
+
 def test_each_layers_shards_add_or_join_to_the_full_layer():
     """Every rank's shard run in one process (comm=None: no exchange): column-parallel outputs join, row-parallel
     and vocabulary-parallel partials add, LM-head ranges join."""
@@ -263,8 +277,8 @@ def test_the_step_message_is_compact():
     meta = AttentionMetadata.build([1] * 16, [1000] * 16, block_tables=tables, block_size=16)
     meta.logits_indices = torch.arange(16)
     ids = torch.arange(16)
-    message = step_message(ids, meta, "torch", False, True)
-    tensors = pickle.dumps(("forward", ids, moved(meta, torch.device("cpu")), "torch", False, True))
+    message = step_message(ids, meta, "torch", False, 0)
+    tensors = pickle.dumps(("forward", ids, moved(meta, torch.device("cpu")), "torch", False, 0))
     assert len(message) < 8_000 and len(message) * 4 < len(tensors), \
         f"the step message is {len(message):,} bytes, against {len(tensors):,} for the metadata's tensors"
     kind, inputs, *_ = pickle.loads(message)
