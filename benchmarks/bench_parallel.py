@@ -5,7 +5,8 @@ all-reduce overlapped with compute, and the largest batch one rank and three hol
 
 1. A decode step at three ranks (batch 1 and 16, 16 tokens each), in this tree and, with --before, in a checkout of
    REV (`git worktree`, removed afterwards) run in a process of its own, alternated: the step message (the token ids
-   and the lists the metadata is built from, pickled once) against REV's (the metadata's tensors pickled per rank).
+   and the lists the metadata is built from, pickled once) against REV's (the metadata's tensors pickled per rank);
+   then the message alone at batch 16 and 1,000 positions: its bytes, and the microseconds to make and read it.
 2. Three pipeline stages, a prefill of 16 sequences of 64 tokens in m = 1, 2, 4, 8 micro-batches: the bubble
    measured against (p-1)/(m+p-1) (`pipeline.measure_bubble`).
 3. An all-reduce of [256, 576] fp32 hidden behind an independent matmul on three ranks (`collectives.overlap_seconds`).
@@ -62,6 +63,37 @@ def compare_steps(before: str, repeats: int) -> None:
         print(f"| {b} | {was * 1e3:.1f} | {now * 1e3:.1f} | {was / now:.2f}x |")
 
 
+def message_costs(repeats: int = 200) -> None:
+    """The step message itself, a batch of 16 decoding at 1,000 positions (16-token blocks): its bytes, rank 0's
+    seconds to make it and a rank's to read it, against the metadata's tensors pickled as before (once per rank)."""
+    import pickle
+    import timeit
+
+    import torch
+
+    from mini_engine.attention import AttentionMetadata
+    from mini_engine.parallel.ranks import moved, step_inputs, step_message
+
+    tables = [list(range(63 * i, 63 * i + 63)) for i in range(16)]
+    meta = AttentionMetadata.build([1] * 16, [1000] * 16, block_tables=tables, block_size=16)
+    meta.logits_indices, ids, cpu = torch.arange(16), torch.arange(16), torch.device("cpu")
+    new = step_message(ids, meta, "torch", False, 0)
+    old = pickle.dumps(("forward", ids, moved(meta, cpu), "torch", False, True), protocol=pickle.HIGHEST_PROTOCOL)
+    inputs = pickle.loads(new)[1]
+
+    def us(fn) -> float:
+        return timeit.timeit(fn, number=repeats) / repeats * 1e6
+
+    print("\n1b. The step message, batch 16 at 1,000 positions\n| message | bytes | rank 0 makes it (us) | a rank reads "
+          "it (us) |\n| --- | --- | --- | --- |")
+    print(f"| the metadata's tensors, pickled once a rank (before) | {len(old):,} | "
+          f"{us(lambda: pickle.dumps(('forward', ids, moved(meta, cpu)), protocol=pickle.HIGHEST_PROTOCOL)):.0f} a rank | "
+          f"{us(lambda: pickle.loads(old)):.0f} |")
+    print(f"| ids and build()'s lists, pickled once (after) | {len(new):,} | "
+          f"{us(lambda: step_message(ids, meta, 'torch', False, 0)):.0f} | "
+          f"{us(lambda: step_inputs(inputs, cpu)):.0f} (builds the metadata) |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="a git revision to time the three-rank decode step against")
@@ -82,6 +114,7 @@ def main() -> None:
     print(f"CPU: {cpu_info()}; torch {torch.__version__}")
     if args.before:
         compare_steps(args.before, args.repeats)
+    message_costs()
 
     model, tokenizer = me.load_model("smollm2-135m", cpu_backend=False)
     print("\n2. Pipeline bubble: 3 stages, a prefill of 16 sequences x 64 tokens")
