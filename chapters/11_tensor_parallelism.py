@@ -15,12 +15,12 @@
 # # 11 · Tensor parallelism: one model split across ranks
 #
 # Every chapter so far ran the model in one process on one device. A serving engineer meets the next problem the
-# day a model no longer fits: Llama-2-70B holds 140 GB of bf16 weights, and one H100 has 80 GB. Even when it fits,
+# day a model no longer fits: Llama-3-70B holds 140 GB of bf16 weights, and one H100 has 80 GB. Even when it fits,
 # one device reads every weight once per decode step (chapter 02), so a step takes at least model bytes / one
 # device's bandwidth. Split every weight matrix across p devices and each device holds and reads 1/p of the bytes:
 # the model fits, and the weight-bound part of a step shrinks by p. The price is communication: the devices must
 # exchange partial results inside every layer, over whatever joins them: **NVLink** (NVIDIA's direct GPU-to-GPU
-# links, through an NVSwitch chip on 8-GPU A100 and H100 boards), **PCIe** (the bus that joins a GPU to its host
+# links, through NVSwitch chips on 8-GPU A100 and H100 boards), **PCIe** (the bus that joins a GPU to its host
 # computer, and so to other GPUs in that host), or, between machines, **InfiniBand** or **Ethernet** network cards.
 #
 # This chapter builds that split, Megatron-LM's tensor parallelism (Shoeybi et al. 2019), into our engine and
@@ -188,8 +188,9 @@ del shard
 #   receiver knows data has landed without a fence: hops far cheaper, at half the bandwidth; *LL128* does the same on
 #   128-byte lines (NVLink only). NCCL prices every pair from a model in its source and runs the cheapest.
 # - **NVLS** (NVLink SHARP, on H100 boards): the NVSwitch itself adds the payloads, each GPU sends n and reads the
-#   sum once: latency + n / B.
-# - **one-shot** (vLLM's custom all-reduce for payloads under 256-512 KB on NVLink): every GPU reads every other
+#   sum once: latency + n / (0.85 B) (NCCL's model takes 85% of the link for it).
+# - **one-shot** (vLLM's custom all-reduce for payloads under 256-512 KB on NVLink, as vLLM shipped it until its
+#   symmetric-memory all-reduce of late 2025 took over part of that range on H100s): every GPU reads every other
 #   GPU's whole buffer at once, over the NVSwitch, and sums it itself: one latency, flat in p, + (p − 1) · n / B.
 #
 # The cell prints the constants: NCCL's model, quoted from its `tuning.cc`, and vLLM's kernel as SGLang's developers
@@ -215,7 +216,7 @@ for name, system in interconnects.SYSTEMS.items():
           + f" µs -> {best.algorithm}")
 
 # %% [markdown]
-# At decode's payloads every system's cheapest is a low-latency algorithm (LL or one-shot), about ten microseconds
+# At decode's payloads every system's cheapest is a low-latency choice (NCCL's LL protocol, or vLLM's one-shot), about ten microseconds
 # on NVLink; the ring's Simple protocol, with its 2(p − 1) full hops, costs about three times as much there. The
 # bandwidths are the links' data-sheet peaks, so large payloads come out optimistic. The cell compares the model
 # with the measurements it took its latencies from:
@@ -426,7 +427,8 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Three ranks hold three times the blocks in the same bytes a rank (less the rounding down to whole blocks), and run
+# Three ranks hold about three times the blocks in the same bytes a rank (each budget is rounded down to whole
+# blocks, so the ratio printed can be a little above or below three), and run
 # the larger batch the printout shows. Where the batch run is below the room printed, the scheduler admitted a
 # request only once it could see blocks for it, keeping room for the running ones to grow (a request that outgrows
 # the pool is preempted, as chapter 07 showed). On a GPU this is the win that makes tensor parallelism worth its communication for serving: more
@@ -439,15 +441,18 @@ plt.show()
 # everyone's payload: p − 1 steps, each rank sending and receiving (p − 1)/p of the payload. An **all-gather** then
 # hands every rank every summed slice: the same p − 1 steps and bytes. Together: 2(p − 1) hops and 2(p − 1)/p of
 # the bytes, the ring all-reduce of section 3. The formulas, at this machine's fitted constants (section 4) and at
-# NCCL's Simple ring on H100s:
+# NCCL's Simple ring on H100s (run as two collectives, the halves pay NCCL's base latency twice, where one
+# all-reduce pays it once):
 
 # %%
-for label, hop, bw in (("this machine (gloo)", latency, bandwidth),
-                       ("H100 NVLink, NCCL Simple", interconnects.NCCL_HOP_US["NVLink"]["Simple"] * 1e-6, 450e9)):
+# Section 4 fitted a whole all-reduce's latency here: spread over the ring's 2(p - 1) hops, with no base of its own.
+for label, hop, base, bw in (("this machine (gloo)", latency / (2 * (RANKS - 1)), 0.0, bandwidth),
+                             ("H100 NVLink, NCCL Simple", interconnects.NCCL_HOP_US["NVLink"]["Simple"] * 1e-6,
+                              interconnects.NCCL_BASE_US["Simple"] * 1e-6, 450e9)):
     for n in (cfg.hidden_size * 4, 64 * 2**20):
-        rs = formulas.reduce_scatter_seconds(n, RANKS, hop, bw)
-        ag = formulas.all_gather_seconds(n, RANKS, hop, bw)
-        ar = formulas.ring_all_reduce_seconds(n, RANKS, hop, bw)
+        rs = formulas.reduce_scatter_seconds(n, RANKS, hop, bw, base)
+        ag = formulas.all_gather_seconds(n, RANKS, hop, bw, base)
+        ar = formulas.ring_all_reduce_seconds(n, RANKS, hop, bw, base)
         print(f"{label:25s} {human_bytes(n):>10}: reduce-scatter {rs * 1e6:9.1f} µs + all-gather {ag * 1e6:9.1f} µs "
               f"= {(rs + ag) * 1e6:9.1f} µs; ring all-reduce {ar * 1e6:9.1f} µs")
 
@@ -599,8 +604,8 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The top bar is the two alone, end to end (the serial step measured beside them may differ by this machine's
-# noise); the bottom bar is what perfect overlap would give; the middle one is what this machine did. On a CPU with
+# The bottom bar is the two alone, end to end (the serial step measured beside them may differ by this machine's
+# noise); the top bar is what perfect overlap would give; the middle one is what this machine did. On a CPU with
 # fewer cores than threads, overlap moves work around more than it hides it: the gain printed is whatever the
 # cores had spare. On GPUs, fused and nano-batched overlap recovers a real part of communication, at the cost of
 # smaller matmuls (each half of a batch is less efficient than the whole) and more complex scheduling.
@@ -614,13 +619,14 @@ plt.show()
 # of the latency term. It pays inside one machine, where NVLink joins the GPUs; p is usually 2, 4 or 8. vLLM asks
 # less of p than this engine does: p must divide the query heads, but when p exceeds the KV heads each KV head is
 # copied to p / (KV heads) ranks, and the vocabulary is padded to a multiple of 64 before it is cut. This engine
-# asks p to divide the KV heads, the MLP width and the vocabulary too (exercise 3).
+# asks p to divide the KV heads and the vocabulary too (exercise 3); both ask it to divide the MLP width.
 #
 # **Pipeline parallelism** (`pipeline_parallel_size`) splits the other way: rank r holds whole layers
-# r·L/p ... (r+1)·L/p and passes the activations on once per step, so it communicates p − 1 times a step instead
-# of 2L, over slow links too (across machines). But one batch's step runs the stages one after another. To keep
+# r·L/p ... (r+1)·L/p and passes the activations on once per step, so its activations cross p − 1 links a step
+# (with the step's inputs sent to every stage and the logits sent back: a few more small messages) instead of 2L
+# all-reduces, over slow links too (across machines). But one batch's step runs the stages one after another. To keep
 # every stage busy, the batch is cut into **micro-batches**, smaller groups of requests that follow each other
-# through the stages, so stage 2 works on the first while stage 1 starts the second. Filling and draining the pipe
+# through the stages, so stage 1 works on the first while stage 0 starts the second. Filling and draining the pipe
 # still leaves stages idle, the **bubble**: with p stages and m micro-batches of equal cost, a share
 # (p − 1)/(m + p − 1) of the time (GPipe, Huang et al. 2019). Pipelining gains throughput, never one token's
 # latency.
@@ -789,7 +795,7 @@ for name in ("H100 × NVLink 4 (NVSwitch)", "H100 × 2 nodes, Ethernet 100 Gb/s"
 # </details>
 #
 # **3. Two ranks.** Try `me.LLM("smollm2-135m", tensor_parallel_size=2)`. What happens, and why? Which sizes
-# would vLLM accept for this model, and for Llama-2-70B?
+# would vLLM accept for this model, and for Llama-3-70B?
 
 # %%
 try:
@@ -799,11 +805,12 @@ except ValueError as e:
 
 
 def vllm_accepts(c, p):
-    """vLLM's rules: p divides the query heads (ModelConfig.verify_with_parallel_config); the KV heads divide among
-    the ranks or are copied, p a multiple of them (QKVParallelLinear); the vocabulary, padded to a multiple of 64,
-    divides (VocabParallelEmbedding)."""
+    """vLLM's rules: p divides the query heads (ModelConfig.verify_with_parallel_config) and the MLP width
+    (MergedColumnParallelLinear); the KV heads divide among the ranks or are copied, p a multiple of them
+    (QKVParallelLinear); the vocabulary, padded to a multiple of 64, divides (VocabParallelEmbedding)."""
     kv_ok = c.num_kv_heads % p == 0 if p < c.num_kv_heads else p % c.num_kv_heads == 0
-    return c.num_heads % p == 0 and kv_ok and (-(-c.vocab_size // 64) * 64) % p == 0
+    return (c.num_heads % p == 0 and c.intermediate_size % p == 0 and kv_ok
+            and (-(-c.vocab_size // 64) * 64) % p == 0)
 
 
 def engine_accepts(c, p):
@@ -825,9 +832,9 @@ for name in ("smollm2-135m", "llama-70b-gqa"):
 #
 # It is refused before any process starts: 2 does not divide the 9 query heads. A rank must own whole heads
 # (attention mixes the 64 values of a head; cutting a head would need an exchange inside attention), so vLLM
-# refuses it too. The other rules differ. This engine also asks p to divide the KV heads, the MLP width and the
-# vocabulary, so a rank's query heads share its own KV heads. vLLM copies a KV head to several ranks when p
-# exceeds the KV heads, and pads the vocabulary, so it accepts the larger sizes the cell prints for Llama-2-70B,
+# refuses it too. Both ask p to divide the MLP width. The other rules differ: this engine also asks p to divide the
+# KV heads and the vocabulary, so a rank's query heads share its own KV heads. vLLM copies a KV head to several ranks when p
+# exceeds the KV heads, and pads the vocabulary, so it accepts the larger sizes the cell prints for Llama-3-70B,
 # at the price of storing each copied KV head's cache on every rank that holds it. For SmolLM2 the two agree.
 # </details>
 #
@@ -867,7 +874,7 @@ for stages in (RANKS, 8):
 # short (a stage per node) and do the rest of the splitting inside each stage with tensor parallelism.
 # </details>
 #
-# **6. The memory win on a large model.** Llama-2-70B (`llama-70b-gqa`: 80 layers, 8 KV heads of 128) in 16 bits
+# **6. The memory win on a large model.** Llama-3-70B (`llama-70b-gqa`: 80 layers, 8 KV heads of 128) in 16 bits
 # on GPUs of 80 GB, 90% of which the engine may use (vLLM's default `gpu_memory_utilization`). How many tokens of
 # KV cache fit at 2, 4 and 8 GPUs with tensor parallelism? Does the capacity grow by p, by less, or by more?
 

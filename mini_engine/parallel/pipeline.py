@@ -17,8 +17,8 @@ stage 1 computes micro-batch 0, stage 0 computes micro-batch 1. Here a step's se
 step takes (m + p - 1) t, and each stage idles (p - 1) t of it: the bubble, (p - 1)/(m + p - 1) of the stage-time.
 `measure_bubble` measures it (see there for what a 2-core CPU does to the measurement). vLLM's engine fills its
 stages another way: it keeps up to pipeline_parallel_size whole batches in flight, each a scheduler step of its own
-(one scheduler per stage, "virtual engines", in its V0 engine: vllm-project/vllm#4461; a queue of batches in V1,
-#11945); here one step is cut, which keeps the engine's one scheduler and one batch a step as they are.
+(one scheduler per stage, "virtual engines", in its V0 engine: vllm-project/vllm PR #4412; a queue of batches in
+V1, PR #13064); here one step is cut, which keeps the engine's one scheduler and one batch a step as they are.
 
 Failures are handled as `ranks.ParallelModel` handles them: a stage that dies, raises or stops answering makes the
 step a RuntimeError on stage 0 within the timeout (MINI_ENGINE_TP_TIMEOUT seconds, default 60), quoting a stage's
