@@ -271,14 +271,14 @@ class LLMEngine:
             tokens = self._sample(chunks, logits)
             self.runner.record_logprobs(chunks, logits, self.scheduler.samplers(chunks), tokens)
             end = time.perf_counter()  # sample() read the tokens back, so the device has finished the step
+            if self.config.record_trace:  # before update(), which frees the slots of the requests that finish
+                self.trace.append(StepRecord(self._num_steps, start, end, tuple(
+                    (c.request.request_id, c.request.slot, c.num_tokens, c.samples) for c in chunks),
+                    len(self.scheduler.waiting), len(self.scheduler.running)))
             finished = self.scheduler.update(chunks, tokens, end)
         except BaseException as e:
             self._abort_step(chunks, e)
             raise
-        if self.config.record_trace:
-            self.trace.append(StepRecord(self._num_steps, start, end, tuple(
-                (c.request.request_id, c.request.slot, c.num_tokens, c.samples) for c in chunks),
-                len(self.scheduler.waiting), len(self.scheduler.running)))
         self._num_steps += 1
         return [out for out in map(self._finish_sample, finished) if out is not None]
 

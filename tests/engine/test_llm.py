@@ -209,6 +209,16 @@ def test_static_admits_a_batch_only_when_the_last_one_is_done(tiny, workload):
     assert [sorted(b) for b in batches[1:]] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
+def test_the_trace_names_each_chunks_slot_even_in_the_step_its_request_finishes(tiny, workload):
+    """Chapter 04 draws the trace by slot: the step that finishes a request frees its slot, so the record is taken
+    before the step's update (a None slot broke the drawing once)."""
+    prompts, lengths = workload
+    llm = LLM.from_model(tiny, max_num_seqs=4, kv_cache="contiguous", record_trace=True)
+    llm.generate(prompts, [me.SamplingParams(max_tokens=n) for n in lengths], use_tqdm=False)
+    slots = [slot for record in llm.engine.trace for _, slot, _, _ in record.chunks]
+    assert slots and all(isinstance(s, int) and 0 <= s < 4 for s in slots)
+
+
 def test_metrics_are_consistent(tiny, workload):
     prompts, lengths = workload
     outs = serve(tiny, prompts, [me.SamplingParams(max_tokens=n) for n in lengths])
