@@ -31,22 +31,9 @@ from mini_engine.parallel.ranks import _send
 from mini_engine.parallel.pipeline import (PipelineModel, bubble_of, format_bubbles, measure_bubble,
                                            split_sequences, stage_layers)
 
+from tests.engine.rank_checks import KNOBS, PROMPTS, SYSTEM, alive
+
 SIZE = 3
-# The knobs of test_tensor_parallel: a small paged pool, prompts chunked 24 tokens at a time (so that prefills are cut
-# and mixed with decodes), prefix caching on.
-KNOBS = dict(max_num_seqs=8, num_kv_blocks=96, block_size=8, chunked_prefill_tokens=24, enable_prefix_caching=True)
-SYSTEM = ("You are a careful assistant who answers in short, plain sentences and names the units of every "
-          "number you give. ")
-PROMPTS = ["The capital of France is", SYSTEM + "How far is the Moon?", SYSTEM + "Name three prime numbers.",
-           "def fibonacci(n):"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
 @pytest.fixture(scope="module")

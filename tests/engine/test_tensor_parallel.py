@@ -28,22 +28,9 @@ from mini_engine.parallel import (ColumnParallelLinear, ParallelLMHead, Parallel
                                   VocabParallelEmbedding, check_tensor_parallel_size, shard_model)
 from mini_engine.parallel.layers import split_columns, split_gate_up, split_qkv, split_rows
 
+from tests.engine.rank_checks import KNOBS, PROMPTS, SYSTEM, alive
+
 SIZE = 3
-# Both engines run the same knobs: a small paged pool, prompts chunked 24 tokens at a time (so that prefills are
-# cut and mixed with decodes), prefix caching on.
-KNOBS = dict(max_num_seqs=8, num_kv_blocks=96, block_size=8, chunked_prefill_tokens=24, enable_prefix_caching=True)
-SYSTEM = ("You are a careful assistant who answers in short, plain sentences and names the units of every "
-          "number you give. ")
-PROMPTS = ["The capital of France is", SYSTEM + "How far is the Moon?", SYSTEM + "Name three prime numbers.",
-           "def fibonacci(n):"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
 @pytest.fixture(scope="module")
