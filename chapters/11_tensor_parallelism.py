@@ -27,7 +27,7 @@
 # serves the real model with it, `LLM("smollm2-135m", tensor_parallel_size=3)`, as vLLM spells it. Three ranks
 # are three real processes joined by `torch.distributed`.
 #
-# 1. why and how a linear layer is split: column-parallel, then row-parallel, one all-reduce a block;
+# 1. why and how a linear layer is split: column-parallel, then row-parallel, one all-reduce a sub-layer;
 # 2. what is split and what is replicated, and the memory each rank holds, measured;
 # 3. the communication a step needs, as a formula with a widget: which all-reduce algorithm, on which GPUs and
 #    links, and when splitting pays;
@@ -39,6 +39,14 @@
 # 8. overlapping an all-reduce with compute that does not need it, measured;
 # 9. vLLM's `tensor_parallel_size`, and pipeline parallelism measured: stages, micro-batches and the bubble; when
 #    to prefer which, and why serving engines combine them; what you measured; exercises.
+#
+# Words this chapter uses. A **rank** is one of the cooperating processes, numbered 0 to p − 1 (here rank 0 is the
+# engine's own process and the others are started for it); on GPUs each rank drives one GPU. A **collective** is an
+# operation every rank calls together and that only completes when all have called it: an **all-reduce** adds one
+# tensor from each rank and leaves the sum on every rank. Its **payload** is the bytes of that tensor on one rank.
+# A **hop** is one message from a rank to its neighbour; an algorithm that needs many hops pays a link's latency
+# many times. A **sub-layer** is one of the two halves of a transformer layer, attention and the MLP, each ending
+# in one all-reduce when split; a **block** in this chapter is, as in chapters 07 and 08, a block of the KV cache.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -112,7 +120,9 @@ print(f"SmolLM2-135M: {cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads, 
 # is exactly the input slice the row-parallel down projection wants. So the whole MLP costs one all-reduce, at
 # its end. Attention works the same way, cut by heads: q, k and v are column-parallel (rank r owns 3 of the 9
 # query heads and the 1 KV head they read), attention runs per head with no exchange, and o_proj is
-# row-parallel. Two all-reduces a layer, 60 for the model's 30 layers. The picture below is the whole cut, drawn
+# row-parallel. Two all-reduces a layer, 60 for the model's 30 layers; the embedding, split by vocabulary rows,
+# adds one more, and the logits, split the same way, one gather at the end: 61 all-reduces and a gather a step
+# (the formula below keeps the 2L that grow with the model). The picture below is the whole cut, drawn
 # from this model's sizes: blue is a rank's share of a split weight, grey what every rank holds whole, green the
 # work a rank does on its own share, orange the collectives that join the ranks.
 
@@ -145,7 +155,7 @@ with torch.no_grad():
 # that shares it (by vocabulary: a rank looks up only the ids in its third of the 49,152 and the others give
 # zeros, one more all-reduce; and each rank computes the logits of its third, gathered on rank 0, which samples).
 # Replicated: the two RMSNorms of each layer and the final one (576 values each: splitting them would cost an
-# exchange to save nothing), the RoPE tables, and the activations between blocks, which every rank holds whole.
+# exchange to save nothing), the RoPE tables, and the activations between sub-layers, which every rank holds whole.
 #
 # The KV cache splits with the heads: each rank keeps its one KV head's keys and values for every block. The block
 # tables, which say which block holds which positions, are decided on rank 0 and shipped with every step, so they
@@ -171,7 +181,7 @@ del shard
 # ## 3. When does it pay? Communication against compute
 #
 # A decode step at batch b computes, on each of p ranks, 1/p of the products; its time falls as 1/p while the step
-# is bound by reading weights. Each of its 2L all-reduces carries the block's output, b × h values: 2·h·b bytes in
+# is bound by reading weights. Each of its 2L all-reduces carries the sub-layer's output, b × h values: 2·h·b bytes in
 # 16 bits, a few KB for one request. So
 #
 #   t_step ≈ t_one GPU / p + 2L · t_all-reduce(2·h·b bytes, p)
@@ -208,7 +218,7 @@ print("vLLM's custom all-reduce of 4 KiB, measured, µs:",
 print(f"  on GPUs {interconnects.VLLM_CUSTOM_SIZES} of one NVLink node, one-shot below 256-512 KiB, "
       f"payloads under {interconnects.VLLM_CUSTOM_MAX_BYTES // 2**20} MiB")
 decode_payload = 8 * PRESETS["llama-70b-gqa"].hidden_size * 2  # Llama-70B, batch 8, 16-bit
-print(f"\none all-reduce of {decode_payload // 1024} KiB (Llama-70B's block output at batch 8) among 4 GPUs:")
+print(f"\none all-reduce of {decode_payload // 1024} KiB (Llama-70B's sub-layer output at batch 8) among 4 GPUs:")
 for name, system in interconnects.SYSTEMS.items():
     options = interconnects.all_reduce_options(system, decode_payload, 4)
     best = interconnects.all_reduce(system, decode_payload, 4)
@@ -285,7 +295,7 @@ fig, ax = plt.subplots(figsize=(6.5, 3.4))
 ax.loglog(payloads, np.array(ar_s) * 1e6, "o", label="measured (mean of 100)")
 xs = np.logspace(0, np.log10(payloads[-1]), 100)
 ax.loglog(xs, (latency + xs / bandwidth) * 1e6, "-", label="latency + bytes / bandwidth")
-ax.axvline(cfg.hidden_size * 4, color="grey", ls=":", label="one decode token's block output (fp32)")
+ax.axvline(cfg.hidden_size * 4, color="grey", ls=":", label="one decode token's sub-layer output (fp32)")
 ax.set(xlabel="payload (bytes)", ylabel="µs per all-reduce", title=f"{'NCCL' if device == 'cuda' else 'gloo'}, {RANKS} ranks on this machine")
 ax.legend(fontsize=8)
 plt.show()
@@ -469,14 +479,14 @@ for label, hop, base, bw in (("this machine (gloo)", latency / (2 * (RANKS - 1))
 # rank's reduce-scatter and its slice of the sum; the all-gather and the inputs joined in rank order; and an
 # all-reduce made of our reduce-scatter then all-gather (`all_reduce_from_halves`) and torch's. A sum taken in
 # another order differs in the last bits of fp32, so expect about 1e-7, not zero; the all-gather is a copy. Then
-# `collective_seconds` times each of the four over three payloads: one decode token's block output, sixteen
+# `collective_seconds` times each of the four over three payloads: one decode token's sub-layer output, sixteen
 # tokens' and 256 tokens'.
 
 # %%
 errors = check_collectives(RANKS, shape=(7, 5), device=device)
 for name, err in errors.items():
     print(f"{name:24s} largest difference {err:.1e}")
-token_bytes = cfg.hidden_size * 4  # one token's block output, fp32
+token_bytes = cfg.hidden_size * 4  # one token's sub-layer output, fp32
 coll_payloads = [token_bytes * n for n in (1, 16, 256)]
 coll_s = collective_seconds(coll_payloads, RANKS, repeats=20, device=device)
 print(f"\nmean µs a call among {RANKS} ranks ({'NCCL' if device == 'cuda' else 'gloo'}):")
@@ -502,7 +512,7 @@ plt.show()
 #
 # ### Sequence parallelism: the same bytes, the activations split
 #
-# Look again at what tensor parallelism left whole (section 2): the residual stream between the blocks,
+# Look again at what tensor parallelism left whole (section 2): the residual stream between the sub-layers,
 # [tokens, 576], and the RMSNorms applied to it. Every rank stores the same activations and does the same norm
 # work: p copies of both. Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer
 # Models") noticed that a norm, like the residual add, treats each token alone, so that part can be split along the
@@ -583,7 +593,7 @@ plt.show()
 # for the same SMs and memory bandwidth. On this CPU, gloo's collective runs on gloo's own thread while the rank's
 # threads multiply, and three ranks with their gloo threads share two cores: overlap hides only what a free core can
 # run, and it can lose when the threads take turns. `overlap_seconds` measures it on three fresh ranks: a matmul of
-# 64 tokens through SmolLM2's MLP width (576 to 1,536) and an all-reduce of 64 tokens' block output that does not
+# 64 tokens through SmolLM2's MLP width (576 to 1,536) and an all-reduce of 64 tokens' sub-layer output that does not
 # depend on it, alone, one after the other, and overlapped.
 
 # %%
@@ -902,7 +912,7 @@ print(f"from 2 to 4 GPUs: {capacity[4] / capacity[2]:.1f}x the tokens; from 4 to
 # token, is what tensor parallelism buys a serving engine first.
 # </details>
 #
-# **Lab.** [Lab 11](../labs/lab11_notebook.ipynb) has you write the two cuts of a weight, the attention block split
+# **Lab.** [Lab 11](../labs/lab11_notebook.ipynb) has you write the two cuts of a weight, the attention sub-layer split
 # by heads (which query and KV heads a rank holds, and where its one all-reduce goes), the vocabulary-parallel
 # embedding and LM head (its gather), and optionally an all-reduce made of a reduce-scatter and an all-gather; it
 # grades them on shards in one process, then in three real ranks, and serves requests with your layers.
