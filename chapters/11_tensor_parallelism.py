@@ -696,8 +696,25 @@ ax.set_title("The pipeline bubble: (p − 1)/(m + p − 1), and SmolLM2's 3 stag
 ax.legend(fontsize=7)
 display(fig)  # the bubble plot above, with the measurements on it
 
+# %%
+# The measured schedule itself: each bar is one micro-batch on one stage, from that stage's own timestamps.
+fig, axes = plt.subplots(1, 2, figsize=(10, 2.8), sharey=True)
+for ax, b in zip(axes, (bubbles[0], bubbles[2])):
+    for stage, spans in enumerate(b.spans):
+        ax.broken_barh([(start * 1e3, (end - start) * 1e3) for start, end in spans], (stage - 0.4, 0.8),
+                       facecolors=[plt.cm.tab10(k) for k in range(len(spans))], edgecolor="white")
+    ax.set(title=f"m = {b.micro_batches}: step {b.step_s * 1e3:.0f} ms, idle {b.measured:.0%} of stage-time",
+           xlabel="ms from the step's start", yticks=range(b.stages),
+           yticklabels=[f"stage {r}" for r in range(b.stages)])
+    ax.invert_yaxis()
+plt.tight_layout()
+plt.show()
+
 # %% [markdown]
-# The same tokens as one process, through three processes that each hold a third of the layers. By the formula,
+# The same tokens as one process, through three processes that each hold a third of the layers. The two schedules
+# drawn above are the bubble itself: with one micro-batch, the three stages' bars follow one another and each stage
+# waits for the others' whole turn; with four, a stage starts its next micro-batch while the next stage works on the
+# previous one (one colour is one micro-batch). By the formula,
 # the bubble falls with m: with one micro-batch, two stages wait while the third works; with eight, the pipe is
 # full for most of the step. The replayed points would sit on the 3-stage curve if every stage took the same time
 # for every micro-batch; they stray from it by how unequal the measured times are (stage 0 also embeds, the last

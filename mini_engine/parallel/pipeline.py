@@ -427,7 +427,8 @@ class Bubble:
     of the stage-time, 1 - sum(busy) / (stages x step); `formula`: (p-1)/(m+p-1); `replayed`: the bubble of the
     same per-micro-batch busy times scheduled on a core per stage with free transfers (GPipe's schedule: a stage
     starts micro-batch k when it has finished k-1 and the stage before has finished k), which differs from the
-    formula only because the stages' times differ; `from_cpu`: 1 - sum(cpu) / (stages x step)."""
+    formula only because the stages' times differ; `from_cpu`: 1 - sum(cpu) / (stages x step). `spans`: per stage,
+    each micro-batch's (start, end) in seconds from the step's start, for drawing the schedule."""
     stages: int
     micro_batches: int
     step_s: float
@@ -437,6 +438,7 @@ class Bubble:
     formula: float
     replayed: float
     from_cpu: float
+    spans: list[list[tuple[float, float]]]
 
 
 def bubble_of(times: list[list[tuple]], window: tuple[float, float]) -> Bubble:
@@ -450,7 +452,8 @@ def bubble_of(times: list[list[tuple]], window: tuple[float, float]) -> Bubble:
         ready = max(finish[s - 1][k] if s else 0.0, finish[s][k - 1] if k else 0.0)
         finish[s][k] = ready + times[s][k][2] - times[s][k][1]
     return Bubble(p, m, step, busy, cpu, 1 - sum(busy) / (p * step), (p - 1) / (m + p - 1),
-                  1 - sum(busy) / (p * finish[-1][-1]), 1 - sum(cpu) / (p * step))
+                  1 - sum(busy) / (p * finish[-1][-1]), 1 - sum(cpu) / (p * step),
+                  [[(start - window[0], end - window[0]) for _, start, end, _ in stage] for stage in times])
 
 
 def measure_bubble(model: PipelineModel, micro_batches: int, batch: int = 16, prompt_len: int = 64,
