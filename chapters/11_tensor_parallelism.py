@@ -81,6 +81,7 @@ from mini_engine import formulas
 from mini_engine.config import PRESETS
 from mini_engine.course import interconnects, widgets
 from mini_engine.course.formulas import human_bytes
+from mini_engine.course.ring_drawing import ring_all_reduce_image
 from mini_engine.course.tp_drawing import tensor_parallel_split_image
 from mini_engine.parallel import ColumnParallelLinear, RowParallelLinear, rank_config, shard_model
 from mini_engine.parallel.collectives import check_collectives, collective_seconds, overlap_seconds
@@ -472,6 +473,16 @@ for label, hop, base, bw in (("this machine (gloo)", latency / (2 * (RANKS - 1))
 # third of the adding, and holds a third of the answer. The all-gather then copies each rank's third to the others.
 # Neither moves more than (p − 1)/p of the payload through any rank's link, which is why the ring is
 # bandwidth-optimal; each pays p − 1 latencies, which is why small payloads go to other algorithms (section 3).
+# The drawing runs the ring on three ranks, step by step: each cell names the ranks whose values of that slice the
+# rank has summed so far, and the outlined cell is the one it just received from the rank before it in the ring.
+
+# %%
+display(ring_all_reduce_image(RANKS))
+
+# %% [markdown]
+# Two steps of reduce-scatter leave each rank one whole slice (dark), its own: rank r holds slice r. Two steps of
+# all-gather pass the whole slices around the ring. In every step each rank sends one slice and receives one,
+# a third of the payload, so each link stays busy and none carries more than the others.
 #
 # Now on real ranks. `check_collectives` starts three processes over gloo (NCCL where each rank has a GPU), gives
 # each a random fp32 input of 7 × 5 values (35: not a multiple of 3, so the all-reduce made of halves pads it), and

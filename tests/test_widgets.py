@@ -266,3 +266,22 @@ def test_the_split_is_drawn_from_the_models_own_sizes():
     assert buf.getvalue()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="ranks: 2 does not divide num_heads = 9"):
         draw_tensor_parallel_split(cfg, 2)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_the_ring_drawing_runs_the_ring(ranks):
+    from mini_engine.course.ring_drawing import draw_ring_all_reduce, ring_all_reduce_steps
+    steps = ring_all_reduce_steps(ranks)
+    assert len(steps) == 1 + 2 * (ranks - 1)
+    everyone = frozenset(range(ranks))
+    halfway = steps[ranks - 1]  # after the reduce-scatter, rank r holds slice r summed over every rank
+    assert all(halfway.held[r][r] == everyone for r in range(ranks))
+    assert sum(cell == everyone for row in halfway.held for cell in row) == ranks
+    assert all(cell == everyone for row in steps[-1].held for cell in row)
+    for before, after in zip(steps, steps[1:]):  # each step every rank receives exactly one slice (1/p of the payload)
+        changed = [(r, c) for r in range(ranks) for c in range(ranks) if before.held[r][c] != after.held[r][c]]
+        assert sorted(r for r, _ in changed) == list(range(ranks))
+    fig = draw_ring_all_reduce(ranks)
+    assert len(fig.axes) == len(steps)
+    with pytest.raises(ValueError, match="ranks must be >= 2"):
+        ring_all_reduce_steps(1)
