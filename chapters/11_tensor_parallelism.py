@@ -379,7 +379,8 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# Three ranks on this CPU are slower than one process, and the formula says why. SmolLM2 is small, so the whole
+# On a CPU (where the ranks run unless this machine has three GPUs; Colab's one GPU is not enough), three ranks
+# are slower than one process, and the formula says why. SmolLM2 is small, so the whole
 # step's products take tens of milliseconds. Splitting them over ranks that share the same cores saves none of
 # that. Meanwhile the step pays 61 all-reduces, each at the latency measured above, and the fitted constants
 # predict that communication closely. What the formula leaves out is the grey part. Three ranks on fewer than
