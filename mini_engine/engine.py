@@ -79,7 +79,7 @@ class LLMEngine:
                                       mode=c.compile)
         runner = getattr(model, "runner_class", ModelRunner)  # a model split over ranks brings its own (chapter 11)
         self.runner = runner(model, cache, c.attention_backend, blocks, compiled)
-        policy = make_policy(c.scheduling, c.max_num_seqs, c.dynamic_bucket_width, c.dynamic_timeout_s)
+        policy = make_policy(c.scheduling, c.max_num_seqs, **c.policy_options)
         self.scheduler = Scheduler(policy, c.max_num_seqs, c.max_model_len, c.chunked_prefill_tokens, blocks)
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.eos_token_id = model.config.eos_token_id if eos is None else eos

@@ -120,6 +120,8 @@ class EngineConfig:
     prefix_cache: str = "hashed"        # with prefix caching: "hashed" full blocks, or "radix" (matches end at any token)
     chunked_prefill_tokens: int | None = 512  # tokens per step; None turns chunking off (prompts run whole)
     scheduling: str | object = "continuous"  # a name in SCHEDULING, or a policy object (see above)
+    prefix_holding: bool = False        # cache_aware: hold a request back while a prompt sharing its prefix is computed
+    aging_s: float | None = None        # cache_aware: a request waiting this long goes first, so none starves
     speculative: dict | SpeculativeConfig | None = None  # see SpeculativeConfig; a dict is parsed into one
     attention_backend: str = "auto"
     block_manager: type[BlockManager] | None = None  # paged: your BlockManager subclass (see above)
@@ -157,6 +159,9 @@ class EngineConfig:
                 and all(callable(getattr(policy, m, None)) for m in ("admit", "seconds_until_admission"))):
             raise ValueError(f"scheduling must be one of {SCHEDULING} or a policy object with admit() and "
                              f"seconds_until_admission() methods, got {policy!r}")
+        if self.prefix_holding is not False or self.aging_s is not None:  # options of the cache-aware policy
+            from .prefix.policies import check_options  # beside the core: loaded only when asked for
+            check_options(policy, self.prefix_holding, self.aging_s)
         if manager is not None and not (isinstance(manager, type) and issubclass(manager, BlockManager)):
             raise ValueError(f"block_manager must be a subclass of paging.BlockManager or None, got {manager!r}")
         for name, verb in (("num_kv_blocks", "sizes"), ("block_manager", "runs")):
@@ -202,6 +207,12 @@ class EngineConfig:
     def num_ranks(self) -> int:
         """Processes the model runs in: 1, or the ranks of tensor or pipeline parallelism (chapter 11)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def policy_options(self) -> dict:
+        """make_policy's keyword arguments: the knobs of the named policies."""
+        return {"bucket_width": self.dynamic_bucket_width, "timeout_s": self.dynamic_timeout_s,
+                "prefix_holding": self.prefix_holding, "aging_s": self.aging_s}
 
     def block_manager_class(self) -> type[BlockManager]:
         """The paged pool's bookkeeping: your block_manager, the radix tree (prefix_cache="radix") or paging's."""

@@ -166,8 +166,10 @@ class ContinuousPolicy:
 class CacheAwarePolicy(ContinuousPolicy):
     """SGLang's longest-prefix-match order (chapter 08): preempted requests first, then the waiting requests with
     the most tokens in the prefix cache (they cost the step least, and start before their prefix is evicted), ties
-    in arrival order. A queue longer than `max_ranked` is taken in arrival order, as SGLang does: ranking it every
-    step costs more than it saves, and a request with no hits must not wait behind an endless stream of hits."""
+    in arrival order. A queue longer than `max_ranked` is taken in arrival order, as SGLang does, for cost: its
+    comment says "turn off the expensive prefix matching and sorting when the queue is large". Not against
+    starvation: in a shorter queue a request with no hit waits behind a stream of hits. Options against that and
+    for bursts sharing an uncached prefix, aging_s and prefix_holding: `prefix.policies.HoldAndAgePolicy`."""
     name = "cache_aware"
 
     def __init__(self, max_ranked: int = 128):
@@ -179,7 +181,11 @@ class CacheAwarePolicy(ContinuousPolicy):
         return super().admit(waiting, running, free_slots, budget, now)
 
 
-def make_policy(name, num_slots: int, bucket_width: int = 64, timeout_s: float = 0.05):
+def make_policy(name, num_slots: int, bucket_width: int = 64, timeout_s: float = 0.05, prefix_holding: bool = False,
+                aging_s: float | None = None):
+    if name == "cache_aware" and (prefix_holding or aging_s is not None):
+        from .prefix.policies import HoldAndAgePolicy  # beside the core: loaded only when asked for
+        return HoldAndAgePolicy(prefix_holding, aging_s)
     if name in ("static", "continuous", "cache_aware"):
         return {"static": StaticPolicy, "continuous": ContinuousPolicy, "cache_aware": CacheAwarePolicy}[name]()
     if name == "dynamic":
