@@ -33,7 +33,19 @@ class Machine:
         return run
 
     def tuner(self, store=None, **kwargs):
-        return Autotuner(repeats=3, clock=lambda: self.now, waited=lambda: self.waited, store=store, **kwargs)
+        return Autotuner(repeats=3, clock=lambda: self.now, waited=lambda: self.waited, store=store,
+                         **{"wall": lambda: 1e9, **kwargs})
+
+    def builder(self, costs: dict, waited: float = 0.0):
+        """A candidates builder that takes the names to build (as the products' builders do), counting what it
+        builds in `self.built`."""
+        self.built = []
+
+        def build(names=None):
+            made = {n: self.form(n, c, waited * c) for n, c in costs.items() if names is None or n in names}
+            self.built += list(made)
+            return made
+        return build
 
 
 def kept(store: Path) -> dict:
@@ -142,7 +154,8 @@ def test_the_process_tuner_starts_from_the_store_and_says_so(tmp_path, monkeypat
     write_store(store, "alt", {"plain": 1.0, "alt": 0.5})
     tuner = autotune.tuner_from_env()
     assert tuner.unchecked == {("op", "case")} and tuner.kept_loaded == 1
-    assert tuner.state().startswith(f"1 choices kept in {store}, 0 checked (0.0 s), 0 replaced; 0 timed now")
+    assert tuner.state().startswith(f"1 choices kept in {store}, 0 checked (0.0 s), 0 replaced, 0 trusted "
+                                    f"(checked within 24 h); 0 timed now (0.0 s); 0 forms built, 0 timed calls")
 
 
 def test_make_test_keeps_its_choices_in_a_folder_of_its_run():
@@ -178,3 +191,85 @@ def test_the_tuning_verb_shows_resets_and_names_the_store(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mini_engine", "tuning", "--threads", "0"], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--threads" in bad.stderr
+
+
+def test_a_check_builds_and_times_only_the_two_forms_it_compares(tmp_path):
+    """Issue 60: building every candidate (a product's weight copies and packed weights) for a check that times two
+    of them was most of a check's cost. Counted, not timed."""
+    m = Machine()
+    store = write_store(tmp_path / "tuned.json", "plain", {"plain": 1.0, "c": 1.1, "onednn": 1.5, "slow": 9.0})
+    tuner = m.tuner(store, trust_s=0)
+    tuner.load(store, check=True)
+    build = m.builder({"plain": 1.0, "c": 1.2, "onednn": 1.5, "slow": 9.0})
+    assert tuner.choose("op", ("case",), build) == "plain"
+    assert m.built == ["plain", "c"], "a kept plain form is checked against the form timed closest to it, alone"
+    assert sorted(set(m.calls)) == ["c", "plain"] and len(m.calls) == 2 * (1 + tuner.check_rounds)
+    assert (tuner.built, tuner.calls, tuner.checked, tuner.timings_run) == (2, 2 * (1 + tuner.check_rounds), 1, 0)
+
+
+def test_a_check_that_finds_a_loser_builds_every_form_to_time_the_case_again(tmp_path):
+    m = Machine()
+    store = write_store(tmp_path / "tuned.json", "alt", {"plain": 1.0, "alt": 0.5, "other": 0.9})
+    tuner = m.tuner(store, trust_s=0)
+    tuner.load(store, check=True)
+    with pytest.warns(UserWarning, match="kept choice 'alt'"):
+        assert tuner.choose("op", ("case",), m.builder({"plain": 1.0, "alt": 2.0, "other": 0.5})) == "other"
+    assert m.built == ["plain", "alt", "plain", "alt", "other"], "the check's two forms, then all three"
+    assert kept(store) == {("op", "case"): "other"}
+
+
+def stamped(path: Path, form: str, times_ms: dict, checked_at: float) -> Path:
+    path.write_text(json.dumps([{"case": ["op", "case"], "form": form, "times_ms": times_ms,
+                                 "checked_at": checked_at}]))
+    return path
+
+
+def test_a_choice_timed_on_a_quiet_machine_is_stamped_and_trusted_by_the_next_process_for_a_while(tmp_path):
+    m = Machine()
+    store = tmp_path / "tuned.json"
+    first = m.tuner(store, wall=lambda: 1000.0)
+    first.choose("op", ("case",), lambda: {"plain": m.form("plain", 1.0), "alt": m.form("alt", 0.5)})
+    assert json.loads(store.read_text())[0]["checked_at"] == 1000.0
+    m.calls.clear()
+    soon = m.tuner(store, wall=lambda: 1000.0 + 3600, spot_share=0.0)
+    soon.load(store, check=True)
+    assert soon.choose("op", ("case",), m.builder({"plain": 1.0, "alt": 0.5})) == "alt"
+    assert not m.calls and not m.built and (soon.trusted, soon.checked) == (1, 0), "checked an hour ago: trusted"
+    late = m.tuner(store, wall=lambda: 1000.0 + soon.trust_s + 1, spot_share=0.0)
+    late.load(store, check=True)
+    assert late.choose("op", ("case",), m.builder({"plain": 1.0, "alt": 0.5})) == "alt"
+    assert (late.trusted, late.checked) == (0, 1), "a day later the choice is checked again at its first use"
+    assert json.loads(store.read_text())[0]["checked_at"] == 1000.0 + soon.trust_s + 1, "a quiet check renews it"
+
+
+def test_a_spot_check_still_finds_a_trusted_choice_that_went_wrong(tmp_path):
+    """A recent stamp spares the check, but a share of trusted cases are checked anyway (`spot_share`): a choice
+    that is wrong for this machine now is found by the processes that use it, and replaced."""
+    m = Machine()
+    store = stamped(tmp_path / "tuned.json", "plain", {"plain": 10.0, "c": 488.0}, checked_at=1e9 - 60)
+    tuner = m.tuner(store, spot_share=1.0)
+    tuner.load(store, check=True)
+    with pytest.warns(UserWarning, match="kept choice 'plain'"):
+        assert tuner.choose("op", ("case",), m.builder({"plain": 1.0, "c": 0.5})) == "c"
+    assert kept(store) == {("op", "case"): "c"} and tuner.replaced == 1
+
+
+def test_a_busy_check_and_a_busy_timing_stamp_nothing(tmp_path):
+    m = Machine()
+    store = stamped(tmp_path / "tuned.json", "plain", {"plain": 10.0, "c": 488.0}, checked_at=5.0)
+    before = store.read_text()
+    tuner = m.tuner(store)
+    tuner.load(store, check=True)  # stamped long ago: checked
+    assert tuner.choose("op", ("case",), m.builder({"plain": 4.0, "c": 1.0}, waited=0.75)) == "plain"
+    assert tuner.checked == 1 and store.read_text() == before, "a busy check renews no trust"
+    tuner.choose("op", ("other",), m.builder({"plain": 4.0, "c": 1.0}, waited=0.75))
+    assert tuner.choices[("op", "other")].checked_at is None and store.read_text() == before
+
+
+def test_the_trust_window_is_set_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINI_ENGINE_TUNE_DIR", str(tmp_path))
+    monkeypatch.setenv("MINI_ENGINE_TUNE_TRUST", "0")
+    assert autotune.tuner_from_env().trust_s == 0, "0: every kept case is checked at its first use, as before"
+    monkeypatch.setenv("MINI_ENGINE_TUNE_TRUST", "a day")
+    with pytest.raises(ValueError, match="MINI_ENGINE_TUNE_TRUST"):
+        autotune.tuner_from_env()

@@ -33,13 +33,25 @@ A kept choice must hold for every later run, so two guards stand between a busy 
 - the first time a process uses a kept case, it times the kept form against its strongest rival (the plain
   form, or where the plain form was kept, the form that came closest) for a few rounds; a kept form that now
   loses beyond the margin is timed again and replaced in the file, with one line that says so.
+
+That check costs every new process's first work (issue 60: 8.5 s of a 14 s first batch, with the store filled),
+so it is paid only where it can find something:
+- it builds only the two forms it compares (`make_candidates(names)`): building every candidate's inputs, copies
+  and packed weights for a check that times two of them was most of its cost;
+- a case timed or checked on a quiet machine carries the time it was (`checked_at`), and a later process trusts it
+  for `trust_s` (a day; MINI_ENGINE_TUNE_TRUST=seconds, 0 checks every kept case as before) without checking it,
+  except for a random `spot_share` of them (one case in 20), so that a choice that went wrong is still found by
+  the processes that use it within a few runs, and every choice is checked again once its day is out.
+A busy check stamps nothing: only a quiet timing or check renews a choice's trust.
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
+import inspect
 import json
 import os
+import random
 import time
 import warnings
 import weakref
@@ -56,6 +68,7 @@ class Choice:
     form: str
     times_ms: dict[str, float]   # best time of each candidate; empty when the form was forced
     busy: bool = False           # timed while the machine was busy: used in this process, never kept
+    checked_at: float | None = None  # when it was last timed or checked on a quiet machine (time.time()); None: never
 
     @property
     def speedup(self) -> float:
@@ -127,7 +140,15 @@ class Autotuner:
     checked: int = 0          # kept cases checked at their first use (`_check`)
     check_s: float = 0.0      # ... and the seconds they took (building their inputs, and any timing again, included)
     replaced: int = 0         # ... and timed again because the kept form lost
+    trust_s: float = 24 * 3600  # a kept case timed or checked quietly this recently is not checked at first use...
+    spot_share: float = 0.05  # ... except for this share of them, drawn at random (`load`)
+    trusted: int = 0          # cases taken from the store that were trusted without a check
+    wall: Callable[[], float] = time.time  # the clock of `checked_at`
+    rng: random.Random = field(default_factory=random.Random)
     not_kept: int = 0         # cases timed on a busy machine, so not kept
+    built: int = 0            # candidate forms built for timing or checking (inputs, copies, packed weights)
+    calls: int = 0            # calls of a candidate form made to time it (warm-ups included)
+    timing_s: float = 0.0     # seconds spent timing cases (`_decide`), building their candidates included
 
     def choose(self, op: str, key: tuple, make_candidates: Callable[[], dict[str, Callable[[], object]]]) -> str:
         """The form to use for (`op`, `key`). On the first call for a key, `make_candidates()` builds a dict
@@ -138,7 +159,9 @@ class Autotuner:
         # A forced op takes its forced form even where a form was decided before it was forced (a test pins forms
         # after earlier tests tuned, or the machine's store held the case).
         if choice is None or (op in self.forced and choice.form != self.forced[op]):
-            choice = self.choices[case] = self._decide(op, make_candidates())
+            t0 = time.perf_counter()
+            choice = self.choices[case] = self._decide(op, self._build(make_candidates))
+            self.timing_s += time.perf_counter() - t0
             self._keep_if_quiet(choice)
         elif case in self.unchecked and op not in self.forced:
             self.unchecked.discard(case)
@@ -151,43 +174,55 @@ class Autotuner:
         elif self.store is not None and choice.times_ms:  # a forced form is not a fact about the machine
             self._keep()
 
-    def _check(self, case: tuple, kept: Choice, make_candidates: Callable[[], dict]) -> Choice:
+    def _check(self, case: tuple, kept: Choice, make_candidates: Callable[..., dict]) -> Choice:
         """The first use in this process of a choice from the store: the kept form against its strongest rival,
-        `check_rounds` interleaved rounds. It stands unless the rival beats it as a new form must beat the plain
-        one (`_beats`) on a quiet machine; then the case is timed again and the file updated."""
+        `check_rounds` interleaved rounds, with only those two forms built. It stands unless the rival beats it as
+        a new form must beat the plain one (`_beats`) on a quiet machine; then the case is timed again and the
+        file updated. A quiet check that the kept form passes renews its `checked_at` in the file."""
         t0 = time.perf_counter()
         try:
-            return self._check_against_rival(case, kept, make_candidates())
+            return self._check_against_rival(case, kept, make_candidates)
         finally:
             self.check_s += time.perf_counter() - t0
 
-    def _check_against_rival(self, case: tuple, kept: Choice, candidates: dict) -> Choice:
-        if kept.form not in candidates:  # no longer offered here (a kernel that failed to build): time anew
-            return self._retime(case, kept, candidates, why=f"{kept.form} is not available")
-        rival = self._rival(kept, candidates)
-        if rival is None:
+    def _check_against_rival(self, case: tuple, kept: Choice, make_candidates: Callable[..., dict]) -> Choice:
+        rival = self._rival(kept)
+        pair = self._build(make_candidates, [kept.form] + ([rival] if rival else []))
+        if kept.form not in pair:  # no longer offered here (a kernel that failed to build): time anew
+            return self._retime(case, kept, self._build(make_candidates), why=f"{kept.form} is not available")
+        if rival not in pair:  # nothing was timed against it, or its rival cannot run here now
             return kept
         self.checked += 1
-        pair = {kept.form: candidates[kept.form], rival: candidates[rival]}
+        pair = {kept.form: pair[kept.form], rival: pair[rival]}
         for fn in pair.values():
+            self.calls += 1
             getattr(fn, "first", fn)()
         times, busy = self._rounds(pair, self.check_rounds)
-        if busy or not self._beats(times[rival], times[kept.form]):
+        if busy:
             return kept
-        return self._retime(case, kept, candidates, why=f"it took {min(times[kept.form]) * 1e3:.2f} ms "
-                                                          f"against {rival}'s {min(times[rival]) * 1e3:.2f}")
+        if not self._beats(times[rival], times[kept.form]):
+            renewed = self.choices[case] = Choice(kept.form, kept.times_ms, checked_at=self.wall())
+            if self.store is not None:
+                self._keep()
+            return renewed
+        return self._retime(case, kept, self._build(make_candidates),
+                            why=f"it took {min(times[kept.form]) * 1e3:.2f} ms against {rival}'s "
+                                f"{min(times[rival]) * 1e3:.2f}")
 
     @staticmethod
-    def _rival(kept: Choice, candidates: dict) -> str | None:
-        """The plain form against a kept alternative; against a kept plain form, the form timed closest to it."""
-        plain = next(iter(candidates))
+    def _rival(kept: Choice) -> str | None:
+        """The plain form (the first one timed) against a kept alternative; against a kept plain form, the form
+        timed closest to it."""
+        plain = next(iter(kept.times_ms), None)
         if kept.form != plain:
             return plain
-        others = [name for name in kept.times_ms if name != plain and name in candidates]
+        others = [name for name in kept.times_ms if name != plain]
         return min(others, key=kept.times_ms.get, default=None)
 
     def _retime(self, case: tuple, kept: Choice, candidates: dict, why: str) -> Choice:
+        t0 = time.perf_counter()
         choice = self.choices[case] = self._decide(case[0], candidates)
+        self.timing_s += time.perf_counter() - t0
         self.replaced += 1
         self._keep_if_quiet(choice)
         warnings.warn(f"the CPU backend's kept choice {kept.form!r} for {' '.join(map(str, case))} lost on this run "
@@ -238,7 +273,7 @@ class Autotuner:
         best = {name: min(ts) for name, ts in times.items()}
         winners = [name for name in live if name != plain and self._beats(times[name], times[plain])]
         form = min(winners, key=best.get) if winners else plain
-        return Choice(form, {name: t * 1e3 for name, t in best.items()}, busy)
+        return Choice(form, {name: t * 1e3 for name, t in best.items()}, busy, None if busy else self.wall())
 
     def _beats(self, times: list[float], others: list[float]) -> bool:
         """Faster by the margin at its best, and faster in most rounds: on a busy machine one lucky round (or one
@@ -260,7 +295,18 @@ class Autotuner:
         """Whether the process's threads waited for a CPU for more than `busy_share` of the wall time since t0."""
         return self.waited() - waited_before > self.busy_share * (self.clock() - t0)
 
+    def _build(self, make_candidates: Callable[..., dict], names: list[str] | None = None) -> dict:
+        """The candidates `make_candidates` builds: only the forms in `names` where it takes them (a builder of
+        costly inputs, such as a product's weight copies and packed weights, takes the names it is to build)."""
+        takes_names = names is not None and bool(inspect.signature(make_candidates).parameters)
+        candidates = make_candidates(names) if takes_names else make_candidates()
+        if names is not None:
+            candidates = {name: fn for name, fn in candidates.items() if name in names}
+        self.built += len(candidates)
+        return candidates
+
     def _time(self, fn: Callable[[], object]) -> float:
+        self.calls += 1
         t0 = self.clock()
         fn()
         return self.clock() - t0
@@ -283,22 +329,35 @@ class Autotuner:
         Path(path).write_text(json.dumps(self._rows()))
 
     def _rows(self) -> list[dict]:
-        return [{"case": list(case), "form": c.form, "times_ms": c.times_ms} for case, c in self.choices.items()
-                if not c.busy]
+        return [{"case": list(case), "form": c.form, "times_ms": c.times_ms}
+                | ({"checked_at": c.checked_at} if c.checked_at is not None else {})
+                for case, c in self.choices.items() if not c.busy]
 
     def load(self, path, check: bool = False) -> int:
         """Take the cases `save` wrote to `path` that this tuner has not decided and whose op is not forced;
         returns how many. The file must come from this machine: a choice is a fact about the CPU that timed it.
-        `check`: each taken case is checked at its first use (`_check`), as the machine's store is."""
-        taken = 0
+        `check`: each taken case is checked at its first use (`_check`), as the machine's store is, unless it was
+        timed or checked on a quiet machine within `trust_s` and is not drawn for a spot check (`spot_share`)."""
+        taken, now = 0, self.wall()
         for row in _read_rows(path):
             case = _as_tuple(row["case"])
             if case[0] not in self.forced and case not in self.choices:
-                self.choices[case] = Choice(row["form"], dict(row["times_ms"]))
+                checked_at = row.get("checked_at")
+                self.choices[case] = Choice(row["form"], dict(row["times_ms"]), checked_at=checked_at)
                 if check:
-                    self.unchecked.add(case)
+                    recent = checked_at is not None and 0 <= now - checked_at < self.trust_s
+                    if recent and self.rng.random() >= self.spot_share:
+                        self.trusted += 1
+                    else:
+                        self.unchecked.add(case)
                 taken += 1
         return taken
+
+    def settled(self, op: str, key: tuple) -> bool:
+        """Whether (`op`, `key`) is decided for this process, so that its next use times nothing."""
+        case = (op, *key)
+        return case in self.choices and case not in self.unchecked and not (
+            op in self.forced and self.choices[case].form != self.forced[op])
 
     def state(self) -> str:
         """One line: what this process took from the store, checked, replaced, and timed itself."""
@@ -306,9 +365,11 @@ class Autotuner:
             kept = "no store of kept choices (MINI_ENGINE_TUNE_CACHE=0)"
         else:
             kept = (f"{self.kept_loaded} choices kept in {_home_relative(self.store)}, {self.checked} checked "
-                    f"({self.check_s:.1f} s), {self.replaced} replaced")
-        busy = f" ({self.not_kept} on a busy machine, not kept)" if self.not_kept else ""
-        return f"{kept}; {self.timings_run} timed now{busy}"
+                    f"({self.check_s:.1f} s), {self.replaced} replaced, {self.trusted} trusted (checked within "
+                    f"{self.trust_s / 3600:g} h)")
+        busy = f", {self.not_kept} on a busy machine, not kept" if self.not_kept else ""
+        return (f"{kept}; {self.timings_run} timed now ({self.timing_s:.1f} s{busy}); "
+                f"{self.built} forms built, {self.calls} timed calls")
 
 
 def row_bucket(rows: int, cap: int = 256) -> int:
@@ -379,7 +440,12 @@ def _as_tuple(value):
 def tuner_from_env() -> Autotuner:
     """The process's tuner: MINI_ENGINE_FORMS pins forms, MINI_ENGINE_TUNED names a file of choices to start from,
     and the machine's store (`machine_store`) adds what earlier processes timed here and keeps what this one times."""
-    tuner = Autotuner(forced_from_env(), store=machine_store())
+    trust = os.environ.get("MINI_ENGINE_TUNE_TRUST", "")
+    try:
+        trust_s = float(trust) if trust else Autotuner.trust_s
+    except ValueError:
+        raise ValueError(f"MINI_ENGINE_TUNE_TRUST must be a number of seconds, got {trust!r}") from None
+    tuner = Autotuner(forced_from_env(), store=machine_store(), trust_s=trust_s)
     for path, name in ((os.environ.get("MINI_ENGINE_TUNED"), "MINI_ENGINE_TUNED"), (tuner.store, "the tuning store")):
         if path and (name == "MINI_ENGINE_TUNED" or Path(path).exists()):
             try:

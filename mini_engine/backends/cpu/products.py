@@ -163,10 +163,12 @@ def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER, packe
     apart = not packed and _PACKED_OP is None
     key = (tuple(weight.shape), bucket, str(weight.dtype), weight.device.type) + (("traced",) if apart else ())
 
-    def candidates():
+    def candidates(names=None):  # `names`: build only these (a check compares two forms)
         x, ws = _timing_inputs(weight, bucket)
         forms = {}
         for name in candidate_forms(tuple(weight.shape), bucket, weight.dtype, packed):
+            if names is not None and name not in names:
+                continue
             try:
                 prepared = _prepared_copies(name, ws)
                 if name in PACKERS:  # a build or CPU that cannot run it says so now, not in the middle of a step

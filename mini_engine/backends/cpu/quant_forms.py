@@ -327,10 +327,12 @@ def choose_form(layer: QuantLinear, rows: int, dtype: torch.dtype, tuner: Autotu
     key = (meta.out_features, meta.in_features, meta.group_size, bucket, str(dtype), "cpu") + \
         (("compact",) if meta.compact else ())  # compact scales have forms of their own (no int4pack)
 
-    def candidates():
+    def candidates(names=None):  # `names`: build only these (a check compares two forms)
         x, states = _timing_states(layer, bucket, dtype)
         forms = {}
         for name in candidate_forms(meta, dtype):
+            if names is not None and name not in names:
+                continue
             try:
                 FORMS[name](x, *states[0], meta)  # a build that cannot run it says so now
             except RuntimeError:
