@@ -1,16 +1,26 @@
-"""SGLang's RadixAttention prefix cache (Zheng et al. 2024; chapter 08, second half) as a `paging.BlockManager`:
-`LLM(enable_prefix_caching=True, prefix_cache="radix")`.
+"""A radix-tree prefix cache over KV blocks, after SGLang's RadixAttention (Zheng et al. 2024), as a
+`paging.BlockManager`: `LLM(enable_prefix_caching=True, prefix_cache="radix")` (chapter 08, section 7).
 
-The hashed cache (paging.py) names each *full* block by a hash of its whole prefix, so a match ends at a block
-boundary: a 300-token system prompt in blocks of 16 reuses 288 tokens, and a conversation's next turn recomputes the
-previous answer's last partial block. Here the cache is a tree over token ids. Each node owns one KV block and the
-tokens written in it, after the tokens of the path from the root: a full block's node has a child for every block
-that followed it in some sequence; a partly filled block (the end of a finished sequence) is a leaf. A match walks
-the tree a block at a time and may end at any token: full blocks are shared by reference, and the partly matched last
-block is shared too and copied on the new sequence's first write into it (the copy-on-write of parallel sampling:
-the tree holds a reference of its own on every block it owns, so no block in the tree is ever written in place).
-(SGLang's nodes hold runs of any length and split at any token; one block per node keeps a reference count per
-block exact and eviction a block at a time, at the price of a few sibling leaves that share leading tokens.)
+Three designs meet a shared prefix that ends inside a block (a page) of B tokens:
+
+- vLLM's hashed blocks (paging.py here): each *full* block is named by a hash of its whole prefix and a partly filled
+  block is never cached, so a hit is a whole number of blocks: a 300-token system prompt in blocks of 16 reuses 288
+  tokens, and a conversation's next turn recomputes the previous answer's last partial block.
+- SGLang's RadixCache: a tree over token ids whose matches end at any token when its page size is 1. With pages
+  larger than 1, `match_prefix` cuts the key to whole pages (`len(key) // self.page_size * self.page_size`) and a
+  finished request enters the tree in whole pages ("free the unaligned tail"): it loses what hashed blocks lose.
+- This module, the engine's own design (not SGLang's): blocks of B tokens, and a match that may still end at any
+  token. The partly matched last block is shared too and copied on the new sequence's first write into it (the
+  copy-on-write of parallel sampling: the tree holds a reference of its own on every block it owns, so no block in
+  the tree is ever written in place), and a finished sequence enters with its last partial block. It loses nothing
+  to the block boundary, for one block copy per hit that ends inside a block (`course.prefix_designs` counts all
+  three on chapter 08's workloads).
+
+The tree: each node owns one KV block and the tokens written in it, after the tokens of the path from the root. A
+full block's node has a child for every block that followed it in some sequence; a partly filled block (the end of a
+finished sequence) is a leaf. A match walks the tree a block at a time. (SGLang's nodes hold runs of any length and
+split at any token; one block per node keeps a reference count per block exact and eviction a block at a time, at
+the price of a few sibling leaves that share leading tokens.)
 
 When blocks enter the tree: each full block once a step has written it (so requests running together share), and
 a sequence's whole computed prefix, last partial block included, when it is freed (finished, preempted or aborted),
