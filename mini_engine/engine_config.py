@@ -140,6 +140,12 @@ class EngineConfig:
     sequence_parallel: bool = False
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 1
+    # Chapter 12 (mini_engine/transfer): blocks the prefix cache evicts spill to host memory ("host"), then to files
+    # in kv_offload_dir ("disk"), and are copied back on a hit. Tier sizes in blocks; None: the pool's, disk 4x host.
+    kv_offload: str | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_host_blocks: int | None = None
+    kv_offload_disk_blocks: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.record_trace, bool):
@@ -202,6 +208,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must leave room for a prompt token and a new one, got {self.max_model_len}")
         if not isinstance(self.dynamic_timeout_s, (int, float)) or self.dynamic_timeout_s < 0:
             raise ValueError(f"dynamic_timeout_s must be >= 0, got {self.dynamic_timeout_s!r}")
+        if any(v is not None for v in (self.kv_offload, self.kv_offload_dir, self.kv_offload_host_blocks,
+                                       self.kv_offload_disk_blocks)):  # chapter 12's tiers, checked beside the core
+            from .transfer.offload import check_kv_offload
+            check_kv_offload(self)
 
     @property
     def num_ranks(self) -> int:
@@ -216,6 +226,9 @@ class EngineConfig:
 
     def block_manager_class(self) -> type[BlockManager]:
         """The paged pool's bookkeeping: your block_manager, the radix tree (prefix_cache="radix") or paging's."""
+        if self.kv_offload is not None:  # chapter 12: a factory, called as a class is, for the tiered prefix cache
+            from .transfer.offload import tiered_block_manager
+            return tiered_block_manager(self)
         if self.prefix_cache == "radix":
             from .prefix.radix_cache import RadixBlockManager  # beside the core: loaded only when asked for
             return RadixBlockManager

@@ -20,6 +20,8 @@ class RequestMetrics:
     token_times: tuple[float, ...]  # when each output token was sampled, same clock
     num_draft_tokens: int = 0       # speculative decoding: drafts the target verified
     num_accepted_tokens: int = 0    # of those, accepted (and emitted: drafts past a stop token are not counted)
+    num_host_cached_tokens: int = 0  # chapter 12: of num_cached_tokens, copied back from host memory
+    num_disk_cached_tokens: int = 0  # and from disk (a tiered prefix cache, kv_offload=...)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ class RequestOutput:
             num_output_tokens=sum(len(s.output_ids) for s in samples), arrival_time=r.arrival_time,
             token_times=tuple(sorted(t for s in samples for t in s.token_times)),
             num_draft_tokens=sum(s.num_draft_tokens for s in samples),
-            num_accepted_tokens=sum(s.num_accepted_tokens for s in samples))
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in samples),
+            num_host_cached_tokens=r.num_tier_cached_tokens[0], num_disk_cached_tokens=r.num_tier_cached_tokens[1])
         outputs = [CompletionOutput(s.index, list(s.output_ids), tokenizer.decode(s.output_ids)
                                     if tokenizer is not None else None, s.finish_reason,
                                     s.logprobs[:len(s.output_ids)] if s.params.logprobs is not None else None)

@@ -28,6 +28,8 @@ class ModelRunner:
         """Logits [rows, vocab]: `num_logits` rows per chunk, in chunk order (one per sampling chunk, 1 + k for
         a speculative one). `block_copies`: the step's copy-on-write (src, dst) blocks, copied before the step
         writes into them."""
+        if hasattr(self.blocks, "load_from_tiers"):  # chapter 12: prefix blocks found in host memory or on disk
+            self.blocks.load_from_tiers(self.kv_cache)  # are copied back before the step reads them
         if block_copies:
             self.kv_cache.copy_blocks(block_copies)
         scored = [_prompt_rows(c) for c in chunks]

@@ -47,6 +47,7 @@ class Request:
     finish_reason: str | None = None  # "stop", "length" (max_tokens or max_model_len) or "abort"
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    num_tier_cached_tokens: tuple[int, int] = (0, 0)  # chapter 12: of those, copied back from host memory, disk
     num_cached_hint: int = 0       # what a prefix-cache lookup would serve now (for the policy's budget)
     index: int = 0                 # which of its prompt's n samples this is (parallel sampling)
     forks: list[Request] = field(default_factory=list)  # samples to fork once the prompt is computed
@@ -308,6 +309,7 @@ class Scheduler:
                 r.num_computed = self.blocks.allocate_cached(r.request_id, probe(r))
                 if r.num_cached_tokens is None:
                     r.num_cached_tokens = r.num_computed
+                    r.num_tier_cached_tokens = getattr(self.blocks, "tier_hits", (0, 0))  # chapter 12's tiers
             self.running.append(r)
             if budget > 0:  # a static batch admits all its requests at once; the budget starts what it can
                 n = int(min(r.num_uncomputed, budget))

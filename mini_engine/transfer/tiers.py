@@ -91,7 +91,8 @@ class TierStore:
             return None
         try:
             with open(self.path(key), "rb") as f:
-                buffer = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+                data = bytearray(f.read())
+            buffer = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
             read_header(buffer)  # the whole file is there and its payload matches its CRC-32
         except (OSError, KVBufferError):
             self.stats.bad_files += 1
