@@ -14,17 +14,20 @@ in case another one asks. You write the pieces that make it work:
      whose old hash must then be forgotten.
   5. `PrefixCache.cache_full_blocks`: after a prefill has written a prompt's KV, register its full blocks.
   6. `PrefixCache.admit`: a new request's block table, cached blocks first, then fresh ones.
-  7. OPTIONAL: `RadixTree.match`, `insert` and `evict`, SGLang's radix tree over token ids, whose match
-     ends at any token rather than at a block boundary (its tests are skipped while it is not written).
+  7. `RadixBlockTree`: the same pool with SGLang's radix tree as its prefix cache instead of hashes. You write
+     `match` (the longest cached prefix, in whole blocks), `insert` (a request's computed blocks), `lock` and
+     `unlock` (the path a running request uses, SGLang's `lock_ref`: a node in use is never evicted) and
+     `evict` (the least recently used unlocked leaf). The engine runs it: `LLM(..., block_manager=RadixBlockTree)`.
 
 Fill in every function marked TODO in labs/lab08_prefix_caching.py, then grade your work with
 
     pytest tests/labs/test_lab08.py --impl=labs
 
 Pure Python, like lab 07: no tensors, and nothing from the engine's own paging but `EngineBlockManager`
-(given), which runs the engine's pool on your PrefixCache and your hashes: the lab notebook ends by serving
-requests with the real engine, `LLM(..., block_manager=EngineBlockManager)`, and checks that they come out,
-and hit the cache, as with the engine's own.
+(given), which runs the engine's pool on your PrefixCache and your hashes, and the pool that `RadixBlockTree`
+extends. The lab notebook serves requests with the real engine on each, `LLM(..., block_manager=...)`, and
+checks that they come out, and hit the cache, as with the engine's own; nothing from mini_engine.prefix (the
+engine's own tree) may be used.
 """
 from __future__ import annotations
 
@@ -183,62 +186,155 @@ class EngineBlockManager(paging.BlockManager):
         self.cache.release(self.block_tables.pop(seq_id))
 
 
-# ---------------------------------------------------------------- part 7 (OPTIONAL): SGLang's radix tree
+# ---------------------------------------------------------------- part 7: SGLang's radix tree, over blocks
 
 class RadixNode:
-    """Given. One node of a radix tree over token ids: a run of `tokens` that follows the tokens of the path from the
-    root. `children` are keyed by their first token (siblings never share one: they would share a run, and the tree
-    keeps shared runs once). `last_used` is the tree's clock when a match or insert last passed through the node."""
+    """Given. One node of the radix tree: one FULL KV block, `block`, whose `tokens` (block_size token ids) follow the
+    tokens of the path from the root. `children` are keyed by their tokens (a tuple). `lock_ref` counts the running
+    requests whose path passes through this node (SGLang's `lock_ref`): a node with lock_ref > 0 is in use and must
+    not be evicted. `last_used` is the tree's clock when a lock or unlock last passed through the node."""
 
-    def __init__(self, tokens: tuple[int, ...], parent: RadixNode | None):
-        self.tokens, self.parent = tuple(tokens), parent
-        self.children: dict[int, RadixNode] = {}
+    def __init__(self, tokens: tuple[int, ...], block: int | None, parent: RadixNode | None):
+        self.tokens, self.block, self.parent = tuple(tokens), block, parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.lock_ref = 0
         self.last_used = 0
 
 
-class RadixTree:
-    """OPTIONAL (part 7). SGLang's RadixAttention keeps its prefix cache as a radix tree over token ids instead of a
-    map of hashed full blocks: a match may end at ANY token, not just at a block boundary, so a conversation's next
-    turn finds the whole previous turn and a few-shot prompt its examples to the last token. (In the engine,
-    mini_engine/prefix/radix_cache.py, each node also owns KV blocks and running requests hold the nodes they use;
-    here the tree holds token ids alone.)
+class RadixBlockTree(paging.BlockManager):
+    """Part 7. SGLang's RadixAttention keeps its prefix cache as a radix tree over token ids (Zheng et al. 2024); here
+    the tree is over the engine's real KV blocks, and the engine runs it: `LLM(..., block_manager=RadixBlockTree)`.
+    Each node owns one full block; a path from the root spells a prefix, block by block, so a prompt's cached blocks
+    are the path its tokens walk. A match here ends at a block boundary. (SGLang at a page size of 1 matches any
+    token; the engine's own tree, mini_engine/prefix/radix_cache.py, also shares a partly matched last block and
+    copies it on the first write.)
 
-    Each call of `match` or `insert` first advances `clock` by one and stamps every node its path passes through
-    (`last_used = clock`); `evict` removes least recently used LEAVES first, so a trunk that many branches share
-    outlives them. Given: the root (an empty run) and `num_tokens`."""
+    State (given), beside paging.BlockManager's pool: `root` (no block), `clock`, `node_of` (block -> its node, for
+    every block in the tree) and `locked` (request -> the deepest node of its path, which it holds locked).
+    `ref_counts[b]` counts the block tables holding b, as in the engine; a block in the tree that no running request
+    locks is in `evictable` (so the engine counts it as free), and leaves the pool only through `evict`.
 
-    def __init__(self):
-        self.root = RadixNode((), None)
+    Given: how the engine's calls (lookup, allocate_cached, cache_blocks, free, fork, taking a block) become calls of
+    your `match`, `insert`, `lock`, `unlock` and `evict`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if not enable_prefix_caching:
+            raise ValueError("enable_prefix_caching must be True: the radix tree is a prefix cache")
+        super().__init__(num_blocks, block_size, True)
+        self.root = RadixNode((), None, None)
         self.clock = 0
+        self.node_of: dict[int, RadixNode] = {}
+        self.locked: dict = {}  # request id -> the deepest node of its path in the tree (the root: none)
+        self.num_full: dict = {}  # request id -> its full computed blocks offered to the tree so far
 
-    def num_tokens(self) -> int:
-        """Tokens stored in the tree: the sum of every node's run."""
-        stack, total = [self.root], 0
-        while stack:
-            node = stack.pop()
-            total += len(node.tokens)
-            stack.extend(node.children.values())
-        return total
+    def match(self, token_ids: Sequence[int]) -> list[RadixNode]:
+        """The nodes holding the longest cached prefix of `token_ids`, root's child first: walk down one FULL block
+        of tokens at a time, into the child keyed by that block's tokens, and stop at the first block no child
+        holds. Never the block of the prompt's last token (at most (len - 1) // block_size nodes): its logits give
+        the first output token. Changes nothing: the engine asks several times before it admits a request."""
+        # TODO: which child continues the walk (how are children keyed?), how many blocks may it take at most, and
+        #       what does a block that only partly agrees count for?
+        raise NotImplementedError("lab08 RadixBlockTree.match: not written yet (see its docstring)")
 
-    def match(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens of `token_ids` the tree holds: walk down from the root, into the child keyed by the
-        next token, as far as the child's run agrees with `token_ids`; a run that agrees only in part ends the match
-        inside it. Stamps each node it enters, even in part. Changes nothing else."""
-        # TODO: which child can continue the match, and what ends it: a missing child, or a run that disagrees?
-        raise NotImplementedError("lab08 RadixTree.match: not written yet (see its docstring)")
+    def insert(self, token_ids: Sequence[int], block_ids: list[int]) -> RadixNode:
+        """Put a request's computed full blocks in the tree: `block_ids[i]` holds tokens i * block_size up to (i + 1) *
+        block_size of `token_ids` (whole blocks only). Walk down from the root, one block at a time: a missing child
+        becomes a new node holding the request's block (in `node_of`, and unlocked, so in `evictable`); a child that
+        holds these tokens already is kept as it is, even in another block (the same prefix computed twice at once:
+        the first copy stays, as in PrefixCache), and the walk goes on below it. Returns the last node of the walk
+        (the root for no blocks): the given code locks the path to it."""
+        # TODO: walk as match does, one block of block_ids per step; what does a new node need besides its place in
+        #       its parent's children (two fields of the tree, see the class docstring)?
+        raise NotImplementedError("lab08 RadixBlockTree.insert: not written yet (see its docstring)")
 
-    def insert(self, token_ids: Sequence[int]) -> int:
-        """Store `token_ids`; returns how many of its leading tokens the tree held already. Where the sequence parts
-        from a node's run partway, split the node in two first (the shared part above, the rest below it, keeping
-        its children and its stamp), then hang the new tokens under the shared part as one new leaf. Stamps every
-        node on the sequence's path, the new leaf too. Inserting what the tree holds already adds nothing."""
-        # TODO: walk as match does; where the walk stops inside a run, what must the split keep, and where does the
-        #       rest of token_ids go?
-        raise NotImplementedError("lab08 RadixTree.insert: not written yet (see its docstring)")
+    def lock(self, node: RadixNode) -> None:
+        """A running request uses the path from the root to `node`: advance `clock` by one, then on every node of the
+        path (not the root) add one to `lock_ref` and stamp `last_used`. A node locked for the first time leaves
+        `evictable`."""
+        # TODO: which nodes does a request use, up to where, and when does a node stop being evictable?
+        raise NotImplementedError("lab08 RadixBlockTree.lock: not written yet (see its docstring)")
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` tokens, or every token when the tree holds fewer: remove the least recently
-        used leaf (a node without children, never the root), again and again; a parent whose last child went becomes
-        a leaf itself. Returns how many tokens were removed."""
-        # TODO: which nodes may go, in what order, and when do you stop?
-        raise NotImplementedError("lab08 RadixTree.evict: not written yet (see its docstring)")
+    def unlock(self, node: RadixNode) -> None:
+        """The request that locked the path to `node` lets go: advance `clock`, then on every node of the path take
+        one from `lock_ref` and stamp `last_used`; a node nobody locks any more joins `evictable`. Raises ValueError,
+        changing nothing, if a node of the path is not locked."""
+        # TODO: lock's mirror; check the whole path before changing anything. When is a node evictable again?
+        raise NotImplementedError("lab08 RadixBlockTree.unlock: not written yet (see its docstring)")
+
+    def evict(self) -> int:
+        """Take the least recently used unlocked LEAF (no children, lock_ref 0) out of the tree and return its block
+        (out of `node_of` and `evictable`; the caller reuses it). Only leaves: a prefix is reachable only while
+        every block before it is cached, so a trunk goes after its branches. Raises RuntimeError if none."""
+        # TODO: which nodes may go (two conditions), which of them first, and which three places forget it?
+        raise NotImplementedError("lab08 RadixBlockTree.evict: not written yet (see its docstring)")
+
+    # ------------------------------------------------------------ given: the engine's calls, on your tree
+
+    def lookup(self, token_ids) -> list[int]:
+        """The cached blocks `token_ids` starts with (admission plans with them; nothing taken)."""
+        return [node.block for node in self.match(token_ids)]
+
+    def num_cached_tokens(self, token_ids) -> int:
+        return len(self.match(token_ids)) * self.block_size
+
+    def allocate_cached(self, seq_id, token_ids) -> int:
+        """Admission: a table of the matched blocks, each held once more, their path locked."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        path = self.match(token_ids)
+        self.locked[seq_id] = path[-1] if path else self.root
+        self.lock(self.locked[seq_id])
+        for node in path:
+            self.ref_counts[node.block] += 1
+        self.block_tables[seq_id], self.num_full[seq_id] = [node.block for node in path], len(path)
+        return len(path) * self.block_size
+
+    def cache_blocks(self, seq_id, token_ids, num_computed: int) -> None:
+        """After a step: the request's full computed blocks go into the tree, and its lock moves down to the new end
+        of its path (locked before the old lock is let go, so the path is never unlocked in between)."""
+        full = num_computed // self.block_size
+        if seq_id not in self.block_tables or full <= self.num_full.get(seq_id, 0):
+            return
+        node = self.insert(token_ids[:full * self.block_size], self.block_tables[seq_id][:full])
+        self.lock(node)
+        self.unlock(self.locked.get(seq_id, self.root))
+        self.locked[seq_id], self.num_full[seq_id] = node, full
+
+    def free(self, seq_id) -> None:
+        """The request finished or was preempted: unlock its path; its blocks outside the tree are free again."""
+        table = self.block_tables.pop(seq_id)
+        self.num_full.pop(seq_id, None)
+        self.unlock(self.locked.pop(seq_id, self.root))
+        uncached = []
+        for block in table:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0 and block not in self.node_of:
+                uncached.append(block)
+        self.free_blocks.extend(uncached)
+
+    def fork(self, parent_id, child_id) -> list[int]:
+        """Parallel samples share the parent's blocks: each locks the parent's path too."""
+        table = super().fork(parent_id, child_id)
+        self.locked[child_id] = self.locked.get(parent_id, self.root)
+        self.lock(self.locked[child_id])
+        self.num_full[child_id] = self.num_full.get(parent_id, 0)
+        return table
+
+    def _take_block(self) -> int:
+        """A block for new data: a free one, else the block your `evict` frees."""
+        if not self.free_blocks:
+            block = self.evict()
+            if self.ref_counts[block]:  # the engine would overwrite a block a running request reads
+                raise RuntimeError(f"evict took block {block}, which a running request holds: only leaves with "
+                                   "lock_ref 0 may go")
+            self.free_blocks.append(block)
+            self.num_evictions += 1
+        return super()._take_block()
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unlocked node (leaves first, as `evict` takes them). Returns how many blocks were freed."""
+        dropped = 0
+        while self.evictable:
+            self.free_blocks.append(self.evict())
+            dropped += 1
+        return dropped

@@ -1,12 +1,14 @@
-"""Grades lab 08 (prefix caching: the block hash chain, lookups that take references, LRU eviction) in either tree.
+"""Grades lab 08 (prefix caching: the block hash chain, lookups that take references, LRU eviction, and SGLang's radix
+tree over blocks with locked paths) in either tree.
 
     pytest tests/labs/test_lab08.py --impl=labs        # your work
     pytest tests/labs/test_lab08.py --impl=solutions   # the reference answers
 
 The random-workload tests (hypothesis) check the pool's bookkeeping after every step: each block held, free or
-evictable, never two of them; ref counts equal to the requests holding a block; no held block ever handed to
-someone else. The last tests serve requests that share a system prompt with the real engine, `LLM`, running its
-pool and prefix cache on your PrefixCache and your hashes.
+evictable, never two of them; ref counts equal to the requests holding a block (lock counts equal to the requests
+using a node's path); no held block ever handed to someone else. The last tests serve requests with the real engine,
+`LLM`, running its pool and prefix cache on your PrefixCache and your hashes, then on your RadixBlockTree: a
+conversation, and a pool small enough to evict.
 """
 import importlib
 import random
@@ -23,10 +25,10 @@ from mini_engine.prefix import radix_cache
 
 LAB = "lab08_prefix_caching"
 # The engine's block manager already hashes blocks and keeps a prefix cache: calling it fails the test.
-# Part 7's tree: the engine's radix tree (mini_engine.prefix) already matches, inserts and evicts.
-SHORTCUTS = {"hash_block": [paging], "block_hashes": [paging], "PrefixCache": [paging], "RadixTree": [radix_cache]}
-# Part 7, the radix tree, is optional: its tests are skipped while these are not written (and graded once they are).
-OPTIONAL = pytest.mark.optional("match", "insert", "evict")
+# Part 7's tree: the engine's radix tree (mini_engine.prefix) already matches, inserts, holds and evicts. (The tree
+# builds on paging.BlockManager's pool, as the engine runs it, so only the engine's tree is off limits there.)
+SHORTCUTS = {"hash_block": [paging], "block_hashes": [paging], "PrefixCache": [paging],
+             "RadixBlockTree": [radix_cache]}
 B = 4  # block size of most tests: small enough to count blocks by hand
 
 
@@ -311,101 +313,232 @@ def test_no_block_is_evicted_while_a_request_holds_it(impl, steps):
                 "a running request's cached block was evicted (allocate may only evict blocks nobody holds)"
 
 
-# ---------------------------------------------------------------- part 7 (optional): the radix tree
+# ---------------------------------------------------------------- part 7: the radix tree over blocks
 
-def runs_below(node):
-    """{first token: run} of a node's children, to compare a tree's shape with one drawn by hand."""
-    return {t: child.tokens for t, child in node.children.items()}
-
-
-@OPTIONAL
-def test_radix_match_ends_at_any_token(impl):
-    tree = impl.RadixTree()
-    assert tree.match([1, 2, 3]) == 0, "an empty tree holds nothing"
-    tree.insert([1, 2, 3, 4, 5])
-    for tokens, expected in (([1, 2, 3, 4, 5, 6], 5), ([1, 2, 3, 9], 3), ([1, 2, 3, 4, 5], 5), ([7, 1], 0),
-                             ([1], 1), ([], 0)):
-        got = tree.match(tokens)
-        assert got == expected, (f"after insert([1, 2, 3, 4, 5]), match({tokens}) must be {expected} (the leading "
-                                 f"tokens the tree holds, ending at any token), got {got}")
-    assert runs_below(tree.root) == {1: (1, 2, 3, 4, 5)}, "match must not change the tree"
+def hand_built(impl):
+    """A tree drawn by hand (blocks of 4): (0 1 2 3) in block 5, below it (4 5 6 7) in block 2 with (8 9 10 11) in
+    block 9 below that, and (4 5 6 9) in block 7."""
+    tree = impl.RadixBlockTree(16, B)
+    nodes = {}
+    for block, parent, tokens in ((5, None, (0, 1, 2, 3)), (2, 5, (4, 5, 6, 7)), (9, 2, (8, 9, 10, 11)),
+                                  (7, 5, (4, 5, 6, 9))):
+        above = nodes[parent] if parent is not None else tree.root
+        nodes[block] = above.children[tokens] = impl.RadixNode(tokens, block, above)
+        tree.node_of[block], tree.evictable[block] = nodes[block], None
+    return tree, nodes
 
 
-@OPTIONAL
-def test_radix_insert_splits_a_run_where_two_sequences_part(impl):
-    tree = impl.RadixTree()
-    assert tree.insert([1, 2, 3, 4]) == 0, "insert returns how many leading tokens the tree held already: 0 at first"
-    assert runs_below(tree.root) == {1: (1, 2, 3, 4)}, "the first sequence is one leaf under the root, one run"
-    assert tree.insert([1, 2, 5]) == 2, "insert([1, 2, 5]) after [1, 2, 3, 4]: 2 tokens were there already"
-    assert runs_below(tree.root) == {1: (1, 2)}, \
-        "the run (1, 2, 3, 4) must be split where [1, 2, 5] parts from it: (1, 2) above, (3, 4) below"
-    trunk = tree.root.children[1]
-    assert runs_below(trunk) == {3: (3, 4), 5: (5,)}, f"under (1, 2): (3, 4) and the new leaf (5,), got {runs_below(trunk)}"
-    assert trunk.parent is tree.root and all(c.parent is trunk for c in trunk.children.values()), \
-        "a split must set the parents: the upper part's is the old node's parent, the lower part's the upper part"
-    assert tree.num_tokens() == 5, "shared tokens are stored once: 1, 2, 3, 4 and 5"
-    assert tree.insert([1, 2]) == 2 and tree.num_tokens() == 5, "inserting what the tree holds adds nothing"
-    assert tree.insert([1, 2, 3, 4, 6, 7]) == 4 and runs_below(trunk.children[3]) == {6: (6, 7)}, \
-        "a sequence that goes on past a leaf's run hangs its new tokens below that leaf"
-    assert tree.match([1, 2, 3, 4, 6, 7, 8]) == 6 and tree.match([1, 2, 5, 5]) == 3
+def blocks_of(nodes):
+    return [node.block for node in nodes]
 
 
-@OPTIONAL
-def test_radix_match_and_insert_stamp_their_path(impl):
-    tree = impl.RadixTree()
-    tree.insert([1, 2, 3])
-    tree.insert([1, 2, 9])
-    trunk = tree.root.children[1]
-    a, b = trunk.children[3], trunk.children[9]
-    assert b.last_used > a.last_used, "each insert advances the clock and stamps the nodes on its path"
-    assert trunk.last_used == b.last_used, "the shared part (1, 2) is on the second insert's path: stamp it too"
-    tree.match([1, 2, 3, 7])
-    assert a.last_used > b.last_used and trunk.last_used == a.last_used, \
-        "match stamps every node it enters: (1, 2) and (3,) were just used, (9,) was not"
+def test_radix_match_walks_whole_blocks_and_never_the_last_token(impl):
+    tree = impl.RadixBlockTree(16, B)
+    assert tree.match(list(range(9))) == [], "an empty tree holds nothing: match must return []"
+    tree, _ = hand_built(impl)
+    for tokens, expected, why in (
+            (list(range(13)), [5, 2, 9], "three whole blocks agree, and token 12 is left to compute"),
+            (list(range(10)), [5, 2], "a block of which only 2 tokens agree is no hit: whole blocks only"),
+            ([0, 1, 2, 3, 4, 5, 6, 9, 0], [5, 7], "after (0 1 2 3) the child keyed (4 5 6 9)"),
+            ([0, 1, 2, 3, 4, 5, 6, 8, 0], [5], "no child of block 5 holds (4 5 6 8)"),
+            ([1, 2, 3, 4, 5], [], "no child of the root holds (1 2 3 4)"),
+            ([], [], "no tokens, no blocks")):
+        got = blocks_of(tree.match(tokens))
+        assert got == expected, f"match({tokens}) must give the nodes of blocks {expected} ({why}), got blocks {got}"
+    got = blocks_of(tree.match(list(range(12))))
+    assert got == [5, 2], ("match must leave the prompt's last token to compute (its logits give the first output "
+                           f"token): at most (12 - 1) // 4 = 2 blocks for 12 tokens, got blocks {got}")
+    assert tree.clock == 0 and all(n.lock_ref == 0 and n.last_used == 0 for n in tree.node_of.values()) \
+        and set(tree.evictable) == {5, 2, 9, 7}, "match must change nothing: no lock, no stamp, no clock"
 
 
-@OPTIONAL
-def test_radix_evict_takes_least_recently_used_leaves_and_keeps_the_shared_trunk(impl):
-    tree = impl.RadixTree()
-    for tokens in ([1, 2, 3, 4], [1, 2, 5, 6], [9, 9]):
-        tree.insert(tokens)
-    tree.match([1, 2, 3, 4])  # (1, 2) and (3, 4) used last; the leaf (5, 6) the longest ago
-    assert tree.evict(1) == 2 and tree.match([1, 2, 5, 6]) == 2 and tree.match([1, 2, 3, 4]) == 4, \
-        "evict(1) must remove the least recently used leaf, (5, 6): 2 tokens, the trunk (1, 2) stays"
-    tree.match([1, 2, 3, 4])
-    assert tree.evict(3) == 4, "evict(3): (9, 9), then the oldest leaf left, (3, 4): 4 tokens, at least 3"
-    assert tree.match([9, 9]) == 0 and tree.match([1, 2, 3]) == 2, "(1, 2) outlived its branches"
-    assert tree.evict(100) == 2 and tree.num_tokens() == 0 and tree.root.children == {}, \
-        "a parent whose children all went is a leaf: evict(100) removes (1, 2) too, then stops at an empty tree"
-    assert tree.evict(1) == 0, "an empty tree frees nothing"
+def test_radix_insert_hangs_one_node_per_full_block(impl):
+    tree = impl.RadixBlockTree(16, B)
+    end = tree.insert(list(range(8)), [3, 5])
+    assert isinstance(end, impl.RadixNode) and (end.block, end.tokens) == (5, (4, 5, 6, 7)), \
+        "insert(tokens 0..7, blocks [3, 5]) must return the last node of its walk: block 5, tokens (4, 5, 6, 7)"
+    assert list(tree.root.children) == [(0, 1, 2, 3)], "one child of the root, keyed by its block's tokens (a tuple)"
+    trunk = tree.root.children[(0, 1, 2, 3)]
+    assert trunk.block == 3 and trunk.parent is tree.root and trunk.children == {(4, 5, 6, 7): end} \
+        and end.parent is trunk, "block 3 below the root, block 5 below block 3, parents set"
+    assert tree.node_of == {3: trunk, 5: end}, "node_of must map every block in the tree to its node"
+    assert set(tree.evictable) == {3, 5} and trunk.lock_ref == end.lock_ref == 0, \
+        "a new node is unlocked (lock_ref 0), so its block is in evictable until the given code locks it"
+    assert tree.insert(list(range(8)), [3, 5]) is end and len(tree.node_of) == 2, \
+        "inserting what the tree holds adds nothing and returns the same last node"
+    branch = tree.insert([0, 1, 2, 3, 9, 9, 9, 9], [3, 8])
+    assert branch.parent is trunk and set(trunk.children) == {(4, 5, 6, 7), (9, 9, 9, 9)}, \
+        "a prompt that parts from the tree after block 3 hangs its next block below block 3"
+    again = tree.insert(list(range(12)), [4, 6, 7])
+    assert (again.block, again.parent) == (7, end) and set(tree.node_of) == {3, 5, 8, 7}, (
+        "blocks 4 and 6 hold what blocks 3 and 5 hold already (the same prefix computed twice): keep the tree's "
+        "copies, walk on below them, and hang block 7 below block 5")
 
 
-@OPTIONAL
-@pytest.mark.parametrize("seed", range(4))
-def test_radix_tree_against_a_list_of_sequences(impl, seed):
-    """Random inserts, matches and evictions over a 4-token alphabet, so sequences share prefixes and part anywhere:
-    match is the longest prefix shared with a stored sequence, and the tree stores every distinct prefix once.
-    (Seeded loops, not hypothesis: an unwritten optional part must skip the test, not fail it.)"""
-    rng = random.Random(seed)
-    tree, stored = impl.RadixTree(), []
-    for _ in range(120):
-        action = rng.choices(["insert", "match", "evict"], weights=[5, 4, 1])[0]
-        tokens = [rng.randrange(4) for _ in range(rng.randrange(9))]
-        best = max((next((i for i, (x, y) in enumerate(zip(s, tokens)) if x != y), min(len(s), len(tokens)))
-                    for s in stored), default=0)
-        if action == "insert":
-            assert tree.insert(tokens) == best, f"insert({tokens}) with {stored} stored must return {best}"
-            stored.append(tokens)
-        elif action == "match":
-            assert tree.match(tokens) == best, f"match({tokens}) with {stored} stored must be {best}"
-        else:
-            before = tree.num_tokens()
-            freed = tree.evict(len(tokens))
-            assert tree.num_tokens() == before - freed and (freed >= len(tokens) or tree.num_tokens() == 0), \
-                f"evict({len(tokens)}) freed {freed} of {before} tokens: at least what was asked, or everything"
-            stored = [s[:tree.match(s)] for s in stored]  # what is left of each (match is checked by itself)
-        assert tree.num_tokens() == len({tuple(s[:i]) for s in stored for i in range(1, len(s) + 1)}), \
-            "the tree must store each distinct prefix's last token once: shared runs are never duplicated"
+def test_radix_lock_and_unlock_the_path_to_the_root(impl, must_raise):
+    tree = impl.RadixBlockTree(16, B)
+    end = tree.insert(list(range(8)), [3, 5])
+    branch = tree.insert([0, 1, 2, 3, 9, 9, 9, 9], [3, 8])
+    trunk = end.parent
+    tree.lock(end)
+    assert (trunk.lock_ref, end.lock_ref, branch.lock_ref) == (1, 1, 0), \
+        "lock(node) adds one to lock_ref on every node from it up to the root's child, and on no other"
+    assert set(tree.evictable) == {8}, "a locked node is in use: its block leaves evictable"
+    assert tree.clock == 1 and trunk.last_used == end.last_used == 1 and branch.last_used == 0, \
+        "lock advances the clock by one and stamps the path it locks"
+    tree.lock(branch)
+    assert (trunk.lock_ref, end.lock_ref, branch.lock_ref) == (2, 1, 1) and not tree.evictable, \
+        "two requests use the trunk: lock_ref 2"
+    tree.unlock(end)
+    assert (trunk.lock_ref, end.lock_ref) == (1, 0) and set(tree.evictable) == {5}, \
+        "unlock(node) takes one from the path; block 5 is unlocked (evictable), the trunk still used by the other"
+    assert tree.clock == 3 and end.last_used == trunk.last_used == 3, "unlock advances the clock and stamps the path"
+    tree.unlock(branch)
+    assert set(tree.evictable) == {3, 5, 8} and trunk.lock_ref == 0, "nobody uses the tree now: all evictable"
+    with must_raise(ValueError, "unlock of a path nobody locked must raise ValueError"):
+        tree.unlock(end)
+    assert (trunk.lock_ref, end.lock_ref) == (0, 0) and set(tree.evictable) == {3, 5, 8}, \
+        "a rejected unlock must change nothing (no lock_ref below 0)"
+
+
+def test_radix_evict_takes_the_least_recently_used_unlocked_leaf(impl, must_raise):
+    tree = impl.RadixBlockTree(16, B)
+    a = tree.insert(list(range(8)), [0, 1])
+    b = tree.insert([0, 1, 2, 3, 9, 9, 9, 9], [0, 2])
+    c = tree.insert([7] * 8, [3, 4])
+    for node in (b, a, c):  # three requests, one after another: b's the longest ago
+        tree.lock(node)
+        tree.unlock(node)
+    got = tree.evict()
+    assert got == 2, f"evict must take the least recently used unlocked leaf, block 2, got {got}"
+    assert 2 not in tree.node_of and 2 not in tree.evictable and set(a.parent.children) == {(4, 5, 6, 7)}, \
+        "an evicted node leaves its parent's children, node_of and evictable"
+    tree.lock(c)  # a request uses c's path again
+    got = [tree.evict(), tree.evict()]
+    assert got == [1, 0], (f"with c's path locked, evict must take block 1, then block 0 (a leaf once its last "
+                           f"child went: a trunk goes after its branches), got {got}")
+    with must_raise(RuntimeError, "evict with every cached block locked must raise RuntimeError"):
+        tree.evict()
+    tree.unlock(c)
+    assert [tree.evict(), tree.evict()] == [4, 3] and not tree.root.children and not tree.node_of
+
+
+def test_radix_evict_never_takes_a_locked_node(impl):
+    tree = impl.RadixBlockTree(16, B)
+    held, done = tree.insert([1] * 8, [0, 1]), tree.insert([2] * 8, [2, 3])
+    tree.lock(held)  # a running request uses this path, locked before the other was used
+    tree.lock(done)
+    tree.unlock(done)
+    got = tree.evict()
+    assert got not in (0, 1), (f"evict took block {got}, which a running request has locked (lock_ref 1): only "
+                               "leaves with lock_ref 0 may go")
+    assert got == 3, f"block 3 is the only unlocked leaf: evict must take it, got {got}"
+
+
+def served_by_tree(tree, seq, tokens, finish=True):
+    """A request's life through the calls the engine makes: admitted, its prompt computed in one step, finished."""
+    cached = tree.allocate_cached(seq, tokens)
+    tree.append_slots(seq, len(tokens))
+    tree.cache_blocks(seq, tokens, len(tokens))
+    if finish:
+        tree.free(seq)
+    return cached
+
+
+def test_radix_tree_serves_requests_through_the_engines_calls(impl):
+    tree = impl.RadixBlockTree(8, B)
+    system = list(range(100, 108))  # two blocks
+    assert served_by_tree(tree, "a", system + [1, 2, 3]) == 0, "nothing is cached yet"
+    assert tree.num_free_blocks == 8 and len(tree.node_of) == 2, \
+        "a finished: its two full blocks stay in the tree (evictable), its partial block is free"
+    assert served_by_tree(tree, "b", system + [4, 5, 6, 7, 8], finish=False) == 8, "b finds the system prompt"
+    shared = blocks_of(tree.match(system + [0]))
+    assert [tree.node_of[b].lock_ref for b in shared] == [1, 1] and tree.num_free_blocks == 4, \
+        "b runs: the path it uses is locked, its 4 blocks are not free"
+    assert served_by_tree(tree, "c", system + [4, 5, 6, 7, 9, 9], finish=False) == 12, \
+        "c finds b's third block too, while b is running"
+    assert [tree.node_of[b].lock_ref for b in shared] == [2, 2], "b and c both lock the system prompt's path"
+    tree.free("b")
+    tree.free("c")
+    assert tree.num_free_blocks == 8 and all(n.lock_ref == 0 for n in tree.node_of.values())
+    assert served_by_tree(tree, "d", list(range(200, 229))) == 0 and tree.num_evictions > 0, \
+        "d needs all 8 blocks: the cached ones are evicted"
+    assert tree.match(system + [4, 5, 6, 7, 0]) == [], "nothing of the system prompt is left"
+
+
+def check_tree(tree, running, content):
+    """The tree's invariants, given the running requests {id: tokens} and what each block holds."""
+    on_path = {}
+    for seq, node in tree.locked.items():
+        while node is not tree.root:
+            on_path[node.block] = on_path.get(node.block, 0) + 1
+            node = node.parent
+    for block, node in tree.node_of.items():
+        assert node.lock_ref == on_path.get(block, 0), \
+            f"block {block} has lock_ref {node.lock_ref}, but {on_path.get(block, 0)} running requests use its path"
+        assert content[block] == tuple(tokens_of(node)), "a node's block holds other tokens than its path spells"
+    assert set(tree.evictable) == {b for b, n in tree.node_of.items() if n.lock_ref == 0}, \
+        "evictable must hold exactly the tree's blocks with lock_ref 0"
+    assert not set(tree.free_blocks) & set(tree.node_of), "a block in the tree is not free"
+    for seq, tokens in running.items():
+        for i, block in enumerate(tree.block_tables[seq]):
+            assert content[block] == tuple(tokens[:len(content[block])]) and len(content[block]) > i * B, (
+                f"evict took block {block}, which a running request has locked: only leaves with lock_ref 0 may go")
+
+
+def tokens_of(node):
+    path = []
+    while node.parent is not None:
+        path[:0] = node.tokens
+        node = node.parent
+    return path
+
+
+radix_workloads = st.lists(st.tuples(st.sampled_from(["admit", "admit", "step", "finish"]), st.integers(0, 3),
+                                     st.integers(0, 9), st.integers(0, 99)), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=radix_workloads)
+def test_radix_tree_keeps_its_invariants_under_a_small_pool(impl, steps):
+    """Random requests over four prefixes on 8 blocks of 4: admitted when they fit (as the scheduler checks), grown
+    a token per step, finished; every hit holds the tokens asked for, and no running request's block is evicted."""
+    tree, running, content = impl.RadixBlockTree(8, B), {}, {}
+    prefixes = [list(range(10)), list(range(10)) + [50, 51], [7] * 9, []]
+
+    def compute(seq, start, end):
+        tokens, table = running[seq], tree.block_tables[seq]
+        for p in range(start, end):
+            content[table[p // B]] = tuple(tokens[:p + 1])
+        tree.cache_blocks(seq, tokens, end)
+
+    for n, (action, prefix, extra, pick) in enumerate(steps):
+        if action == "admit":
+            prompt = prefixes[prefix] + [500 + pick] * (1 + extra % 5)
+            hits = tree.lookup(prompt)
+            for i, block in enumerate(hits):
+                assert content[block] == tuple(prompt[:(i + 1) * B]), "a hit holds other tokens: a stale block"
+            need = tree.blocks_for(len(prompt)) - len(hits)
+            if need > tree.num_free_blocks - tree.num_evictable(hits):
+                continue
+            running[n] = prompt
+            cached = tree.allocate_cached(n, prompt)
+            assert cached == len(hits) * B
+            tree.append_slots(n, len(prompt))
+            compute(n, cached, len(prompt))
+        elif running:
+            seq = list(running)[pick % len(running)]
+            if action == "finish":
+                del running[seq]
+                tree.free(seq)
+            elif tree.can_allocate(seq, len(running[seq]) + 1):
+                running[seq] = running[seq] + [600 + pick]
+                tree.append_slots(seq, len(running[seq]))
+                compute(seq, len(running[seq]) - 1, len(running[seq]))
+        check_tree(tree, running, content)
+    for seq in list(running):
+        tree.free(seq)
+    assert tree.num_free_blocks == 8 and not tree.block_tables and all(n.lock_ref == 0 for n in tree.node_of.values())
 
 
 # ---------------------------------------------------------------- your prefix cache in the real engine
@@ -456,6 +589,72 @@ def test_the_engine_serves_requests_with_your_prefix_cache(impl, real_model, sho
     assert your_blocks.num_evictions == own_blocks.num_evictions > 0, "the last four requests evict cached blocks"
     assert your_blocks.num_free_blocks == 20 and all(n == 0 for n in your_blocks.cache.ref_counts), \
         "every block is back in your pool at the end"
+
+
+def chat_turn(tok, question):
+    """A user turn in the chat template's markup, after the previous answer's tokens (chapter 08's `turn`)."""
+    return tok.encode(f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def serve_conversation(llm, tok, system, questions, params):
+    """Two users chat behind one system prompt, their turns served together; each turn's prompt is the previous
+    prompt, the answer the engine gave and the next question, as token ids. Returns every turn's outputs."""
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                   {"role": "user", "content": q}])) for q in questions[0]]
+    turns = []
+    for t in range(len(questions)):
+        if t:
+            prompts = [list(o.prompt_token_ids) + o.token_ids + chat_turn(tok, q)
+                       for o, q in zip(turns[-1], questions[t])]
+        turns.append(llm.generate(prompts, params, use_tqdm=False))
+    return turns
+
+
+def test_the_engine_serves_a_conversation_with_your_radix_tree(impl, real_model):
+    """Two users hold a three-turn conversation through the engine running your RadixBlockTree: every token, and every
+    turn's cached tokens, must be what the engine gives on its own (its hashed blocks also reuse whole blocks)."""
+    model, tok = real_model
+    system = "You are the assistant of a bicycle shop. Answer in one short sentence."
+    questions = [["Do you fix flat tyres?", "Can I rent a bike?"], ["How long does it take?", "For a weekend?"],
+                 ["What does it cost?", "With a helmet?"]]
+    params = me.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for name, manager in (("yours", impl.RadixBlockTree), ("own", None)):
+        llm = LLM.from_model(model, tok, block_manager=manager, block_size=16, max_num_seqs=2, max_model_len=256)
+        runs[name] = (serve_conversation(llm, tok, system, questions, params), llm.engine.scheduler.blocks)
+    (own, _), (yours, tree) = runs["own"], runs["yours"]
+    assert [[o.token_ids for o in turn] for turn in yours] == [[o.token_ids for o in turn] for turn in own], \
+        "the engine on your radix tree must give the tokens it gives on its own"
+    cached = [[o.num_cached_tokens for o in turn] for turn in yours]
+    expected = [[o.num_cached_tokens for o in turn] for turn in own]
+    assert cached == expected, (f"prompt tokens served from your tree per turn: {cached}; the engine's own cache "
+                                f"serves {expected}: check match (whole blocks, never the last token) and insert")
+    assert all(c > 0 for turn in cached[1:] for c in turn), "every later turn finds the conversation so far"
+    assert tree.num_free_blocks == tree.num_blocks and all(n.lock_ref == 0 for n in tree.node_of.values()), \
+        "every request finished: nothing is locked, every block is free or evictable"
+
+
+def test_the_engine_evicts_from_your_radix_tree_under_a_small_pool(impl, real_model, shop_prompts):
+    """Seven questions behind one system prompt, four at a time, on a pool too small to keep them all: your tree
+    must evict unlocked leaves, and the tokens must be what the engine gives on its own."""
+    model, tok = real_model
+    params = me.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kwargs = dict(block_size=16, max_num_seqs=4, num_kv_blocks=20, max_model_len=max(map(len, shop_prompts)) + 4)
+    runs = {}
+    for name, manager in (("yours", impl.RadixBlockTree), ("own", None)):
+        llm = LLM.from_model(model, tok, block_manager=manager, **kwargs)
+        outs = [o for batch in (shop_prompts[:1], shop_prompts[1:4], shop_prompts[1:2] + shop_prompts[4:])
+                for o in llm.generate(batch, params, use_tqdm=False)]
+        runs[name] = (outs, llm.engine.scheduler.blocks)
+    (own, _), (yours, tree) = runs["own"], runs["yours"]
+    assert [o.token_ids for o in yours] == [o.token_ids for o in own], \
+        "the engine on your radix tree must give the tokens it gives on its own"
+    cached = [o.num_cached_tokens for o in yours]
+    assert cached[0] == 0 and min(cached[1:]) > 0, \
+        f"the system prompt is computed once, then found in your tree; cached tokens per request: {cached}"
+    assert tree.num_evictions > 0, "the last four requests need more blocks than are free: evict must run"
+    assert tree.num_free_blocks == 20 and all(n.lock_ref == 0 for n in tree.node_of.values()), \
+        "every request finished: nothing is locked, every block is free or evictable"
 
 
 # ---------------------------------------------------------------- the guards (see conftest.py)
@@ -512,44 +711,63 @@ class AdmitByTheEngine(solution.PrefixCache):
         return hits + [self.allocate() for _ in range(needed)], len(hits) * self.block_size
 
 
-class MatchByTheEngine(solution.RadixTree):
-    def match(self, token_ids):  # the engine's tree's comparison of a run with the tokens
-        self.clock += 1
-        node, matched = self.root, 0
-        while matched < len(token_ids) and token_ids[matched] in node.children:
-            node = node.children[token_ids[matched]]
-            node.last_used = self.clock
-            n = radix_cache.common_prefix(node.tokens, token_ids[matched:])
-            matched += n
-            if n < len(node.tokens):
+class MatchByTheEngine(solution.RadixBlockTree):
+    def match(self, token_ids):  # the engine's tree compares each block's tokens
+        path, node, size = [], self.root, self.block_size
+        for start in range(0, (len(token_ids) - 1) // size * size, size):
+            want = tuple(token_ids[start:start + size])
+            node = next((c for c in node.children.values() if radix_cache.common_prefix(c.tokens, want) == size), None)
+            if node is None:
                 break
-        return matched
+            path.append(node)
+        return path
 
 
-class InsertByTheEngine(solution.RadixTree):
-    def insert(self, token_ids):  # the engine's block tree at a block size of 1 finds the match
-        engine_tree = radix_cache.RadixBlockManager(num_blocks=len(token_ids) + 1, block_size=1)
+class InsertByTheEngine(solution.RadixBlockTree):
+    def insert(self, token_ids, block_ids):  # the engine's tree says how much of the prompt it holds already
+        engine_tree = radix_cache.RadixBlockManager(num_blocks=len(block_ids) + 1, block_size=self.block_size)
         engine_tree.num_cached_tokens(list(token_ids) + [-1])
-        return super().insert(token_ids)
+        return super().insert(token_ids, block_ids)
 
 
-class EvictByTheEngine(solution.RadixTree):
-    def evict(self, num_tokens):  # the engine's least-recently-used leaf choice, on a view of this tree
-        freed = 0
-        while freed < num_tokens and self.root.children:
-            nodes, stack = {}, [self.root]
-            while stack:
-                node = stack.pop()
-                stack.extend(node.children.values())
-                if node is not self.root:
-                    nodes[id(node)] = node
-            removed = []
-            view = types.SimpleNamespace(evictable=dict.fromkeys(nodes), node_of=nodes, num_evictions=0,
-                                         _remove=removed.append)
-            radix_cache.RadixBlockManager._evict_one(view)
-            del removed[0].parent.children[removed[0].tokens[0]]
-            freed += len(removed[0].tokens)
-        return freed
+class LockByTheEngine(solution.RadixBlockTree):
+    def lock(self, node):  # the engine's tree takes the reference, on a view of each node's count
+        self.clock += 1
+        while node is not self.root:
+            refs = [node.lock_ref]
+            view = types.SimpleNamespace(ref_counts=refs, evictable={}, node_of={})
+            radix_cache.RadixBlockManager._hold(view, 0)
+            node.lock_ref, node.last_used = refs[0], self.clock
+            self.evictable.pop(node.block, None)
+            node = node.parent
+
+
+class UnlockByTheEngine(solution.RadixBlockTree):
+    def unlock(self, node):  # the engine's tree drops the reference (its counts include the tree's own: + 1)
+        self.clock += 1
+        while node is not self.root:
+            refs, evictable = [node.lock_ref + 1], {}
+            view = types.SimpleNamespace(ref_counts=refs, free_blocks=[], evictable=evictable, node_of={0: node},
+                                         _refresh=lambda n: None)
+            radix_cache.RadixBlockManager._drop(view, 0)
+            node.lock_ref, node.last_used = refs[0] - 1, self.clock
+            if evictable:
+                self.evictable[node.block] = None
+            node = node.parent
+
+
+class EvictByTheEngine(solution.RadixBlockTree):
+    def evict(self):  # the engine's least-recently-used leaf choice, on a view of this tree's unlocked leaves
+        leaves = [self.node_of[b] for b in self.evictable if not self.node_of[b].children]
+        for leaf in leaves:
+            leaf.stamp = leaf.last_used
+        removed = []
+        view = types.SimpleNamespace(heap=sorted((n.last_used, n.block, i, n) for i, n in enumerate(leaves)),
+                                     leaves=set(leaves), eviction_visits=0, num_evictions=0, _remove=removed.append)
+        radix_cache.RadixBlockManager._evict_one(view)
+        leaf = removed[0]
+        del leaf.parent.children[leaf.tokens], self.node_of[leaf.block], self.evictable[leaf.block]
+        return leaf.block
 
 
 # Each part of the lab handed to something that already does it, and a grading test that must fail it.
@@ -563,10 +781,11 @@ HAND_OFFS = [
     ("PrefixCache.lookup", LookupByTheEngine, test_lookup_takes_a_reference_on_every_hit, {}),
     ("PrefixCache.cache_full_blocks", CacheFullBlocksByTheEngine, test_hand_computed_hits_of_a_64_token_prompt, {}),
     ("PrefixCache.admit", AdmitByTheEngine, test_admit_is_all_or_nothing, {}),
-    ("RadixTree.match", MatchByTheEngine, test_radix_match_ends_at_any_token, {}),
-    ("RadixTree.insert", InsertByTheEngine, test_radix_insert_splits_a_run_where_two_sequences_part, {}),
-    ("RadixTree.evict", EvictByTheEngine, test_radix_evict_takes_least_recently_used_leaves_and_keeps_the_shared_trunk,
-     {}),
+    ("RadixBlockTree.match", MatchByTheEngine, test_radix_match_walks_whole_blocks_and_never_the_last_token, {}),
+    ("RadixBlockTree.insert", InsertByTheEngine, test_radix_insert_hangs_one_node_per_full_block, {}),
+    ("RadixBlockTree.lock", LockByTheEngine, test_radix_lock_and_unlock_the_path_to_the_root, {}),
+    ("RadixBlockTree.unlock", UnlockByTheEngine, test_radix_lock_and_unlock_the_path_to_the_root, {}),
+    ("RadixBlockTree.evict", EvictByTheEngine, test_radix_evict_takes_the_least_recently_used_unlocked_leaf, {}),
 ]
 
 
@@ -583,45 +802,30 @@ def test_the_grader_fails_a_part_handed_off(hand_off, part, replacement, test, a
 
 # ---------------------------------------------------------------- wrong answers, and the one line each prints
 
-class InsertWithoutSplitting(solution.RadixTree):
-    def insert(self, token_ids):  # where the sequence parts from a run, the new tokens replace the run
-        self.clock += 1
-        node, matched = self.root, 0
-        while matched < len(token_ids) and token_ids[matched] in node.children:
-            child = node.children[token_ids[matched]]
-            n = solution._agree(child.tokens, token_ids[matched:])
-            if n < len(child.tokens):
-                break
-            child.last_used = self.clock
-            node, matched = child, matched + n
-        if matched < len(token_ids):
-            leaf = solution.RadixNode(tuple(token_ids[matched:]), node)
-            leaf.last_used = self.clock
-            node.children[leaf.tokens[0]] = leaf
-        return matched
+class EvictIgnoringLocks(solution.RadixBlockTree):
+    def evict(self):  # the least recently used leaf, locked or not
+        leaves = [node for node in self.node_of.values() if not node.children]
+        if not leaves:
+            raise RuntimeError("no leaf to evict")
+        leaf = min(leaves, key=lambda n: n.last_used)
+        del leaf.parent.children[leaf.tokens], self.node_of[leaf.block]
+        self.evictable.pop(leaf.block, None)
+        return leaf.block
 
 
-class MatchWithoutStamping(solution.RadixTree):
-    def match(self, token_ids):
-        clock, stamps = self.clock, {}
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            stamps[node] = node.last_used
-            stack.extend(node.children.values())
-        matched = super().match(token_ids)
-        for node, stamp in stamps.items():
-            node.last_used = stamp
-        self.clock = clock + 1
-        return matched
+class MatchThroughTheLastToken(solution.RadixBlockTree):
+    def match(self, token_ids):  # every full block of the prompt, the last token's too
+        return super().match(list(token_ids) + [-1])
 
 
 # A wrong part, a grading test, and the one line that test must print for it (a regular expression).
 WRONG_ANSWERS = [
-    ({"RadixTree": InsertWithoutSplitting}, test_radix_insert_splits_a_run_where_two_sequences_part,
-     r"insert\(\[1, 2, 5\]\) after \[1, 2, 3, 4\]: 2 tokens were there already.*"),
-    ({"RadixTree": MatchWithoutStamping}, test_radix_match_and_insert_stamp_their_path,
-     r"match stamps every node it enters: \(1, 2\) and \(3,\) were just used, \(9,\) was not.*"),
+    ({"RadixBlockTree": EvictIgnoringLocks}, test_radix_evict_never_takes_a_locked_node,
+     r"evict took block 1, which a running request has locked \(lock_ref 1\): only leaves with lock_ref 0 may go"),
+    ({"RadixBlockTree": EvictIgnoringLocks}, test_radix_tree_keeps_its_invariants_under_a_small_pool,
+     r"RuntimeError: evict took block \d+, which a running request holds.*"),
+    ({"RadixBlockTree": MatchThroughTheLastToken}, test_radix_match_walks_whole_blocks_and_never_the_last_token,
+     r"match must leave the prompt's last token to compute.*"),
 ]
 
 
