@@ -14,7 +14,8 @@ that was never written. Those tokens count as computed, as pool hits do: `num_ca
 What it costs and buys: a block copied back moves 2 x layers x kv_heads x head_dim x dtype bytes per token over
 the link (`pack.bytes_per_token`) instead of recomputing a prefill of those tokens.
 
-Keys are the hashed cache's; the radix tree (prefix_cache="radix") has no tiers yet.
+Both prefix caches have tiers: `TieredBlockManager` (hashed blocks) and `TieredRadixBlockManager` (the radix tree,
+prefix_cache="radix"), keyed alike by the hash chain of a block's whole prefix.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from ..paging import BlockManager, hash_block
+from ..prefix.radix_cache import RadixBlockManager
 from .pack import pack, unpack
 from .tiers import TierStore
 
@@ -68,9 +70,8 @@ def check_kv_offload(config) -> None:
         raise ValueError(f"kv_offload={kind!r} extends the prefix cache of the paged pool: it needs kv_cache='paged' "
                          f"and enable_prefix_caching True or None, got kv_cache={config.kv_cache!r}, "
                          f"enable_prefix_caching={config.enable_prefix_caching!r}")
-    if config.prefix_cache != "hashed" or config.block_manager is not None:
-        raise ValueError(f"kv_offload={kind!r} is built for the hashed prefix cache: prefix_cache='radix' and "
-                         "block_manager=... have no tiers yet")
+    if config.block_manager is not None:
+        raise ValueError(f"kv_offload={kind!r} extends the engine's own prefix caches; block_manager=... has no tiers")
     if config.num_ranks != 1:
         raise ValueError(f"kv_offload={kind!r} is not built for a model split over processes "
                          "(tensor_parallel_size or pipeline_parallel_size > 1)")
@@ -82,42 +83,36 @@ def tiered_block_manager(config):
     settings = OffloadSettings(config.kv_offload, None if config.kv_offload_dir is None else
                                os.fspath(config.kv_offload_dir), config.kv_offload_host_blocks,
                                config.kv_offload_disk_blocks)
-    return functools.partial(TieredBlockManager, offload=settings)
+    kind = TieredRadixBlockManager if config.prefix_cache == "radix" else TieredBlockManager
+    return functools.partial(kind, offload=settings)
 
 
-class TieredBlockManager(BlockManager):
-    """The hashed prefix cache with tiers below the pool. `tiers` holds the packed blocks; `loads` the copies back
-    that the next step must make first (per sequence: (hash, buffer, pool block)); `tier_hits` the tokens the last
-    `allocate_cached` found in host memory and on disk. The pool itself (`kv_cache`) is handed over by the runner
-    (`load_from_tiers`) before the first step: no block is cached, so none evicted, before a step has run."""
+class _Tiers:
+    """What both tiered block managers share: the store, the copies back queued for the next step, and saving an
+    evicted block. `tier_hits`: the tokens the last `allocate_cached` found in host memory and on disk. The pool itself
+    (`kv_cache`) is handed over by the runner (`load_from_tiers`) before the first step: no block is cached, so none
+    evicted, before a step has run."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
-                 offload: OffloadSettings):
-        if not enable_prefix_caching:
-            raise ValueError("a tiered prefix cache is a prefix cache: it needs enable_prefix_caching=True")
-        super().__init__(num_blocks, block_size, True)
+    def _init_tiers(self, num_blocks: int, offload: OffloadSettings) -> None:
         host = offload.host_blocks or num_blocks
         disk = (offload.disk_blocks or 4 * host) if offload.kind == "disk" else 0
         self.tiers = TierStore(host, disk, offload.directory if disk else None)
         self.kv_cache = None
-        self.loads: dict[Hashable, list[tuple[bytes, object, int]]] = {}
+        self.loads: dict[Hashable, list[tuple[bytes, object, int]]] = {}  # seq -> (hash, buffer, pool block)
         self.tier_hits = (0, 0)
+        self.saving = True
 
-    def allocate_cached(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
-        """The pool's hits (paging.BlockManager), then the prefix's next blocks wherever they are: a block in the
-        pool is shared, one in a tier gets a free block and a copy back; the walk stops at the first miss, at the
-        last token's block, or when no block is free. Returns the tokens the sequence need not compute."""
-        super().allocate_cached(seq_id, token_ids)
+    def _walk_tiers(self, seq_id: Hashable, token_ids: Sequence[int], key: bytes | None) -> list[bytes]:
+        """Past the pool's hits, which end at a block boundary with hash `key`: each next block of the prefix is
+        shared if the pool still caches it (`_share`), or found in a tier, then taking a free block and queueing its
+        copy back; stops at the first miss, at the last token's block, or when no block is free. Returns the hashes
+        of the blocks it added to the sequence's table."""
         table, size = self.block_tables[seq_id], self.block_size
-        hashes, loads, found = list(self.seq_hashes.get(seq_id, [])), [], {"host": 0, "disk": 0}
+        keys, loads, found = [], [], {"host": 0, "disk": 0}
         for i in range(len(table), (len(token_ids) - 1) // size):
-            key = hash_block(hashes[-1] if hashes else None, token_ids[i * size:(i + 1) * size])
-            block = self.cached_blocks.get(key)
-            if block is not None:  # cached in the pool after a block that was not: shared, as the pool's hits are
-                if self.ref_counts[block] == 0:
-                    del self.evictable[block]
-                self.ref_counts[block] += 1
-            else:
+            key = hash_block(key, token_ids[i * size:(i + 1) * size])
+            block = self._share(key)
+            if block is None:
                 got = self.tiers.get(key) if key in self.tiers and self.num_free_blocks else None
                 if got is None:
                     break
@@ -125,32 +120,25 @@ class TieredBlockManager(BlockManager):
                 loads.append((key, got[0], block))
                 found[got[1]] += size
             table.append(block)
-            hashes.append(key)
-        if hashes:
-            self.seq_hashes[seq_id] = hashes
+            keys.append(key)
         if loads:
             self.loads[seq_id] = loads
         self.tier_hits = (found["host"], found["disk"])
-        return len(table) * size
+        return keys
 
     def load_from_tiers(self, kv_cache) -> None:
-        """The runner's hook, before each step computes: copy every queued block back into its pool block, and
-        only then register it in the prefix cache (unless the same prefix was registered meanwhile)."""
+        """The runner's hook, before each step computes: copy every queued block back into its pool block; only then
+        does the prefix cache take it in (`_loaded`)."""
         self.kv_cache = kv_cache
         while self.loads:
-            _, loads = self.loads.popitem()
+            seq_id, loads = self.loads.popitem()
             for key, buffer, block in loads:
                 unpack(kv_cache, buffer, [block])
-                if key not in self.cached_blocks and self.block_hash[block] is None:
-                    self.cached_blocks[key], self.block_hash[block] = block, key
-
-    def _take_block(self) -> int:
-        if not self.free_blocks and self.evictable:  # about to evict: the least recently released block goes down
-            victim = next(iter(self.evictable))
-            self._save(self.block_hash[victim], victim)
-        return super()._take_block()
+                self._loaded(seq_id, key, block)
 
     def _save(self, key: bytes, block: int) -> None:
+        if not self.saving:
+            return
         if self.tiers.tier(key) == "host":  # copied back from there earlier: the same keys and values
             self.tiers.touch(key)
             return
@@ -159,12 +147,91 @@ class TieredBlockManager(BlockManager):
         self.tiers.put(key, pack(self.kv_cache, [block], pin_memory=self.kv_cache.data.is_cuda))
 
     def free(self, seq_id: Hashable) -> None:
-        """A sequence freed before its step ran (preempted, aborted, a failed step) never gets its copies back:
-        its blocks are not registered, so they return to the free list as plain blocks."""
+        """A sequence freed before its step ran (preempted, aborted, a failed step) never gets its copies back, and
+        its blocks never enter the prefix cache: they return to the free list as plain blocks."""
         self.loads.pop(seq_id, None)
         super().free(seq_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds, in the pool and in the tiers; returns how many pool blocks."""
+        self.saving = False  # what is dropped is not saved
+        try:
+            dropped = super().reset_prefix_cache()
+        finally:
+            self.saving = True
         self.tiers.clear()
-        return super().reset_prefix_cache()
+        return dropped
+
+
+class TieredBlockManager(_Tiers, BlockManager):
+    """The hashed prefix cache (paging.py) with tiers below the pool: an evicted block is saved under its hash, and a
+    prefix that continues past the pool's hits continues through the tiers (`_walk_tiers`)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 offload: OffloadSettings):
+        if not enable_prefix_caching:
+            raise ValueError("a tiered prefix cache is a prefix cache: it needs enable_prefix_caching=True")
+        super().__init__(num_blocks, block_size, True)
+        self._init_tiers(num_blocks, offload)
+
+    def allocate_cached(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """The pool's hits, then the blocks found in the tiers; returns the tokens the sequence need not compute."""
+        super().allocate_cached(seq_id, token_ids)
+        hashes = self.seq_hashes.get(seq_id, [])
+        found = self._walk_tiers(seq_id, token_ids, hashes[-1] if hashes else None)
+        if found:
+            self.seq_hashes[seq_id] = hashes + found
+        return len(self.block_tables[seq_id]) * self.block_size
+
+    def _share(self, key: bytes) -> int | None:
+        """A block the pool caches after one it did not (evicted first): held, as the pool's hits are."""
+        block = self.cached_blocks.get(key)
+        if block is not None:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+        return block
+
+    def _loaded(self, seq_id: Hashable, key: bytes, block: int) -> None:
+        if key not in self.cached_blocks and self.block_hash[block] is None:  # else: registered meanwhile
+            self.cached_blocks[key], self.block_hash[block] = block, key
+
+    def _take_block(self) -> int:
+        if not self.free_blocks and self.evictable:  # about to evict: the least recently released block goes down
+            victim = next(iter(self.evictable))
+            self._save(self.block_hash[victim], victim)
+        return super()._take_block()
+
+
+class TieredRadixBlockManager(_Tiers, RadixBlockManager):
+    """The radix tree (prefix/radix_cache.py) with tiers below the pool. A node's `block_hash` is already a hash of its
+    whole path (the hashed cache's chain, for full blocks), so an evicted full block is saved under it. A match that
+    ends at a block boundary continues through the tiers; the blocks found join the tree when the sequence's
+    computed blocks do (after its step, or when it is freed), counted as computed once copied back. A partly
+    filled leaf is not saved: the next request would have to know its length to name it."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 offload: OffloadSettings):
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self._init_tiers(num_blocks, offload)
+
+    def allocate_cached(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        matched = super().allocate_cached(seq_id, token_ids)
+        if matched % self.block_size:  # ends inside a block the sequence copies on its first write
+            self.tier_hits = (0, 0)
+            return matched
+        node, _ = self.in_tree[seq_id]
+        key = self.block_hash[node.block] if node.block is not None else None
+        return matched + len(self._walk_tiers(seq_id, token_ids, key)) * self.block_size
+
+    def _share(self, key: bytes) -> None:
+        return None  # a tree has no block below one it lacks
+
+    def _loaded(self, seq_id: Hashable, key: bytes, block: int) -> None:
+        tokens, n = self.computed[seq_id]  # written now: a free() from here on puts it in the tree
+        self.computed[seq_id] = (tokens, n + self.block_size)
+
+    def _remove(self, node) -> None:
+        if len(node.tokens) == self.block_size:
+            self._save(self.block_hash[node.block], node.block)
+        super()._remove(node)
