@@ -711,13 +711,14 @@ display(fig)  # the bubble plot above, with the measurements on it
 # %%
 # The measured schedule itself: each bar is one micro-batch on one stage, from that stage's own timestamps.
 fig, axes = plt.subplots(1, 2, figsize=(10, 2.8), sharey=True)
-for ax, b in zip(axes, (bubbles[0], bubbles[2])):
-    for stage, spans in enumerate(b.spans):
+for ax, bubble in zip(axes, (bubbles[0], bubbles[2])):
+    for stage, spans in enumerate(bubble.spans):
         ax.broken_barh([(start * 1e3, (end - start) * 1e3) for start, end in spans], (stage - 0.4, 0.8),
                        facecolors=[plt.cm.tab10(k) for k in range(len(spans))], edgecolor="white")
-    ax.set(title=f"m = {b.micro_batches}: step {b.step_s * 1e3:.0f} ms, idle {b.measured:.0%} of stage-time",
-           xlabel="ms from the step's start", yticks=range(b.stages),
-           yticklabels=[f"stage {r}" for r in range(b.stages)])
+    ax.set(title=f"m = {bubble.micro_batches}: step {bubble.step_s * 1e3:.0f} ms, "
+                 f"idle {bubble.measured:.0%} of stage-time",
+           xlabel="ms from the step's start", yticks=range(bubble.stages),
+           yticklabels=[f"stage {r}" for r in range(bubble.stages)])
     ax.invert_yaxis()
 plt.tight_layout()
 plt.show()
