@@ -16,6 +16,8 @@ Stores (each in a temporary folder of its own, MINI_ENGINE_TUNE_DIR; the machine
   process starts from that store, as every process after a `make test` or a chapter does.
 
     python benchmarks/bench_first_run.py [--store empty|filled|both] [--workload llm|cached|both] [--profile]
+        [--requests 32] [--fill-busy]
+MINI_ENGINE_TUNE_TRUST=0 in the environment checks every kept choice at first use (issue 50's rule) for a before.
 """
 from __future__ import annotations
 
@@ -44,14 +46,16 @@ def mixed_requests(n: int = 32, seed: int = 0):
     return prompts, params
 
 
-def child(workload: str, runs: int, profile: bool) -> None:
+def child(workload: str, runs: int, profile: bool, requests: int, keep_busy: bool) -> None:
     """One process: the workload `runs` times; one JSON line a run on stdout."""
     import mini_engine as me
     from mini_engine.backends.cpu import autotune, state_line
     tuner = autotune.TUNER
+    if keep_busy:  # fill a store on a busy machine anyway: its counters, not its choices, are what is measured
+        tuner.busy_share = float("inf")
     if workload == "llm":
         llm = me.LLM("smollm2-135m", max_num_seqs=16)
-        prompts, params = mixed_requests()
+        prompts, params = mixed_requests(requests)
 
         def work():
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -81,14 +85,15 @@ def child(workload: str, runs: int, profile: bool) -> None:
               flush=True)
 
 
-def measure(workload: str, store: str, runs: int, profile: bool) -> list[dict]:
+def measure(workload: str, store: str, runs: int, profile: bool, requests: int, fill_busy: bool) -> list[dict]:
     folder = tempfile.mkdtemp(prefix="first-run-")
     env = {**os.environ, "MINI_ENGINE_TUNE_DIR": folder, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     for name in ("MINI_ENGINE_TUNE_CACHE", "MINI_ENGINE_TUNED", "MINI_ENGINE_FORMS"):
         env.pop(name, None)
-    cmd = [sys.executable, __file__, "--child", workload]
+    cmd = [sys.executable, __file__, "--child", workload, "--requests", str(requests)]
     if store == "filled":  # fill the store as an earlier process would have
-        subprocess.run([*cmd, "--runs", "1"], env=env, cwd=ROOT, check=True, capture_output=True)
+        subprocess.run([*cmd, "--runs", "1"] + (["--fill-busy"] if fill_busy else []), env=env, cwd=ROOT,
+                       check=True, capture_output=True)
     out = subprocess.run([*cmd, "--runs", str(runs)] + (["--profile"] if profile else []), env=env, cwd=ROOT,
                          capture_output=True, text=True)
     if out.returncode:
@@ -114,18 +119,21 @@ def main() -> None:
     parser.add_argument("--workload", choices=["llm", "cached", "both"], default="llm")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the first run (printed, top 25)")
+    parser.add_argument("--requests", type=int, default=32, help="requests of the llm workload (32: the issue's)")
+    parser.add_argument("--fill-busy", action="store_true", help="keep what the filling process times even on a "
+                        "busy machine (to count a filled store's first use where no quiet store can be made)")
     parser.add_argument("--child", choices=["llm", "cached"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.runs < 1:
-        raise SystemExit("--runs must be >= 1")
+    if args.runs < 1 or args.requests < 1:
+        raise SystemExit("--runs and --requests must be >= 1")
     if args.child:
-        child(args.child, args.runs, args.profile)
+        child(args.child, args.runs, args.profile, args.requests, args.fill_busy)
         return
     from mini_engine.course.hardware import cpu_info
     print(f"CPU: {cpu_info()}; load average {os.getloadavg()[0]:.1f} at start")
     for workload in (("llm", "cached") if args.workload == "both" else (args.workload,)):
         for store in (("empty", "filled") if args.store == "both" else (args.store,)):
-            measure(workload, store, args.runs, args.profile)
+            measure(workload, store, args.runs, args.profile, args.requests, args.fill_busy)
 
 
 if __name__ == "__main__":

@@ -64,23 +64,47 @@ def format_tuned_forms(tuner=None, rows: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def warm_up(model, rows=(1,)) -> None:
+def warm_up(model, rows=(1,), progress: bool = True) -> None:
     """Decide the product form of every weight of `model` for each row count in `rows` now, so that the
     timing runs stay out of later measurements (as a benchmark's warm-up does). Quantized layers not yet adopted
-    (a model quantized after it loaded) are adopted first; nothing happens where the backend is off."""
+    (a model quantized after it loaded) are adopted first; nothing happens where the backend is off.
+    A case the process already knows, or trusts from the machine's store, costs a look-up; the cases that must
+    still be timed or checked are done first, one per shape and row bucket, under a progress bar (`progress`)
+    that names each."""
     if not enabled():
         return
+    from tqdm.auto import tqdm
+
+    from . import products, quant_forms
+    from .autotune import TUNER
     from .products import Linear
     from .quant_forms import TunedQuantLinear, adopt_all
     adopt_all(model)
-    with torch.inference_mode():
-        for layer in model.modules():
+    work = []  # (case, what it is, decide): every layer at every row count
+    for layer in model.modules():
+        for n in rows:
             if isinstance(layer, Linear) and layer.weight.device.type == "cpu":
-                for n in rows:
-                    layer.form_for(n)
+                case = ("product", products.product_key(layer.weight, n))
+                work.append((case, f"{tuple(layer.weight.shape)} at {n} rows", layer.tuner,
+                             lambda layer=layer, n=n: layer.form_for(n)))
             elif isinstance(layer, TunedQuantLinear) and layer.qweight.device.type == "cpu":
-                for n in rows:
-                    layer.form_for(n, model.dtype)
+                case = (f"{layer.meta.kind}_product", quant_forms.product_key(layer, n, model.dtype))
+                work.append((case, f"{layer.meta.kind} {layer.out_features}x{layer.in_features} at {n} rows",
+                             layer.tuner or TUNER, lambda layer=layer, n=n: layer.form_for(n, model.dtype)))
+    pending = {}
+    for case, what, tuner, decide in work:
+        if case not in pending and not tuner.settled(*case):
+            verb = "checking" if (case[0], *case[1]) in tuner.choices else "timing"  # kept, or never met here
+            pending[case] = (f"{verb} {what}", decide)
+    with torch.inference_mode():
+        with tqdm(total=len(pending), desc="CPU backend: product forms", unit="case",
+                  disable=not (progress and pending)) as bar:
+            for what, decide in pending.values():
+                bar.set_postfix_str(what, refresh=False)
+                decide()
+                bar.update()
+        for _, _, _, decide in work:
+            decide()
 
 
 def state_line() -> str:

@@ -154,14 +154,19 @@ def _timing_inputs(weight: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch
     return x, weight.detach().expand(copies, *weight.shape).clone()
 
 
-def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER, packed: bool = True) -> str:
-    """The tuned form for `rows` rows against `weight` (timed on first use of its shape, row bucket, dtype
-    and device; `packed=False`: among the forms torch.compile can trace)."""
-    bucket = row_bucket(rows)
+def product_key(weight: torch.Tensor, rows: int, packed: bool = True) -> tuple:
+    """The case a product of `rows` rows against `weight` is tuned as (the tuner's op "product")."""
     # With the packed forms reachable from a graph (`packed_product`), a graph chooses among the same forms as
     # the eager steps, and shares their decision; without it, among fewer, decided apart ("traced").
     apart = not packed and _PACKED_OP is None
-    key = (tuple(weight.shape), bucket, str(weight.dtype), weight.device.type) + (("traced",) if apart else ())
+    return (tuple(weight.shape), row_bucket(rows), str(weight.dtype), weight.device.type) + \
+        (("traced",) if apart else ())
+
+
+def choose_form(weight: torch.Tensor, rows: int, tuner: Autotuner = TUNER, packed: bool = True) -> str:
+    """The tuned form for `rows` rows against `weight` (timed on first use of its shape, row bucket, dtype
+    and device; `packed=False`: among the forms torch.compile can trace)."""
+    bucket, key = row_bucket(rows), product_key(weight, rows, packed)
 
     def candidates(names=None):  # `names`: build only these (a check compares two forms)
         x, ws = _timing_inputs(weight, bucket)

@@ -317,6 +317,13 @@ def _timing_states(layer: QuantLinear, rows: int, dtype: torch.dtype):
     return x, [(layer.qweight.clone(), layer.scales.clone()) for _ in range(copies)]
 
 
+def product_key(layer: QuantLinear, rows: int, dtype: torch.dtype) -> tuple:
+    """The case a product of `rows` rows of `dtype` against this layer is tuned as (op f"{kind}_product")."""
+    meta = layer.meta
+    return (meta.out_features, meta.in_features, meta.group_size, row_bucket(rows), str(dtype), "cpu") + \
+        (("compact",) if meta.compact else ())  # compact scales have forms of their own (no int4pack)
+
+
 def choose_form(layer: QuantLinear, rows: int, dtype: torch.dtype, tuner: Autotuner | None = None) -> str:
     """The tuned form for `rows` rows of `dtype` against this layer's shape and storage (timed on first use);
     the plain form where the CPU backend is off (MINI_ENGINE_CPU_BACKEND=0)."""
@@ -324,8 +331,7 @@ def choose_form(layer: QuantLinear, rows: int, dtype: torch.dtype, tuner: Autotu
     if not enabled():
         return "dequant"
     bucket, meta = row_bucket(rows), layer.meta
-    key = (meta.out_features, meta.in_features, meta.group_size, bucket, str(dtype), "cpu") + \
-        (("compact",) if meta.compact else ())  # compact scales have forms of their own (no int4pack)
+    key = product_key(layer, rows, dtype)
 
     def candidates(names=None):  # `names`: build only these (a check compares two forms)
         x, states = _timing_states(layer, bucket, dtype)

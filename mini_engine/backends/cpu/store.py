@@ -18,13 +18,39 @@ def describe() -> str:
     lines = [f"kept choices for {torch.get_num_threads()} threads and torch {torch.__version__}: {path}"]
     if path.exists():
         tuner = autotune.Autotuner()
-        lines += [f"{tuner.load(path)} cases", format_tuned_forms(tuner)]
+        lines += [f"{tuner.load(path)} cases", format_tuned_forms(tuner), _checked(tuner)]
     else:
         lines.append("none yet: the next process to meet a case times it and keeps it here")
     if others:
         lines.append(f"{len(others)} other file(s) in {path.parent}, for other thread counts, torch versions or "
                      f"backend sources: {', '.join(p.name for p in others)}")
     return "\n".join(lines)
+
+
+def _checked(tuner: autotune.Autotuner) -> str:
+    """When the kept choices were last timed or checked on a quiet machine, and so which a process trusts."""
+    stamps = [c.checked_at for c in tuner.choices.values() if c.checked_at is not None]
+    now = tuner.wall()
+    recent = sum(0 <= now - t < tuner.trust_s for t in stamps)
+    line = (f"checked: {recent} within the last {tuner.trust_s / 3600:g} h (trusted at first use but for spot checks "
+            f"of {tuner.spot_share:.0%}), {len(tuner.choices) - recent} longer ago or never (checked at first use)")
+    if stamps:
+        line += f"; last {(now - max(stamps)) / 3600:.1f} h ago, oldest {(now - min(stamps)) / 3600:.1f} h ago"
+    return line
+
+
+def check(model_name: str, dtype: str, rows: tuple[int, ...]) -> str:
+    """What a new process's first use of `model_name`'s products at `rows` costs now: this process's tuner decides
+    them as a first batch would (trusting, checking or timing each case), and says what it did."""
+    import time
+
+    from ...loading.loader import load_model
+    from . import warm_up
+    model, _ = load_model(model_name, device="cpu", dtype=dtype)
+    t0 = time.perf_counter()
+    warm_up(model, rows)
+    return f"first use of {model_name}'s products at rows {rows}: {time.perf_counter() - t0:.1f} s; " \
+           f"{autotune.TUNER.state()}"
 
 
 def reset() -> list:
