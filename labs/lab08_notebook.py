@@ -12,15 +12,16 @@
 # ---
 
 # %% [markdown]
-# # Lab 08 · Prefix caching: hash chains, shared blocks, LRU eviction
+# # Lab 08 · Prefix caching: hash chains, shared blocks, LRU eviction, a radix tree
 #
 # Open `labs/lab08_prefix_caching.py` and fill in the functions marked `TODO`: `hash_block` and `block_hashes`
-# (the hash chain), then `allocate`, `free`, `release`, `lookup`, `cache_full_blocks` and `admit` of `PrefixCache`.
+# (the hash chain), then `allocate`, `free`, `release`, `lookup`, `cache_full_blocks` and `admit` of `PrefixCache`,
+# and last `match`, `insert`, `lock`, `unlock` and `evict` of `RadixBlockTree`, SGLang's radix tree over the KV blocks.
 # This notebook hashes a few prompts with your code, serves a stream of requests that share a system prompt
 # through your cache and checks its hits against the closed form in `mini_engine.course.formulas`, shrinks the pool
 # until least-recently-used eviction starts to cost hits, turns hits into time to first token, serves requests
-# with the real engine running on your cache, and then runs the grader, the same tests CI runs against the
-# reference solution:
+# with the real engine running on your cache, then a conversation on your radix tree, and then runs the grader, the
+# same tests CI runs against the reference solution:
 #
 #     pytest tests/labs/test_lab08.py --impl=labs
 #
@@ -261,7 +262,71 @@ if yours:
     print("same tokens and the same hits as the engine's own cache:", same)
 
 # %% [markdown]
-# ## 6. Grade
+# ## 6. Your radix tree serves a conversation
+# SGLang's RadixAttention keeps its prefix cache as a radix tree instead of a map of hashes. Your `RadixBlockTree` is
+# such a tree over the engine's real blocks: each node owns one full block, a prompt's cached blocks are the path its
+# tokens walk down from the root (`match`), a request's computed blocks are hung in the tree as its steps write them
+# (`insert`), a running request locks the path it uses so that no node of it is evicted (`lock`, `unlock`: SGLang's
+# `lock_ref`), and when the pool runs dry the least recently used unlocked leaf goes (`evict`), so a trunk that many
+# branches share outlives them. The given rest of the class turns the engine's calls into yours, and the engine runs
+# it as it runs the hashed cache: `LLM(..., block_manager=lab.RadixBlockTree)`.
+#
+# A chat client sends the whole history every turn. Below, one user holds a conversation; each turn's prompt is the
+# previous prompt, the answer the engine gave and the next question, as token ids. It is served three times: on the
+# engine's own hashed blocks, on your tree, and on the engine's own tree (`prefix_cache="radix"`). Your tree matches
+# whole blocks, so it must find exactly what the hashed blocks find. The engine's tree
+# (mini_engine/prefix/radix_cache.py) also shares a partly matched last block and copies it on the first write, so
+# it finds a little more each turn; SGLang itself matches any token at a page size of 1 and rounds down to whole
+# pages above that.
+
+# %%
+def turn(question):
+    """A user turn in the chat template's markup, after the previous answer's tokens."""
+    return tok.encode(f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
+chat_questions = ["What is a bicycle derailleur?", "How do I adjust it?", "And if the chain still skips?",
+                  "Which tools do I need?"]
+
+
+def chat(**engine_kwargs):
+    """The conversation on one engine: every turn's output, and the engine's block manager at the end."""
+    llm = LLM.from_model(model, tok, block_size=16, max_num_seqs=1, max_model_len=512, **engine_kwargs)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "system", "content": shop[:400]},
+                                                 {"role": "user", "content": chat_questions[0]}]))
+    outs = []
+    for question in chat_questions:
+        if outs:
+            prompt = list(outs[-1].prompt_token_ids) + outs[-1].token_ids + turn(question)
+        outs.append(llm.generate([prompt], me.SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0])
+    return outs, llm.engine.scheduler.blocks
+
+
+on_your_tree = attempt("the engine on your radix tree", lambda: chat(block_manager=lab.RadixBlockTree))
+if on_your_tree:
+    (yours, your_tree), (hashed, _) = on_your_tree, chat()
+    radix, _ = chat(prefix_cache="radix")
+    print(f"{'turn':>4} {'prompt':>6} {'cached: yours':>13} {'hashed':>7} {'engine tree':>11}")
+    for t, (a, b, c) in enumerate(zip(yours, hashed, radix), 1):
+        print(f"{t:4} {len(a.prompt_token_ids):6} {a.num_cached_tokens:13} {b.num_cached_tokens:7} "
+              f"{c.num_cached_tokens:11}")
+    print("same tokens as the engine's own, every turn:",
+          all(a.token_ids == b.token_ids == c.token_ids for a, b, c in zip(yours, hashed, radix)))
+    print("your tree finds what the hashed blocks find:",
+          [a.num_cached_tokens for a in yours] == [b.num_cached_tokens for b in hashed])
+    nodes = your_tree.node_of.values()
+    print(f"your tree at the end: {len(your_tree.node_of)} nodes (blocks), "
+          f"{sum(n.lock_ref > 0 for n in nodes)} locked, {len(your_tree.evictable)} evictable, "
+          f"{your_tree.num_evictions} evictions")
+
+# %% [markdown]
+# Every later turn finds the previous turns, answers included: the tree hangs each full block in as soon as a step
+# has written it. What it misses is the previous turn's last partial block and the block boundary's remainder; that
+# gap, at most a block per turn, is what the engine's tree wins back by sharing the partly matched block. When the
+# conversation ends nothing is locked any more: every node is evictable, and stays cached until the pool needs its
+# block.
+#
+# ## 7. Grade
 # The grader prints one line per test; a failing test says what to fix.
 
 # %%

@@ -11,7 +11,6 @@ using a node's path); no held block ever handed to someone else. The last tests 
 conversation, and a pool small enough to evict.
 """
 import importlib
-import random
 import types
 
 import pytest
