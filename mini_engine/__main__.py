@@ -297,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--retime", action="store_true", help="delete them, then time the model's products afresh now")
     t.add_argument("--model", default="smollm2-135m")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    t.add_argument("--rows", default="1,16", help="with --retime: the row counts to time (comma-separated)")
+    t.add_argument("--check", action="store_true", help="what a new process's first use of the model's products "
+                   "costs now: trusted, checked or timed, and the seconds and forms it took")
+    t.add_argument("--rows", default="1,16", help="with --retime or --check: the row counts (comma-separated)")
     return parser
 
 
@@ -308,14 +310,14 @@ def cmd_tuning(args) -> None:
             raise ValueError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     from .backends.cpu import store
-    if args.retime:
+    if args.retime or args.check:
         try:
             rows = tuple(int(r) for r in args.rows.split(","))
         except ValueError:
             rows = ()
         if not rows or min(rows) < 1:
             raise ValueError(f"--rows must be positive integers separated by commas, got {args.rows!r}")
-        print(store.retime(args.model, args.dtype, rows))
+        print((store.retime if args.retime else store.check)(args.model, args.dtype, rows))
     elif args.reset:
         gone = store.reset()
         print(f"deleted {len(gone)} file(s) of kept choices" + "".join(f"\n  {p}" for p in gone))

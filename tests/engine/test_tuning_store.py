@@ -193,6 +193,26 @@ def test_the_tuning_verb_shows_resets_and_names_the_store(tmp_path):
     assert bad.returncode == 2 and "--threads" in bad.stderr
 
 
+def test_the_tuning_verb_says_when_choices_were_checked_and_what_a_first_use_costs(tmp_path):
+    env = {**os.environ, "MINI_ENGINE_TUNE_DIR": str(tmp_path), "MINI_ENGINE_TUNE_CACHE": "1", "HF_HUB_OFFLINE": "1",
+           "MINI_ENGINE_FORMS": "product=linear"}  # forced: the verb's --check runs without timing anything
+    env.pop("MINI_ENGINE_TUNED", None)
+
+    def tuning(*args):
+        return subprocess.run([sys.executable, "-m", "mini_engine", "tuning", "--threads", "1", *args], cwd=ROOT,
+                              env=env, capture_output=True, text=True, check=True).stdout
+    store = Path(tuning().splitlines()[0].rsplit(": ", 1)[1])
+    now = __import__("time").time()
+    store.write_text(json.dumps([{"case": ["product", [576, 576], 1, "torch.float32", "cpu"], "form": "c_f32",
+                                  "times_ms": {"linear": 0.05, "c_f32": 0.03}, "checked_at": now - 2 * 3600},
+                                 {"case": ["product", [576, 576], 2, "torch.float32", "cpu"], "form": "linear",
+                                  "times_ms": {"linear": 0.05, "c_f32": 0.06}}]))
+    out = tuning()
+    assert "checked: 1 within the last 24 h" in out and "1 longer ago or never" in out and "last 2.0 h ago" in out
+    out = tuning("--check", "--rows", "1")
+    assert "first use of smollm2-135m's products at rows (1,)" in out and "0 timed now" in out, out
+
+
 def test_a_check_builds_and_times_only_the_two_forms_it_compares(tmp_path):
     """Issue 60: building every candidate (a product's weight copies and packed weights) for a check that times two
     of them was most of a check's cost. Counted, not timed."""
