@@ -8,15 +8,17 @@ which `LLM(scheduling="cache_aware", prefix_holding=True, aging_s=...)` closes:
   waiting, because a request admitted earlier in this step (or one still computing its prompt) shares them, is
   held back and admitted when they are cached. SGLang's in-batch prefix caching has the idea: a waiting request
   with at most 32 cached tokens that shares at least 32 tokens with a request before it in the waiting queue is
-  sorted to the queue's end for this step (schedule_policy.py, IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD and
-  _DEPRIORITIZE_THRESHOLD, both 32). Here the test is the gain beyond the request's own hit, and against requests
-  being computed rather than waiting: a burst sharing a 40-token prefix in blocks of 16 then holds once, where
-  "at most 32 cached, at least 32 shared" would hold all but one again on the next step, the 32 cached tokens
-  being still at most 32 (checked in tests/engine/test_prefix_policies.py).
+  sorted to the queue's end for this step, and still starts in this batch if room is left (schedule_policy.py,
+  IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD and _DEPRIORITIZE_THRESHOLD, both 32). This engine holds instead of
+  sorting last, tests the gain beyond the request's own hit, and against requests being computed rather than
+  waiting: a burst sharing a 40-token prefix in blocks of 16 is held once, where holding by "at most 32 cached, at
+  least 32 shared" would hold all but one again on the next step, the 32 cached tokens being still at most 32
+  (checked in tests/engine/test_prefix_policies.py).
 - Longest prefix first can starve a request with no hit behind a steady stream of hits while the queue stays short
   (past `max_ranked` waiting requests the order is arrival order anyway). With `aging_s`, a request that has
   waited `aging_s` seconds goes before every request ranked by its hits, oldest first, and is never held.
-  SGLang's answer is a policy of its own, "hrrn" (highest response ratio next, aging counted in prefill tokens).
+  Recent SGLang offers a policy of its own for that, "hrrn" (highest response ratio next: waiting counted in
+  prefill tokens processed since arrival, over the request's uncached tokens), and user-set priorities.
 
 Both only reorder or delay admissions: every request computes what it would alone, so greedy tokens are unchanged.
 """
