@@ -104,27 +104,34 @@ class _Tiers:
 
     def _walk_tiers(self, seq_id: Hashable, token_ids: Sequence[int], key: bytes | None) -> list[bytes]:
         """Past the pool's hits, which end at a block boundary with hash `key`: each next block of the prefix is
-        shared if the pool still caches it (`_share`), or found in a tier, then taking a free block and queueing its
-        copy back; stops at the first miss, at the last token's block, or when no block is free. Returns the hashes
-        of the blocks it added to the sequence's table."""
+        shared if the pool still caches it (`_share`), or found in a tier and given a free block, its copy back
+        queued; stops at the first miss, at the last token's block, or when no block is left. Every buffer is in
+        hand before any block is taken: taking one may evict, and so save, a block, which may push a block this walk
+        found out of its tier. Returns the hashes of the blocks it added to the sequence's table."""
         table, size = self.block_tables[seq_id], self.block_size
-        keys, loads, found = [], [], {"host": 0, "disk": 0}
+        found: list[tuple[bytes, int | None, tuple | None]] = []  # (hash, pool block to share, (buffer, tier))
+        to_take = 0
         for i in range(len(table), (len(token_ids) - 1) // size):
             key = hash_block(key, token_ids[i * size:(i + 1) * size])
             block = self._share(key)
+            got = None
             if block is None:
-                got = self.tiers.get(key) if key in self.tiers and self.num_free_blocks else None
+                got = self.tiers.get(key) if key in self.tiers and self.num_free_blocks > to_take else None
                 if got is None:
                     break
-                block = self._take_block()  # may evict (and so save) another block: never one this table holds
+                to_take += 1
+            found.append((key, block, got))
+        loads, tokens = [], {"host": 0, "disk": 0}
+        for key, block, got in found:
+            if block is None:
+                block = self._take_block()  # never a block this table holds
                 loads.append((key, got[0], block))
-                found[got[1]] += size
+                tokens[got[1]] += size
             table.append(block)
-            keys.append(key)
         if loads:
             self.loads[seq_id] = loads
-        self.tier_hits = (found["host"], found["disk"])
-        return keys
+        self.tier_hits = (tokens["host"], tokens["disk"])
+        return [key for key, _, _ in found]
 
     def load_from_tiers(self, kv_cache) -> None:
         """The runner's hook, before each step computes: copy every queued block back into its pool block; only then

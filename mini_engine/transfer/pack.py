@@ -129,4 +129,4 @@ def unpack(kv_cache, buffer: torch.Tensor, block_ids, verify: bool = True) -> No
     if len(ids) != header.num_blocks:
         raise ValueError(f"block_ids has {len(ids)} blocks; the buffer holds {header.num_blocks}")
     payload = buffer[HEADER_BYTES:].view(header.dtype).view(header.shape)
-    data[:, :, torch.tensor(ids, device=data.device)] = payload.to(data.device)
+    data.index_copy_(2, torch.tensor(ids, device=data.device), payload.to(data.device))  # one pass, no index_put

@@ -195,14 +195,15 @@ def test_damaged_files_are_misses_and_tokens_stay_equal(tiny_model, tmp_path, pr
     check_bounds_and_no_leak(llm)
 
 
-def test_a_step_that_fails_before_its_copies_caches_nothing_unwritten(tiny_model, monkeypatch):
+@pytest.mark.parametrize("prefix_cache", ["hashed", "radix"])
+def test_a_step_that_fails_before_its_copies_caches_nothing_unwritten(tiny_model, monkeypatch, prefix_cache):
     """The copy back fails: the step's requests are aborted, their blocks are not registered, and the same prompts
     then run to the same tokens as an uncached engine."""
     import mini_engine.transfer.offload as offload
     model, prefixes = tiny_model(1), roots(3, 4)
     prompts = [r + [5] for r in prefixes]
     ref = serve(LLM.from_model(model, num_kv_blocks=400, enable_prefix_caching=False), prompts)
-    llm = LLM.from_model(model, num_kv_blocks=12, block_size=8, kv_offload="host")
+    llm = LLM.from_model(model, num_kv_blocks=12, block_size=8, kv_offload="host", prefix_cache=prefix_cache)
     serve(llm, prompts)
     real_unpack = offload.unpack
     monkeypatch.setattr(offload, "unpack", lambda *a: (_ for _ in ()).throw(RuntimeError("link down")))
@@ -210,6 +211,7 @@ def test_a_step_that_fails_before_its_copies_caches_nothing_unwritten(tiny_model
         llm.generate([prompts[0]], PARAMS, use_tqdm=False)
     blocks = llm.engine.scheduler.blocks
     assert not blocks.loads and not blocks.block_tables
+    assert blocks.lookup(prompts[0]) == [], "the blocks the failed step never wrote are not cached"
     monkeypatch.setattr(offload, "unpack", real_unpack)
     assert [o.token_ids for o in serve(llm, prompts)] == [o.token_ids for o in ref]
     check_bounds_and_no_leak(llm)
