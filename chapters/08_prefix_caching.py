@@ -35,8 +35,10 @@
 # 4. holds a multi-turn conversation whose every turn reuses the previous turns' blocks;
 # 5. samples four answers to one prompt that share its blocks, copying a block only when a sample writes;
 # 6. puts the measured TTFT gain beside the formula's prediction, with the savings calculator;
-# 7. puts SGLang's radix tree beside the hashed blocks: what a block boundary costs, the tree after a few
-#    conversations, three workloads with shared structure, and cache-aware scheduling. Exercises close the chapter.
+# 7. puts three designs side by side, SGLang's radix tree, vLLM's hashed blocks and this engine's tree with a shared
+#    partial block: what a page boundary costs each (a formula, then counts on three workloads), the engine's tree
+#    after a few conversations, and scheduling with a prefix cache (longest prefix first, holding a request back
+#    until its prefix is cached, aging). Exercises close the chapter.
 
 # %%
 # Setup. On Colab: fetch the course from its repository and install it (the package, the model and,
@@ -44,6 +46,7 @@
 import os
 import subprocess
 import sys
+import time
 
 COURSE_URL = "https://github.com/llm-inference-course/mini-engine"  # set in tools/course_setup.py
 if "google.colab" in sys.modules or "MINI_ENGINE_COURSE_URL" in os.environ:
@@ -68,6 +71,7 @@ from mini_engine.course.devices import default_device, warm_up
 from mini_engine.engine import LLM, LLMEngine, request_steps
 from mini_engine.course.hardware import describe_machine
 from mini_engine.course.metrics import percentile
+from mini_engine.course.prefix_designs import DESIGNS, LABELS, expected_loss, replay, served
 from mini_engine.paging import BlockManager, hash_block
 from mini_engine.course.widgets import block_boundary_widget, prefix_cache_widget
 from mini_engine.bench.radix import StructuredWorkload, run_structured
@@ -410,36 +414,102 @@ display(prefix_cache_widget())
 # is shared first and what changes last.
 
 # %% [markdown]
-# ## 7. Hashed blocks against a radix tree
+# ## 7. Three designs for a prefix that ends inside a block
 #
-# Everything so far is vLLM's design: a full block is cached under the hash of its whole prefix, so a hit is a whole
-# number of blocks. SGLang's RadixAttention keeps the cache as a **radix tree** over token ids instead: each node
-# holds a run of tokens that follows the path from the root, children branch where sequences part, and a lookup walks
-# down from the root as far as the tokens agree. A match can then end at *any* token. The engine has both:
-# `LLM(enable_prefix_caching=True, prefix_cache="radix")` plugs in `mini_engine.prefix.radix_cache.RadixBlockManager`,
-# a tree whose nodes own KV blocks. When a match ends inside a block, that partly matched block is shared too, and
-# copied the first time the new request writes into it (section 5's copy-on-write); a finished request puts its
-# whole computed sequence into the tree, last partial block included; and eviction removes the least recently used
-# **leaves** no request holds, so a trunk that many branches share outlives them.
+# Everything so far is vLLM's design: a full block is cached under the hash of its whole prefix, and a block still
+# being filled is never cached. vLLM's block manager says so where it looks a request up (`get_computed_blocks`,
+# in `vllm/v1/core/kv_cache_manager.py`): "Note that the computed blocks must be full." A hit is a whole number of
+# blocks.
 #
-# ### What a block boundary costs hashing
+# SGLang's RadixAttention (Zheng et al. 2024) keeps its cache as a **radix tree** over token ids instead: each node
+# holds a run of tokens that follows the path from the root, children branch where sequences part, and a lookup
+# walks down from the root as far as the tokens agree. With a **page size** of 1 (its KV pool handed out one token
+# at a time) a match can end at any token. With larger pages it cannot. SGLang's `RadixCache.match_prefix`
+# (`python/sglang/srt/mem_cache/radix_cache.py`) first cuts the lookup key down to whole pages,
 #
-# A prefix shared with an earlier request rarely ends exactly on a block boundary. The hashed cache then loses the
-# shared tokens of the last, partly shared block: `shared mod block_size` of them, up to a block less one. When
-# prefixes end at random points, every position in the block as likely as any other, the expected loss is
-# (B − 1) / 2 tokens per match, about half a block: 7.5 tokens at blocks of 16, 63.5 at 128. A conversation pays
-# it at every turn, since each answer ends wherever it ends.
+# ```python
+# if self.page_size != 1:
+#     page_aligned_len = len(key) // self.page_size * self.page_size
+#     key = key[:page_aligned_len]
+# ```
+#
+# and a finished request enters the tree cut the same way (`cache_finished_req` calls
+# `page_align_keys(keys, self.page_size)`, then, in its own comment, "free the unaligned tail"). So at one page size
+# SGLang's tree and vLLM's hashed blocks serve the same tokens: what a block boundary costs comes from the page
+# size, not from a tree or a hash. (Pages of 1 token are not a given: vLLM's blocks hold 16 tokens by default, and
+# some attention kernels want pages larger still.)
+#
+# This engine has a third design, its own, not SGLang's: `LLM(enable_prefix_caching=True, prefix_cache="radix")`
+# plugs in `mini_engine.prefix.radix_cache.RadixBlockManager`, a tree whose every node owns one KV block of
+# `block_size` tokens. A match may still end at any token. When it ends inside a block, that partly matched block
+# is shared too, and copied the first time the new request writes into it (section 5's copy-on-write); a finished
+# request puts its whole computed sequence into the tree, last partial block included. It keeps its pages and pays
+# one block copy per such hit so as to lose nothing. Its eviction works as SGLang's does: it removes the least
+# recently used **leaves** that no request holds, so a trunk that many branches share outlives them.
+#
+# The three side by side: a 100-token request A has finished; B starts with A's first 70 tokens and adds 30 of its
+# own. What each design serves B from the cache (`course.prefix_designs.served`; a prompt's last token is always
+# computed, as section 1 showed):
+
+# %%
+def draw_designs(shared, own, rows):
+    """One row per design: request B's tokens in pages, green served from the cache, red shared with A but computed
+    again, grey B's own; an orange outline marks a partly matched block that B copies at its first write."""
+    n = shared + own
+    fig, ax = plt.subplots(figsize=(10, 0.55 * len(rows) + 1.2))
+    for y, (label, page, design) in enumerate(rows):
+        hit = served(min(shared, n - 1), page, design)
+        for start, stop, color in ((0, hit, "tab:green"), (hit, shared, "tab:red"), (shared, n, "lightgrey")):
+            if stop > start:
+                ax.barh(y, stop - start, left=start, color=color, height=0.6)
+        if page > 1:
+            ax.vlines(range(0, n + 1, page), y - 0.3, y + 0.3, color="white", lw=1.5)  # page boundaries
+        if design == "partial" and hit % page:
+            ax.add_patch(plt.Rectangle((hit // page * page, y - 0.36), page, 0.72, fill=False, ec="tab:orange", lw=2.5))
+        ax.text(n + 2, y, f"{hit} served, {shared - hit} lost", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [label for label, _, _ in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, n + 28)
+    ax.set_xlabel(f"B's tokens: the first {shared} shared with A, then {own} of its own")
+    ax.set_title("green: from the cache · red: shared, computed again · grey: B's own · orange: copied on first write",
+                 fontsize=9)
+    plt.tight_layout()
+    plt.show()
+
+
+design_rows = [("SGLang, page size 1", 1, "rounded"), ("SGLang, page size 16", 16, "rounded"),
+               ("vLLM, blocks of 16", 16, "hashed"), ("this engine, blocks of 16", 16, "partial")]
+draw_designs(70, 30, design_rows)
+for label, page, design in design_rows:
+    print(f"{label:<28} serves {served(70, page, design):2d} of B's 70 shared tokens")
+
+# %% [markdown]
+# ### What a page boundary costs, as a formula
+#
+# Call L the tokens a request could reuse at the granularity of one token: the most it shares with what earlier
+# requests computed, and never its own last token. A design that rounds to pages of P tokens (SGLang's tree at
+# P > 1, or vLLM's hashed blocks) serves P · ⌊L / P⌋ of them and loses L mod P, somewhere between 0 and P − 1.
+#
+# To get a number, assume L mod P is equally likely to be any of 0, 1, …, P − 1. That is fair when the shared
+# lengths spread over many pages: a conversation's next turn shares everything up to the end of the last answer,
+# and answers end wherever they end. Then the expected loss per hit is
+#
+# (0 + 1 + … + (P − 1)) / P = (P − 1) / 2,
+#
+# about half a page: nothing at P = 1, 7.5 tokens at P = 16, 63.5 at P = 128. The assumption breaks when the shared
+# prefixes are shorter than a page or two: a match of L < P tokens loses all L, however they spread. The shared
+# partial block loses nothing at any page size. (The slider's "radix tree" is a match at any token: SGLang at page
+# size 1, or this engine's tree.)
 
 # %%
 for shared in (300, 320):
     for block in (16, 128):
-        print(f"{shared} shared tokens of a {shared + 30}-token prompt, blocks of {block:3d}: hashed serves "
-              f"{formulas.cached_prefix_tokens(shared + 30, shared, block):3d}, the radix tree "
+        print(f"{shared} shared tokens of a {shared + 30}-token prompt, pages of {block:3d}: rounded to pages "
+              f"{formulas.cached_prefix_tokens(shared + 30, shared, block):3d}, at any token "
               f"{formulas.cached_prefix_tokens(shared + 30, shared, 1)}: "
               f"{formulas.block_boundary_loss(shared + 30, shared, block):2d} lost")
-print(f"expected loss per match when prefixes end at random points: "
-      f"{formulas.expected_block_boundary_loss(16)} tokens (blocks of 16), "
-      f"{formulas.expected_block_boundary_loss(128)} (blocks of 128)")
+print(f"expected loss per hit when L mod P is uniform: {formulas.expected_block_boundary_loss(16)} tokens "
+      f"(pages of 16), {formulas.expected_block_boundary_loss(128)} (pages of 128)")
 display(block_boundary_widget())
 
 # %% [markdown]
@@ -447,8 +517,8 @@ display(block_boundary_widget())
 #
 # Three users chat with the same assistant (one system prompt), two turns each; every turn's prompt is the previous
 # prompt, the answer the engine gave and the next question, as token ids. The users start one after another, then
-# send their second turns together. Then the radix tree the engine built, drawn
-# from `RadixBlockManager`'s own nodes: one box per node, its block id and how many tokens it holds.
+# send their second turns together. Then the tree this engine built (`prefix_cache="radix"`), drawn from
+# `RadixBlockManager`'s own nodes: one box per node, its block id and how many tokens it holds.
 
 # %%
 def turn(question):
@@ -517,7 +587,8 @@ print(f"{len(tree.node_of)} blocks in the tree, {tree.num_cached_blocks} cached;
 # users still matched the first user's tokens into that block: their first turns took the shared tokens past the
 # last full block from the tree too, sharing the first user's block and copying it on their first write.) Below,
 # each conversation is one chain ending in a partial leaf, the last tokens of its second turn. The tree holds every
-# turn's answer, so a third turn would find the whole conversation.
+# turn's answer, so a third turn would find the whole conversation. (SGLang's tree at page size 1 would find it too;
+# at page size 16 it keeps no partial leaves, and a third turn would recompute each answer's last partial page.)
 #
 # ### The three workloads, measured
 #
@@ -525,62 +596,197 @@ print(f"{len(tree.node_of)} blocks in the tree, {tree.num_cached_blocks} cached;
 # (random token ids, random lengths, so shared prefixes end anywhere in a block), smaller here: a **conversation**
 # (two users, three turns: each turn's prompt is the last prompt, its answer and a new question), **few-shot** (two
 # tasks, each a block of worked examples, three questions each, all arriving together with the tasks interleaved)
-# and **branching** (one context, three continuations
-# of it, each continued once more after its answer). Three engines serve each: hashed blocks and the radix
-# tree in arrival order, and the radix tree with **cache-aware scheduling** (`scheduling="cache_aware"`: among the
-# waiting requests, the one with the longest cached prefix first, as SGLang does; past 128 waiting, arrival order).
-# "Ideal" counts, for each request, every prompt token some earlier request computed: what a cache that kept
-# everything, token by token, would serve.
+# and **branching** (one context, three continuations of it, each continued once more after its answer). Two
+# engines serve each, in arrival order, with blocks of 16: hashed blocks, and this engine's tree with its shared
+# partial block. "Ideal" counts, for each request, every prompt token some earlier request computed: what a cache
+# that kept everything, token by token, would serve.
 
 # %%
 vocab = model.config.vocab_size
 small = [StructuredWorkload.conversation(users=2, turns=3, output_len=8, vocab=vocab),
          StructuredWorkload.few_shot(tasks=2, questions=3, examples_len=(60, 110), output_len=4, vocab=vocab),
          StructuredWorkload.branching(contexts=1, branches=3, context_len=(80, 140), output_len=4, vocab=vocab)]
-designs = [("hashed", "continuous"), ("radix", "continuous"), ("radix", "cache_aware")]
 run_structured(model, tok, StructuredWorkload.few_shot(tasks=1, questions=2, examples_len=(60, 110), output_len=4,
                                                        vocab=vocab), block_size=16, max_num_seqs=4)  # warm-up, not shown
 measured = {}
 for work in tqdm(small, desc="workloads"):
-    for cache, scheduling in designs:
-        measured[work.name, cache, scheduling] = run_structured(model, tok, work, cache, scheduling, block_size=16,
-                                                                max_num_seqs=4)
-print(f"{'workload':<14}{'engine':<22}{'prompt tokens':>14}{'reused':>8}{'ideal':>7}{'of ideal':>10}{'TTFT p50':>10}"
+    for cache in ("hashed", "radix"):
+        measured[work.name, cache] = run_structured(model, tok, work, cache, block_size=16, max_num_seqs=4)
+print(f"{'workload':<14}{'cache':<9}{'prompt tokens':>14}{'reused':>8}{'ideal':>7}{'of ideal':>10}{'TTFT p50':>10}"
       f"{'out tok/s':>10}")
-for (name, cache, scheduling), r in measured.items():
-    print(f"{name:<14}{r.name:<22}{r.prompt_tokens:>14}{r.reused:>8}{r.ideal:>7}{r.share_of_ideal:>10.1%}"
+for (name, cache), r in measured.items():
+    print(f"{name:<14}{cache:<9}{r.prompt_tokens:>14}{r.reused:>8}{r.ideal:>7}{r.share_of_ideal:>10.1%}"
           f"{percentile(r.ttft, 50) * 1e3:>8.0f}ms{r.tok_s:>10.1f}")
-for work in small:
-    hashed, radix, aware = (measured[work.name, c, s] for c, s in designs)
-    print(f"{work.name:<14}radix / hashed: reused {radix.reused / max(hashed.reused, 1):.2f}x, TTFT p50 "
-          f"{percentile(hashed.ttft, 50) / percentile(radix.ttft, 50):.2f}x faster; cache-aware / arrival: TTFT p50 "
-          f"{percentile(radix.ttft, 50) / percentile(aware.ttft, 50):.2f}x faster")
+same_tokens = all(measured[w.name, "hashed"].outputs == measured[w.name, "radix"].outputs for w in small)
+print(f"greedy outputs identical on both caches: {same_tokens}")
 
 # %% [markdown]
 # Read the reuse columns first: they count tokens, so they come out the same on any machine; the times are from one
-# short run. Greedy outputs are the same on every engine, so every engine serves the same prompts.
+# short run on a busy CPU. The shared partial block reuses more wherever a shared prefix ends inside a block. Neither
+# reaches the ideal on few-shot and branching: requests admitted in the same step cannot share a prefix that neither
+# has computed yet (the scheduling below is about that).
+#
+# ### The loss against the page size, on the three workloads
+#
+# Now every design at pages of 1, 16 and 128 tokens, on the same requests (the prompts and answers just served).
+# `course.prefix_designs.replay` serves them one at a time in arrival order, on a cache that keeps everything, and
+# counts what each design serves: that isolates the page size from scheduling and eviction. "Lost" is the ideal
+# less what a design serves; "formula" is the hits times (P − 1) / 2; "copies" are the partly matched blocks the
+# shared partial block copies (one per hit that ends inside a block).
+
+# %%
+pages = (1, 16, 128)
+print(f"{'workload':<14}{'page':>5}{'hits':>6}{'ideal':>7}  " + "".join(f"{LABELS[d]:>36}" for d in DESIGNS)
+      + f"{'formula':>9}{'copies':>8}")
+page_table = {}
+for work in small:
+    r = measured[work.name, "hashed"]
+    for page in pages:
+        reuse = {d: replay(r.prompts, r.outputs, page, d) for d in DESIGNS}
+        page_table[work.name, page] = reuse
+        hits, ideal = reuse["hashed"].hits, sum(reuse["hashed"].ideal)
+        cells = "".join(f"{f'{x.reused} served, {x.lost} lost ({x.share_of_ideal:.0%})':>36}" for x in reuse.values())
+        print(f"{work.name:<14}{page:>5}{hits:>6}{ideal:>7}  {cells}{expected_loss(hits, page):>9.1f}"
+              f"{reuse['partial'].copies:>8}")
+for page in pages:
+    rows = [page_table[w.name, page]["rounded"] for w in small]
+    hits, lost = sum(x.hits for x in rows), sum(x.lost for x in rows)
+    short = sum(1 for x in rows for i in x.ideal if 0 < i < page)
+    print(f"pages of {page:3d}, rounded: {lost / hits:5.1f} tokens lost a hit, the formula says {(page - 1) / 2:5.1f}; "
+          f"{short} of {hits} hits match less than one page (lost whole); rounded = hashed on every workload: "
+          f"{all(page_table[w.name, page]['rounded'].cached == page_table[w.name, page]['hashed'].cached for w in small)}")
+
+# %% [markdown]
+# Read it by page size. At 1, every design serves the ideal. At 16, the two rounding designs serve exactly the same
+# tokens, SGLang's tree and vLLM's hashes alike, and lose a few tokens a hit, close to the formula's (P − 1) / 2. At
+# 128 the formula's assumption fails, and the rows stray from it both ways: these prefixes are a page of 128 or two
+# long, not many pages, so where they end within a page is far from uniform. A match shorter than a page is lost
+# whole (the conversation's and the few-shot questions' hits), while a match that ends a little past a page boundary
+# loses little (the branches'). Over all three workloads the two errors happen to cancel near the formula's 63.5 a
+# hit; that is luck, not the formula. The shared partial block serves the ideal at every page size, for one block
+# copy per hit that ends inside a block.
+#
+# Does the replay count what the engine does? Served one at a time (`max_num_seqs=1`), on a pool large enough that
+# nothing is evicted, the engine's own `num_cached_tokens` of every request should equal the replay's count, for the
+# two designs the engine has:
+
+# %%
+for work in small:
+    for cache, design in (("hashed", "hashed"), ("radix", "partial")):
+        alone = run_structured(model, tok, work, cache, block_size=16, max_num_seqs=1, num_kv_blocks=256)
+        counted = replay(alone.prompts, alone.outputs, 16, design).cached
+        print(f"{work.name:<14}{LABELS[design]:<36} engine {alone.reused:4d}, replay {sum(counted):4d}: request by "
+              f"request equal {alone.cached == counted} (evictions {alone.num_evictions})")
+
+# %% [markdown]
+# ### Scheduling with a prefix cache
+#
+# The cache decides what a request *can* reuse; the scheduler decides *when* it runs, and so what is cached by then.
+# SGLang's scheduler (`python/sglang/srt/managers/schedule_policy.py`) offers several orders for its waiting queue;
+# three of its ideas bear on the prefix cache.
+#
+# - **Longest prefix match** (`--schedule-policy lpm`): the waiting requests with the most cached tokens first. They
+#   cost the step least, and they run before their prefix is evicted. Ranking means matching every waiting request
+#   against the tree at every step, so past 128 waiting requests SGLang falls back to arrival order, and its reason
+#   is cost, in its own comment: "Turn off the expensive prefix matching and sorting when the #queue is large."
+# - **In-batch prefix caching.** Requests that arrive together with a prefix nobody has computed yet all miss if
+#   they are admitted together: each computes the prefix itself. SGLang matches each waiting request that has few
+#   cached tokens (at most 32) against the requests waiting before it as well, and one that shares at least 32
+#   tokens with them is sorted to the end of the queue for this step ("we prefer to schedule only one of them so
+#   that we can increase the cache hit rate"). It runs a step or more later, and finds the prefix cached.
+# - **Aging.** Longest prefix first can starve a request with no hit: while requests with hits keep arriving, each
+#   ranks ahead of it, and the queue can stay far shorter than 128 the whole time, so the fallback never comes.
+#   SGLang's `hrrn` policy (highest response ratio next) ranks a request by how long it has waited against how much
+#   it has to compute, counting the wait in prefill tokens processed since it arrived, so a waiting request rises
+#   until it goes first.
+#
+# The engine has the first as `scheduling="cache_aware"` (arrival order past 128 waiting requests, too), and the
+# other two as its options, in a form of its own (`mini_engine/prefix/policies.py` says how they differ from
+# SGLang's): `prefix_holding=True` holds back a request that would gain at least 32 cached tokens (`HOLD_TOKENS`
+# there) by waiting for a request being computed in this step; `aging_s` lets a request that has waited that many
+# seconds go first, oldest first, and never holds it back. All three only reorder or delay admissions: every
+# request computes the same tokens either way.
+#
+# First the starvation. One request with no cached prefix waits with requests that hit a cached 96-token prefix;
+# one request runs at a time (`max_num_seqs=1`), and a new hit arrives each time one finishes, so at most two
+# requests ever wait:
+
+# %%
+def lonely_wait(scheduling, rounds, **options):
+    """How many requests with a hit finish before the one without a hit gets its first token (None: not within
+    `rounds`), and the seconds it waited."""
+    eng = LLMEngine.from_model(model, tok, enable_prefix_caching=True, prefix_cache="radix", scheduling=scheduling,
+                               block_size=16, max_num_seqs=1, max_model_len=256, **options)
+    rng = np.random.default_rng(1)
+    stem = rng.integers(1000, 20000, 96).tolist()
+    eng.add_request(stem, me.SamplingParams(max_tokens=1))
+    while eng.has_unfinished():
+        eng.step()  # the stem is cached now
+    start = time.perf_counter()
+    lonely = eng.add_request(rng.integers(1000, 20000, 96).tolist(), me.SamplingParams(max_tokens=1))
+    eng.add_request(stem + rng.integers(1000, 20000, 8).tolist(), me.SamplingParams(max_tokens=2))
+    served_before = 0
+    while served_before < rounds:
+        for out in eng.step():
+            if out.request_id == lonely:
+                return served_before, time.perf_counter() - start
+            served_before += 1
+            eng.add_request(stem + rng.integers(1000, 20000, 8).tolist(), me.SamplingParams(max_tokens=2))
+    return None, time.perf_counter() - start
+
+
+aging_s, rounds = 0.2, 40
+for label, scheduling, options in (("arrival order", "continuous", {}), ("longest prefix", "cache_aware", {}),
+                                   (f"longest prefix, aging {aging_s} s", "cache_aware", {"aging_s": aging_s})):
+    before, waited = lonely_wait(scheduling, rounds, **options)
+    print(f"{label:<32} requests with a hit served before the one without: "
+          f"{f'more than {rounds}' if before is None else before} ({waited:.2f} s)")
+
+# %% [markdown]
+# Now the four orders on the three workloads, on this engine's tree with blocks of 16. Two requests run at a time
+# (`max_num_seqs=2`), so requests queue. TTFT p50 and p99 are over a workload's requests; throughput is output
+# tokens a second over the whole workload.
+
+# %%
+orders = [("arrival order", "continuous", {}), ("longest prefix", "cache_aware", {}),
+          ("+ holding", "cache_aware", {"prefix_holding": True}),
+          ("+ holding + aging", "cache_aware", {"prefix_holding": True, "aging_s": aging_s})]
+scheduled = {}
+for work in tqdm(small, desc="workloads"):
+    for label, scheduling, options in orders:
+        scheduled[work.name, label] = run_structured(model, tok, work, "radix", scheduling, block_size=16,
+                                                     max_num_seqs=2, **options)
+print(f"{'workload':<14}{'order':<20}{'reused':>8}{'of ideal':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'out tok/s':>11}")
+for (name, label), r in scheduled.items():
+    print(f"{name:<14}{label:<20}{r.reused:>8}{r.share_of_ideal:>10.1%}{percentile(r.ttft, 50) * 1e3:>8.0f}ms"
+          f"{percentile(r.ttft, 99) * 1e3:>8.0f}ms{r.tok_s:>11.1f}")
+print("greedy outputs identical under every order:",
+      all(scheduled[w.name, label].outputs == measured[w.name, "radix"].outputs for w in small for label, _, _ in orders))
+
+# %% [markdown]
+# Read the reuse column first: it counts tokens, so it does not depend on the machine. Holding can raise reuse only
+# where requests that arrive together share a prefix nobody has computed yet (the few-shot questions of one task,
+# the first branches of a context), and it costs the requests it holds a step or more of waiting. Aging changes the
+# order only for a request that has waited `aging_s`. The times come from one short run on a CPU: compare them
+# within a workload, not across machines.
 #
 # ### When each design wins
 #
-# - **The radix tree** serves every token an earlier request computed and still holds, wherever the shared prefix
-#   ends. It wins where prefixes keep ending inside blocks: a conversation's hashed cache loses the previous turn's
-#   tail at every turn, and the larger the block, the more it loses (GPU engines often pick blocks larger than 16
-#   for their attention kernels' sake). It also evicts only leaves, so what it keeps is always reachable. Its price:
-#   a lookup compares tokens down a path instead of looking up one hash per block, a partly matched block costs a
-#   copy, and splits, leaves and the tree's own references are more code to get right.
-# - **Hashed blocks** lose less than a block per match. When shared prefixes are long against a block, or end on
-#   block boundaries (a prompt template padded to whole blocks), that loss is small and the simpler design does as
-#   well.
-# - **Neither** helps requests that arrive together with a prefix nobody has computed yet: admitted in the same step,
-#   each computes it (the first questions of the few-shot workload, the first branches): their share of the ideal
-#   stays below 100%. A request that waits one step finds the prefix cached.
-# - **Cache-aware scheduling** changes the order, not the matching. With a queue as short as these, and a pool that
-#   keeps every prefix, it has little to choose. It pays when requests queue and the pool cannot keep every prefix:
-#   serving first the requests whose prefix is cached now, before it is evicted, raises the hit rate, and admitting
-#   cheap hits first shortens the queue's times to first token, as shortest-job-first does. Its risk is that a
-#   request with no hit waits behind a stream of hits, which is why the engine, like SGLang, falls back to arrival
-#   order once more than 128 requests wait. `python -m mini_engine bench --workload radix` measures all four
-#   combinations on larger workloads.
+# - **A match at any token** serves every token an earlier request computed and the cache still holds, wherever the
+#   shared prefix ends. SGLang gets it with pages of one token; this engine gets it with pages of 16 by sharing the
+#   partly matched block and copying it on first write. It wins where prefixes keep ending inside pages, and the
+#   larger the page, the more it wins: a conversation loses the previous turn's tail at every turn otherwise. Its
+#   price: a lookup compares tokens down a path instead of looking up one hash per block, a partly matched block
+#   costs a copy, and splits, leaves and the tree's own references are more code to get right.
+# - **Rounding to pages**, by hashes (vLLM) or in a tree (SGLang at page size > 1), loses under a page per hit, about
+#   half a page on average. When shared prefixes are long against a page, or end on page boundaries (a prompt
+#   template padded to whole pages), that loss is small and the simpler design does as well.
+# - **Tree or hashes** matters for eviction more than for matching: a tree evicts leaves, so everything it keeps is
+#   reachable, while a hashed cache evicting least recently released blocks can drop a block whose successors stay
+#   cached (exercise 5).
+# - **The scheduler** decides what is cached in time. Longest prefix first runs cheap hits first; holding lets a
+#   burst that shares a new prefix compute it once; aging bounds how long a request without a hit waits.
+#   `python -m mini_engine bench --workload radix` measures the caches and orders on larger workloads.
 
 # %% [markdown]
 # ## What you measured
@@ -606,12 +812,17 @@ summary = [
     ("n=4: distinct answers", f"{len({tuple(o.token_ids) for o in answer.outputs})} of 4"),
     ("radix tree: a conversation's second turn, tokens from the tree / computed before",
      ", ".join(f"{o2.num_cached_tokens}/{len(o1.prompt_token_ids) + len(o1.token_ids) - 1}" for o1, o2 in zip(turn1, turn2))),
-    ("prompt tokens reused, hashed / radix / ideal", "; ".join(
-        f"{w.name} {measured[w.name, 'hashed', 'continuous'].reused} / {measured[w.name, 'radix', 'continuous'].reused}"
-        f" / {measured[w.name, 'radix', 'continuous'].ideal}" for w in small)),
-    ("TTFT p50 hashed / radix / radix cache-aware", "; ".join(
-        f"{w.name} " + " / ".join(f"{percentile(measured[w.name, c, s].ttft, 50) * 1e3:.0f}" for c, s in designs) + " ms"
-        for w in small)),
+    ("prompt tokens reused, hashed / shared partial block / ideal", "; ".join(
+        f"{w.name} {measured[w.name, 'hashed'].reused} / {measured[w.name, 'radix'].reused}"
+        f" / {measured[w.name, 'radix'].ideal}" for w in small)),
+    ("share of ideal, pages of 1 / 16 / 128: rounded (SGLang, vLLM) | shared partial block", "; ".join(
+        f"{w.name} " + " / ".join(f"{page_table[w.name, p]['rounded'].share_of_ideal:.0%}" for p in pages) + " | "
+        + " / ".join(f"{page_table[w.name, p]['partial'].share_of_ideal:.0%}" for p in pages) for w in small)),
+    ("reused: arrival / longest prefix / + holding / + aging", "; ".join(
+        f"{w.name} " + " / ".join(f"{scheduled[w.name, label].reused}" for label, _, _ in orders) for w in small)),
+    ("TTFT p99: arrival / longest prefix / + holding / + aging", "; ".join(
+        f"{w.name} " + " / ".join(f"{percentile(scheduled[w.name, label].ttft, 99) * 1e3:.0f}" for label, _, _ in orders)
+        + " ms" for w in small)),
 ]
 width = max(len(k) for k, _ in summary)
 for k, v in summary:
@@ -708,11 +919,12 @@ for prompt_len, n in ((40, 4), (48, 4), (40, 2)):
 # sample, once, and nothing at all when the prompt ends on a block boundary.
 # </details>
 #
-# **4. Hashed against radix, by hand.** Blocks of 16. A 100-token prompt A is served and finishes; then B (A's first 70
-# tokens and 30 others), C (A again) and D (A followed by 20 more tokens, as a next turn would be), one after
-# another. How many prompt tokens does each take from the cache, with hashed blocks and with the radix tree? The
-# cell drives both block managers the way the scheduler does (take the matched blocks, copy a partly matched one,
-# compute the rest, free at the end).
+# **4. Hashed blocks against this engine's tree, by hand.** Blocks of 16. A 100-token prompt A is served and
+# finishes; then B (A's first 70 tokens and 30 others), C (A again) and D (A followed by 20 more tokens, as a next
+# turn would be), one after another. How many prompt tokens does each take from the cache, with hashed blocks and
+# with this engine's tree (`prefix_cache="radix"`)? And with SGLang's tree at a page size of 16? The cell drives
+# both of the engine's block managers the way the scheduler does (take the matched blocks, copy a partly matched
+# one, compute the rest, free at the end), and counts SGLang's with `replay`.
 
 # %%
 def serve_alone(manager, seq, tokens):
@@ -729,19 +941,23 @@ a_tokens = ex_rng.integers(1000, 20000, 100).tolist()
 requests4 = {"A": a_tokens, "B": a_tokens[:70] + ex_rng.integers(1000, 20000, 30).tolist(), "C": a_tokens,
              "D": a_tokens + ex_rng.integers(1000, 20000, 20).tolist()}
 managers = {"hashed": BlockManager(64, 16, enable_prefix_caching=True), "radix": RadixBlockManager(64, 16)}
-for name, tokens in requests4.items():
+sglang16 = replay(list(requests4.values()), [[0]] * len(requests4), 16, "rounded").cached  # each computes its prompt
+for (name, tokens), sglang in zip(requests4.items(), sglang16):
     print(f"{name}: {len(tokens)} tokens; " + ", ".join(f"{kind} {serve_alone(m, name, tokens):3d} from the cache"
-                                                       for kind, m in managers.items()))
+                                                       for kind, m in managers.items())
+          + f"; SGLang, pages of 16: {sglang:3d}")
 
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# A: 0 and 0. B: 64 and 70: the hashed cache stops at the last full block B shares with A (4 blocks), the tree at
-# the 70th token, sharing A's fifth block and copying it when B writes its own token 70. C: 96 and 99: both must
-# compute C's last token, but the hashed cache recomputes its whole last block (⌊99 / 16⌋ = 6 blocks), the tree just
-# the token. D: 96 and 100: A's last 4 tokens sat in a partial block, which the hashed cache never caches and the
-# tree does, when A finishes. That last case is a conversation's next turn: the hashed cache loses the previous
-# turn's tail at every turn, on average half a block, as the slider showed.
+# A: 0 and 0. B: 64 and 70: the hashed cache stops at the last full block B shares with A (4 blocks), this engine's
+# tree at the 70th token, sharing A's fifth block and copying it when B writes its own token 70. C: 96 and 99: both
+# must compute C's last token, but the hashed cache recomputes its whole last block (⌊99 / 16⌋ = 6 blocks), the tree
+# just the token. D: 96 and 100: A's last 4 tokens sat in a partial block, which the hashed cache never caches and
+# this engine's tree does, when A finishes. That last case is a conversation's next turn: the hashed cache loses the
+# previous turn's tail at every turn, on average half a block, as the slider showed. SGLang's tree with pages of 16
+# serves what the hashed cache serves, 0, 64, 96 and 96: it cuts each lookup to whole pages, and A entered its tree
+# as whole pages only. With pages of 1 it would serve what this engine's tree serves.
 # </details>
 #
 # **5. What the tree evicts.** A tree of 6 blocks of 4 tokens. A trunk T of 8 tokens (two blocks) is served with
