@@ -275,3 +275,20 @@ def test_tiers_never_exceed_their_bounds(tiny_model, tmp_path_factory, data):
             assert len(files(store)) == len(store.disk)
     assert [outs[i].token_ids for i in ids] == [o.token_ids for o in ref]
     check_bounds_and_no_leak(llm)
+
+
+@pytest.mark.parametrize("prefix_cache", ["hashed", "radix"])
+def test_a_tier_the_size_of_the_pool_gives_back_a_whole_prefix(tiny_model, prefix_cache):
+    """A 96-token prefix (12 blocks of 8) pushed out of a 14-block pool by a filler, into a host tier of 14 blocks.
+    Copying it back takes the filler's blocks, whose saves push the oldest blocks out of the tier: the walk holds
+    every buffer it found before it takes a block, so the whole prefix still comes back."""
+    model = tiny_model(1)
+    prefix, filler = roots(5, 2, length=96)
+    ref = serve(LLM.from_model(model, num_kv_blocks=400, enable_prefix_caching=False), [prefix + [1, 2]])
+    llm = LLM.from_model(model, num_kv_blocks=14, block_size=8, max_num_seqs=1, kv_offload="host",
+                         prefix_cache=prefix_cache)
+    serve(llm, [prefix + [3], filler + [4]])
+    out = serve(llm, [prefix + [1, 2]])[0]
+    assert out.num_cached_tokens == 96 and out.metrics.num_host_cached_tokens >= 80
+    assert out.token_ids == ref[0].token_ids
+    check_bounds_and_no_leak(llm)
