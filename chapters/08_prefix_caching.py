@@ -46,7 +46,6 @@
 import os
 import subprocess
 import sys
-import time
 
 COURSE_URL = "https://github.com/llm-inference-course/mini-engine"  # set in tools/course_setup.py
 if "google.colab" in sys.modules or "MINI_ENGINE_COURSE_URL" in os.environ:
@@ -60,6 +59,8 @@ if "google.colab" in sys.modules or "MINI_ENGINE_COURSE_URL" in os.environ:
     course_setup.install(home, lab=False)
 
 # %%
+import time
+
 import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import display
@@ -693,11 +694,12 @@ for work in small:
 #   they are admitted together: each computes the prefix itself. SGLang matches each waiting request that has few
 #   cached tokens (at most 32) against the requests waiting before it as well, and one that shares at least 32
 #   tokens with them is sorted to the end of the queue for this step ("we prefer to schedule only one of them so
-#   that we can increase the cache hit rate"). It runs a step or more later, and finds the prefix cached.
+#   that we can increase the cache hit rate"). If the batch fills before the queue's end, it runs a step or more
+#   later and finds the prefix cached; if the batch has room left, it is still admitted now.
 # - **Aging.** Longest prefix first can starve a request with no hit: while requests with hits keep arriving, each
 #   ranks ahead of it, and the queue can stay far shorter than 128 the whole time, so the fallback never comes.
-#   SGLang's `hrrn` policy (highest response ratio next) ranks a request by how long it has waited against how much
-#   it has to compute, counting the wait in prefill tokens processed since it arrived, so a waiting request rises
+#   Recent SGLang has an `hrrn` policy (highest response ratio next) that ranks a request by how long it has waited
+#   against how much it has to compute, counting the wait in prefill tokens processed since it arrived, so a waiting request rises
 #   until it goes first.
 #
 # The engine has the first as `scheduling="cache_aware"` (arrival order past 128 waiting requests, too), and the
@@ -743,6 +745,10 @@ for label, scheduling, options in (("arrival order", "continuous", {}), ("longes
           f"{f'more than {rounds}' if before is None else before} ({waited:.2f} s)")
 
 # %% [markdown]
+# Arrival order serves the request without a hit first, since it came first. Longest prefix first serves every hit
+# before it, for as long as hits keep coming, with never more than two requests waiting. With aging it goes first
+# once it has waited `aging_s`.
+#
 # Now the four orders on the three workloads, on this engine's tree with blocks of 16. Two requests run at a time
 # (`max_num_seqs=2`), so requests queue. TTFT p50 and p99 are over a workload's requests; throughput is output
 # tokens a second over the whole workload.
