@@ -472,8 +472,8 @@ def draw_designs(shared, own, rows):
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, n + 28)
     ax.set_xlabel(f"B's tokens: the first {shared} shared with A, then {own} of its own")
-    ax.set_title("green: from the cache · red: shared, computed again · grey: B's own · orange: copied on first write",
-                 fontsize=9)
+    ax.set_title("green: from the cache · red: shared, computed again · grey: B's own · "
+                 "orange: copied on first write", fontsize=9)
     plt.tight_layout()
     plt.show()
 
@@ -653,9 +653,9 @@ for page in pages:
     rows = [page_table[w.name, page]["rounded"] for w in small]
     hits, lost = sum(x.hits for x in rows), sum(x.lost for x in rows)
     short = sum(1 for x in rows for i in x.ideal if 0 < i < page)
+    same = all(page_table[w.name, page]["rounded"].cached == page_table[w.name, page]["hashed"].cached for w in small)
     print(f"pages of {page:3d}, rounded: {lost / hits:5.1f} tokens lost a hit, the formula says {(page - 1) / 2:5.1f}; "
-          f"{short} of {hits} hits match less than one page (lost whole); rounded = hashed on every workload: "
-          f"{all(page_table[w.name, page]['rounded'].cached == page_table[w.name, page]['hashed'].cached for w in small)}")
+          f"{short} of {hits} hits match less than one page (lost whole); rounded = hashed on every workload: {same}")
 
 # %% [markdown]
 # Read it by page size. At 1, every design serves the ideal. At 16, the two rounding designs serve exactly the same
@@ -699,8 +699,8 @@ for work in small:
 # - **Aging.** Longest prefix first can starve a request with no hit: while requests with hits keep arriving, each
 #   ranks ahead of it, and the queue can stay far shorter than 128 the whole time, so the fallback never comes.
 #   Recent SGLang has an `hrrn` policy (highest response ratio next) that ranks a request by how long it has waited
-#   against how much it has to compute, counting the wait in prefill tokens processed since it arrived, so a waiting request rises
-#   until it goes first.
+#   against how much it has to compute, counting the wait in prefill tokens processed since it arrived, so a waiting
+#   request rises until it goes first.
 #
 # The engine has the first as `scheduling="cache_aware"` (arrival order past 128 waiting requests, too), and the
 # other two as its options, in a form of its own (`mini_engine/prefix/policies.py` says how they differ from
@@ -766,8 +766,9 @@ print(f"{'workload':<14}{'order':<20}{'reused':>8}{'of ideal':>10}{'TTFT p50':>1
 for (name, label), r in scheduled.items():
     print(f"{name:<14}{label:<20}{r.reused:>8}{r.share_of_ideal:>10.1%}{percentile(r.ttft, 50) * 1e3:>8.0f}ms"
           f"{percentile(r.ttft, 99) * 1e3:>8.0f}ms{r.tok_s:>11.1f}")
-print("greedy outputs identical under every order:",
-      all(scheduled[w.name, label].outputs == measured[w.name, "radix"].outputs for w in small for label, _, _ in orders))
+same_orders = all(scheduled[w.name, label].outputs == measured[w.name, "radix"].outputs
+                  for w in small for label, _, _ in orders)
+print(f"greedy outputs identical under every order: {same_orders}")
 
 # %% [markdown]
 # Read the reuse column first: it counts tokens, so it does not depend on the machine. Holding can raise reuse only
@@ -827,8 +828,8 @@ summary = [
     ("reused: arrival / longest prefix / + holding / + aging", "; ".join(
         f"{w.name} " + " / ".join(f"{scheduled[w.name, label].reused}" for label, _, _ in orders) for w in small)),
     ("TTFT p99: arrival / longest prefix / + holding / + aging", "; ".join(
-        f"{w.name} " + " / ".join(f"{percentile(scheduled[w.name, label].ttft, 99) * 1e3:.0f}" for label, _, _ in orders)
-        + " ms" for w in small)),
+        f"{w.name} " + " / ".join(f"{percentile(scheduled[w.name, label].ttft, 99) * 1e3:.0f}"
+                                   for label, _, _ in orders) + " ms" for w in small)),
 ]
 width = max(len(k) for k, _ in summary)
 for k, v in summary:
