@@ -762,20 +762,25 @@ for work in tqdm(small, desc="workloads"):
     for label, scheduling, options in orders:
         scheduled[work.name, label] = run_structured(model, tok, work, "radix", scheduling, block_size=16,
                                                      max_num_seqs=2, **options)
-print(f"{'workload':<14}{'order':<20}{'reused':>8}{'of ideal':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'out tok/s':>11}")
+print(f"{'workload':<14}{'order':<20}{'reused':>8}{'of ideal':>10}{'evicted':>9}{'blocks':>8}{'TTFT p50':>10}"
+      f"{'TTFT p99':>10}{'out tok/s':>11}")
 for (name, label), r in scheduled.items():
-    print(f"{name:<14}{label:<20}{r.reused:>8}{r.share_of_ideal:>10.1%}{percentile(r.ttft, 50) * 1e3:>8.0f}ms"
-          f"{percentile(r.ttft, 99) * 1e3:>8.0f}ms{r.tok_s:>11.1f}")
+    print(f"{name:<14}{label:<20}{r.reused:>8}{r.share_of_ideal:>10.1%}{r.num_evictions:>9}{r.num_kv_blocks:>8}"
+          f"{percentile(r.ttft, 50) * 1e3:>8.0f}ms{percentile(r.ttft, 99) * 1e3:>8.0f}ms{r.tok_s:>11.1f}")
 same_orders = all(scheduled[w.name, label].outputs == measured[w.name, "radix"].outputs
                   for w in small for label, _, _ in orders)
 print(f"greedy outputs identical under every order: {same_orders}")
 
 # %% [markdown]
-# Read the reuse column first: it counts tokens, so it does not depend on the machine. Holding can raise reuse only
-# where requests that arrive together share a prefix nobody has computed yet (the few-shot questions of one task,
-# the first branches of a context), and it costs the requests it holds a step or more of waiting. Aging changes the
-# order only for a request that has waited `aging_s`. The times come from one short run on a CPU: compare them
-# within a workload, not across machines.
+# Read the reuse column first: it counts tokens, so it does not depend on the machine. Holding raises it where
+# requests that arrive together share a prefix nobody has computed yet: a conversation's users share the system
+# prompt, a context's branches share the context, and a request held back a step finds it cached. Longest prefix
+# first alone changes little there, and on few-shot it can lower reuse: the pool is small (by default `max_num_seqs`
+# requests of `max_model_len` tokens: the blocks column), too small for both tasks' examples and the questions
+# running, and ranking by hits serves one task's questions back to back while the other task's examples are
+# evicted (the evicted column). Arrival order alternates the tasks. A hold costs the requests it holds a step or
+# more of waiting; aging changes the order only for a request that has waited `aging_s`. The times come from one
+# short run on a CPU: compare them within a workload, not across machines.
 #
 # ### When each design wins
 #
