@@ -12,8 +12,8 @@ Workloads:
 - `cached`: chapter 03's cached loop (`generate_cached`, one prompt, 64 tokens).
 Stores (each in a temporary folder of its own, MINI_ENGINE_TUNE_DIR; the machine's own store is never touched):
 - `empty`: nothing kept, every case is timed in the first run;
-- `filled`: a process runs the workload once first (and keeps what it timed on a quiet machine), then the measured
-  process starts from that store, as every process after a `make test` or a chapter does.
+- `filled`: a process runs the workload first (and keeps what it timed on a quiet machine; `--fill-busy`: on any
+  machine), then the measured process starts from that store, as every process after a chapter does.
 
     python benchmarks/bench_first_run.py [--store empty|filled|both] [--workload llm|cached|both] [--profile]
         [--requests 32] [--fill-busy]
@@ -91,8 +91,9 @@ def measure(workload: str, store: str, runs: int, profile: bool, requests: int, 
     for name in ("MINI_ENGINE_TUNE_CACHE", "MINI_ENGINE_TUNED", "MINI_ENGINE_FORMS"):
         env.pop(name, None)
     cmd = [sys.executable, __file__, "--child", workload, "--requests", str(requests)]
-    if store == "filled":  # fill the store as an earlier process would have
-        subprocess.run([*cmd, "--runs", "1"] + (["--fill-busy"] if fill_busy else []), env=env, cwd=ROOT,
+    if store == "filled":  # fill the store as an earlier process would have, with every run: a second run of the
+        # same prompts meets the prefix cache, whose shorter prefill chunks are cases of their own
+        subprocess.run([*cmd, "--runs", str(runs)] + (["--fill-busy"] if fill_busy else []), env=env, cwd=ROOT,
                        check=True, capture_output=True)
     out = subprocess.run([*cmd, "--runs", str(runs)] + (["--profile"] if profile else []), env=env, cwd=ROOT,
                          capture_output=True, text=True)
