@@ -101,8 +101,10 @@ def warm_up(model, rows: int | Iterable[int] = 256) -> None:
     tokens of a prefill chunk), or one number for every count up to it. On a CPU the optional backend
     (`mini_engine/backends/cpu/`, appendix A1) times its equal forms of each weight product the first time the
     product meets a new count (per power of two), and keeps the fastest; here it does that for every count the
-    runs will bring, off the clock. Nothing happens on a GPU or with MINI_ENGINE_CPU_BACKEND=0. It lives with
-    the course's helpers so that no chapter needs to know the backend exists."""
+    runs will bring, off the clock. Where an earlier process on this machine kept those choices and checked them
+    within a day, that is look-ups and a few spot checks (well under a second); what must still be timed or
+    checked shows a progress bar naming each case. Nothing happens on a GPU or with MINI_ENGINE_CPU_BACKEND=0.
+    It lives with the course's helpers so that no chapter needs to know the backend exists."""
     if isinstance(rows, int):
         rows = [1 << i for i in range((max(rows, 1) - 1).bit_length() + 1)]  # 1, 2, 4, ... up to rows or past it
     from ..backends import cpu as cpu_backend
