@@ -772,15 +772,17 @@ same_orders = all(scheduled[w.name, label].outputs == measured[w.name, "radix"].
 print(f"greedy outputs identical under every order: {same_orders}")
 
 # %% [markdown]
-# Read the reuse column first: it counts tokens, so it does not depend on the machine. Holding raises it where
+# Read the reuse column first: it counts tokens, so but for aging (which goes by the clock) it does not depend on the
+# machine. Holding raises it where
 # requests that arrive together share a prefix nobody has computed yet: a conversation's users share the system
 # prompt, a context's branches share the context, and a request held back a step finds it cached. Longest prefix
 # first alone changes little there, and on few-shot it can lower reuse: the pool is small (by default `max_num_seqs`
 # requests of `max_model_len` tokens: the blocks column), too small for both tasks' examples and the questions
 # running, and ranking by hits serves one task's questions back to back while the other task's examples are
 # evicted (the evicted column). Arrival order alternates the tasks. A hold costs the requests it holds a step or
-# more of waiting; aging changes the order only for a request that has waited `aging_s`. The times come from one
-# short run on a CPU: compare them within a workload, not across machines.
+# more of waiting; aging changes the order only for a request that has waited `aging_s`, and an aged request is
+# never held, so where requests wait longer than `aging_s` (a slow machine, a long queue) aging gives back what
+# holding gained. The times come from one short run on a CPU: compare them within a workload, not across machines.
 #
 # ### When each design wins
 #
