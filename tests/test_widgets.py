@@ -112,13 +112,13 @@ def test_prefix_cache_widget_counts_full_blocks_and_prices_ttft_on_a_roofline():
     view.move("dtype", "fp32")
 
 
-def test_block_boundary_widget_prices_whole_blocks_against_the_radix_tree():
+def test_block_boundary_widget_prices_whole_pages_against_a_match_at_any_token():
     view = View(widgets.block_boundary_widget())
     text = view.summary.value
-    assert "hashed blocks serve 288 tokens, the radix tree 300" in text and "<b>12</b> tokens lost" in text
+    assert "pages of 16) serves 288 tokens" in text and "partial block) 300" in text and "<b>12</b> tokens lost" in text
     assert "(B − 1) / 2 = <b>7.5</b>" in text and "7,500 tokens over 1,000 matches" in text
     text = view.move("block size", 128)
-    assert "serve 256 tokens" in text and "<b>44</b> tokens lost" in text and "<b>63.5</b>" in text
+    assert "serves 256 tokens" in text and "<b>44</b> tokens lost" in text and "<b>63.5</b>" in text
     assert "<b>0</b> tokens lost" in view.move("block size", 1)
     assert "<b>0</b> tokens lost" in view.move("shared prefix", 256)
     view.move("matches", 10)

@@ -407,8 +407,9 @@ def prefix_hit_rate(prompt_lens, shared_lens, block_size=1):
 
 
 def block_boundary_loss(prompt_len, shared_len, block_size):
-    """Prompt tokens a hashed cache of whole blocks leaves to compute that a radix tree, whose match may end at any
-    token, serves: cached_prefix_tokens(N, shared, 1) − cached_prefix_tokens(N, shared, block_size). For a prefix
+    """Prompt tokens a cache of whole blocks (vLLM's hashed blocks; SGLang's tree with pages of block_size) leaves to
+    compute that a match ending at any token (SGLang at page size 1; this engine's shared partial block) serves:
+    cached_prefix_tokens(N, shared, 1) − cached_prefix_tokens(N, shared, block_size). For a prefix
     that is not the whole prompt this is shared mod block_size: a 300-token system prompt in blocks of 16 loses 12
     (288 against 300), in blocks of 128 it loses 44 (256). Never more than block_size − 1."""
     _check_at_least("block_size", block_size, 1)

@@ -477,11 +477,12 @@ def _render_block_boundary(block_size: int, shared: int, matches: int):
 
     fig, (left, right) = _figure(2, 10, 3.4)
     ends = np.arange(max(0, shared - 3 * block_size), shared + 3 * block_size + 1)  # three blocks either side
-    left.plot(ends, F.block_boundary_loss(ends + own, ends, block_size), lw=1, label="hashed blocks")
+    left.plot(ends, F.block_boundary_loss(ends + own, ends, block_size), lw=1,
+              label="whole pages (vLLM's blocks, SGLang above page 1)")
     left.axhline(mean, color="C1", ls="--", label=f"mean (B − 1) / 2 = {mean:g}")
     left.plot([shared], [lost], "o", color="C0", ms=8)
     left.set(xlabel="shared prefix (tokens)", ylabel="tokens lost per match",
-             title=f"blocks of {block_size}: the radix tree loses none")
+             title=f"pages of {block_size}: matching at any token loses none")
     left.legend(fontsize=8, loc="upper left")
     sizes = np.array(_BLOCK_SIZES)
     right.plot(sizes, F.expected_block_boundary_loss(sizes), "o-", label="expected, prefixes ending anywhere")
@@ -491,8 +492,10 @@ def _render_block_boundary(block_size: int, shared: int, matches: int):
     right.set_xticks(sizes, [str(b) for b in sizes])
     right.legend(fontsize=8, loc="upper left")
 
-    text = (f"A {shared}-token shared prefix in blocks of {block_size}: hashed blocks serve {hashed} tokens, the radix "
-            f"tree {radix} (a match ends at any token; the prompt's own last token is always computed): "
+    text = (f"A {shared}-token shared prefix in blocks of {block_size}: a cache of whole blocks (vLLM's hashed blocks, "
+            f"or SGLang's tree with pages of {block_size}) serves {hashed} tokens, a match that ends at any token "
+            f"(SGLang at page size 1, or this engine's shared partial block) {radix} (the prompt's own last token is "
+            f"always computed): "
             f"<b>{lost}</b> tokens lost to the block boundary. Where shared prefixes end at random points, a match "
             f"loses (B − 1) / 2 = <b>{mean:g}</b> tokens on average, recomputed at every match: about "
             f"{matches * mean:,.0f} tokens over {matches:,} matches, {100 * mean / max(shared, 1):.1f}% of a "
@@ -503,8 +506,8 @@ def _render_block_boundary(block_size: int, shared: int, matches: int):
 
 
 def block_boundary_widget(block_size: int = 16, shared: int = 300, matches: int = 1000) -> W.VBox:
-    """Chapter 08's block-boundary slider: what whole blocks cost a hashed prefix cache against a radix tree, for one
-    shared prefix (`formulas.block_boundary_loss`) and on average over prefixes ending at random points
+    """Chapter 08's block-boundary slider: what whole blocks cost a prefix cache against a match ending at any token,
+    for one shared prefix (`formulas.block_boundary_loss`) and on average over prefixes ending at random points
     (`formulas.expected_block_boundary_loss`: about half a block per match)."""
     controls = {"block_size": W.SelectionSlider(options=list(_BLOCK_SIZES), value=block_size, description="block size",
                                                 **_SLIDER),
