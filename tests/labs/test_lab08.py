@@ -817,12 +817,12 @@ class MatchThroughTheLastToken(solution.RadixBlockTree):
         return super().match(list(token_ids) + [-1])
 
 
-# A wrong part, a grading test, and the one line that test must print for it (a regular expression).
+# A wrong part, a grading test, and the one line that test must print for it (a regular expression). Each test here
+# is deterministic: the hypothesis workload also catches EvictIgnoringLocks, but only on the examples it happens to
+# draw, so it is not listed.
 WRONG_ANSWERS = [
     ({"RadixBlockTree": EvictIgnoringLocks}, test_radix_evict_never_takes_a_locked_node,
      r"evict took block 1, which a running request has locked \(lock_ref 1\): only leaves with lock_ref 0 may go"),
-    ({"RadixBlockTree": EvictIgnoringLocks}, test_radix_tree_keeps_its_invariants_under_a_small_pool,
-     r"RuntimeError: evict took block \d+, which a running request holds.*"),
     ({"RadixBlockTree": MatchThroughTheLastToken}, test_radix_match_walks_whole_blocks_and_never_the_last_token,
      r"match must leave the prompt's last token to compute.*"),
 ]
