@@ -437,16 +437,17 @@ display(prefix_cache_widget())
 # and a finished request enters the tree cut the same way (`cache_finished_req` calls
 # `page_align_keys(keys, self.page_size)`, then, in its own comment, "free the unaligned tail"). So at one page size
 # SGLang's tree and vLLM's hashed blocks serve the same tokens: what a block boundary costs comes from the page
-# size, not from a tree or a hash. (Pages of 1 token are not a given: vLLM's blocks hold 16 tokens by default, and
-# some attention kernels want pages larger still.)
+# size, not from a tree or a hash. (Pages of 1 token are not a given: vLLM's blocks hold 16 tokens by default on CUDA,
+# and some attention kernels want pages larger still.)
 #
-# This engine has a third design, its own, not SGLang's: `LLM(enable_prefix_caching=True, prefix_cache="radix")`
-# plugs in `mini_engine.prefix.radix_cache.RadixBlockManager`, a tree whose every node owns one KV block of
-# `block_size` tokens. A match may still end at any token. When it ends inside a block, that partly matched block
-# is shared too, and copied the first time the new request writes into it (section 5's copy-on-write); a finished
-# request puts its whole computed sequence into the tree, last partial block included. It keeps its pages and pays
-# one block copy per such hit so as to lose nothing. Its eviction works as SGLang's does: it removes the least
-# recently used **leaves** that no request holds, so a trunk that many branches share outlives them.
+# This engine has a third design, its own, not SGLang's: `LLM(enable_prefix_caching=True, prefix_cache="radix")` plugs
+# in `mini_engine.prefix.radix_cache.RadixBlockManager`, a tree whose every node owns one KV block of `block_size`
+# tokens. As with SGLang at page size 1, a match can end at any token. When it ends inside a block, that partly
+# matched block is shared too, and copied the first time the new request writes into it (section 5's copy-on-write); a
+# finished request puts its whole computed sequence into the tree, last partial block included. This engine's tree
+# keeps its pages of `block_size` and pays one block copy per hit that ends inside a block, so it loses no token. Its
+# eviction works as SGLang's does with its default `--radix-eviction-policy lru`: it removes the least recently used
+# **leaves** that no request holds, so a trunk that many branches share outlives them.
 #
 # The three side by side: a 100-token request A has finished; B starts with A's first 70 tokens and adds 30 of its
 # own. What each design serves B from the cache (`course.prefix_designs.served`; a prompt's last token is always
@@ -585,11 +586,11 @@ print(f"{len(tree.node_of)} blocks in the tree, {tree.num_cached_blocks} cached;
 # %% [markdown]
 # Read the tree from the top: the blocks every prompt shares in full form one trunk. The block in which the users'
 # prompts part is a block of each user's own, so the trunk's last block has three children. (The second and third
-# users still matched the first user's tokens into that block: their first turns took the shared tokens past the
-# last full block from the tree too, sharing the first user's block and copying it on their first write.) Below,
-# each conversation is one chain ending in a partial leaf, the last tokens of its second turn. The tree holds every
-# turn's answer, so a third turn would find the whole conversation. (SGLang's tree at page size 1 would find it too;
-# at page size 16 it keeps no partial leaves, and a third turn would recompute each answer's last partial page.)
+# users still matched the first user's tokens into that block: their first turns took the shared tokens past the last
+# full block from the tree too, sharing the first user's block and copying it on their first write.) Below, each
+# conversation is one chain, usually ending in a partial leaf, the last tokens of its second turn. The tree holds
+# every turn's answer, so a third turn would find the whole conversation. (SGLang's tree at page size 1 would find it
+# too; at page size 16 it keeps no partial leaves, and a third turn would recompute each answer's last partial page.)
 #
 # ### The three workloads, measured
 #
@@ -599,8 +600,9 @@ print(f"{len(tree.node_of)} blocks in the tree, {tree.num_cached_blocks} cached;
 # tasks, each a block of worked examples, three questions each, all arriving together with the tasks interleaved)
 # and **branching** (one context, three continuations of it, each continued once more after its answer). Two
 # engines serve each, in arrival order, with blocks of 16: hashed blocks, and this engine's tree with its shared
-# partial block. "Ideal" counts, for each request, every prompt token some earlier request computed: what a cache
-# that kept everything, token by token, would serve.
+# partial block. "Ideal" counts, for each request, every prompt token it shares with a request that arrived before
+# it, whether or not that one had been computed yet: what a cache that kept everything, token by token, and never
+# admitted two sharers together would serve.
 
 # %%
 vocab = model.config.vocab_size
@@ -623,9 +625,9 @@ print(f"greedy outputs identical on both caches: {same_tokens}")
 
 # %% [markdown]
 # Read the reuse columns first: they count tokens, so they come out the same on any machine; the times are from one
-# short run on a busy CPU. The shared partial block reuses more wherever a shared prefix ends inside a block. Neither
-# reaches the ideal on few-shot and branching: requests admitted in the same step cannot share a prefix that neither
-# has computed yet (the scheduling below is about that).
+# short run on your machine: compare them within a workload only. The shared partial block reuses more wherever a
+# shared prefix ends inside a block. Neither reaches the ideal: where requests admitted in the same step share a
+# prefix that none of them has computed yet, each computes it (the scheduling below is about that).
 #
 # ### The loss against the page size, on the three workloads
 #
@@ -690,24 +692,26 @@ for work in small:
 #   cost the step least, and they run before their prefix is evicted. Ranking means matching every waiting request
 #   against the tree at every step, so past 128 waiting requests SGLang falls back to arrival order, and its reason
 #   is cost, in its own comment: "Turn off the expensive prefix matching and sorting when the #queue is large."
-# - **In-batch prefix caching.** Requests that arrive together with a prefix nobody has computed yet all miss if
-#   they are admitted together: each computes the prefix itself. SGLang matches each waiting request that has few
-#   cached tokens (at most 32) against the requests waiting before it as well, and one that shares at least 32
-#   tokens with them is sorted to the end of the queue for this step ("we prefer to schedule only one of them so
-#   that we can increase the cache hit rate"). If the batch fills before the queue's end, it runs a step or more
-#   later and finds the prefix cached; if the batch has room left, it is still admitted now.
+# - **In-batch prefix caching.** Requests that arrive together with a prefix nobody has computed yet all miss if they
+#   are admitted together: each computes the prefix itself. SGLang matches each waiting request that has few cached
+#   tokens (at most 32) against the earlier waiting requests checked the same way and not themselves sorted last, and
+#   one that shares at least 32 tokens with them is sorted to the end of the queue for this step ("we prefer to
+#   schedule only one of them so that we can increase the cache hit rate"). If the batch fills before the queue's end,
+#   it runs a step or more later and finds the prefix cached; if the batch has room left, it is still admitted now.
 # - **Aging.** Longest prefix first can starve a request with no hit: while requests with hits keep arriving, each
 #   ranks ahead of it, and the queue can stay far shorter than 128 the whole time, so the fallback never comes.
 #   Recent SGLang has an `hrrn` policy (highest response ratio next) that ranks a request by how long it has waited
-#   against how much it has to compute, counting the wait in prefill tokens processed since it arrived, so a waiting
-#   request rises until it goes first.
+#   against how much it has to compute: it measures the wait by how many prefill tokens the engine has computed
+#   since the request arrived, divides by the request's own uncached tokens, and so a waiting request rises until it
+#   goes first.
 #
-# The engine has the first as `scheduling="cache_aware"` (arrival order past 128 waiting requests, too), and the
-# other two as its options, in a form of its own (`mini_engine/prefix/policies.py` says how they differ from
-# SGLang's): `prefix_holding=True` holds back a request that would gain at least 32 cached tokens (`HOLD_TOKENS`
-# there) by waiting for a request being computed in this step; `aging_s` lets a request that has waited that many
-# seconds go first, oldest first, and never holds it back. All three only reorder or delay admissions: every
-# request computes the same tokens either way.
+# The engine has the first as `scheduling="cache_aware"` (arrival order past 128 waiting requests, too), and the other
+# two as its options, in a form of its own (unlike SGLang, it holds such a request back even when the batch has room;
+# `mini_engine/prefix/policies.py` says more): `prefix_holding=True` holds back a request that would gain at least 32
+# cached tokens (`HOLD_TOKENS` there) by waiting for a request being computed in this step; `aging_s` lets a request
+# that has waited that many seconds go first, oldest first, and never holds it back. All three only reorder or delay
+# admissions: with greedy sampling every request produces the same output tokens either way, though how many of its
+# prompt tokens come from the cache changes.
 #
 # First the starvation. One request with no cached prefix waits with requests that hit a cached 96-token prefix;
 # one request runs at a time (`max_num_seqs=1`), and a new hit arrives each time one finishes, so at most two
@@ -772,8 +776,8 @@ same_orders = all(scheduled[w.name, label].outputs == measured[w.name, "radix"].
 print(f"greedy outputs identical under every order: {same_orders}")
 
 # %% [markdown]
-# Read the reuse column first: it counts tokens, so but for aging (which goes by the clock) it does not depend on the
-# machine. Holding raises it where
+# Read the reuse column first: it counts tokens, so it does not depend on the machine, except under aging, which goes
+# by the clock. Holding raises it where
 # requests that arrive together share a prefix nobody has computed yet: a conversation's users share the system
 # prompt, a context's branches share the context, and a request held back a step finds it cached. Longest prefix
 # first alone changes little there, and on few-shot it can lower reuse: the pool is small (by default `max_num_seqs`
@@ -782,7 +786,7 @@ print(f"greedy outputs identical under every order: {same_orders}")
 # evicted (the evicted column). Arrival order alternates the tasks. A hold costs the requests it holds a step or
 # more of waiting; aging changes the order only for a request that has waited `aging_s`, and an aged request is
 # never held, so where requests wait longer than `aging_s` (a slow machine, a long queue) aging gives back what
-# holding gained. The times come from one short run on a CPU: compare them within a workload, not across machines.
+# holding gained. The times come from one short run on your machine: compare them within a workload only.
 #
 # ### When each design wins
 #
@@ -795,9 +799,9 @@ print(f"greedy outputs identical under every order: {same_orders}")
 # - **Rounding to pages**, by hashes (vLLM) or in a tree (SGLang at page size > 1), loses under a page per hit, about
 #   half a page on average. When shared prefixes are long against a page, or end on page boundaries (a prompt
 #   template padded to whole pages), that loss is small and the simpler design does as well.
-# - **Tree or hashes** matters for eviction more than for matching: a tree evicts leaves, so everything it keeps is
-#   reachable, while a hashed cache evicting least recently released blocks can drop a block whose successors stay
-#   cached (exercise 5).
+# - **Tree or hashes** matters for eviction more than for matching: a tree evicts only leaves, so everything it keeps
+#   is reachable by construction; a hashed cache orders evictions by release time, and it is releasing each request's
+#   blocks tail first (vLLM and this engine both do) that keeps a block's successors from outliving it (exercise 5).
 # - **The scheduler** decides what is cached in time. Longest prefix first runs cheap hits first; holding lets a
 #   burst that shares a new prefix compute it once; aging bounds how long a request without a hit waits.
 #   `python -m mini_engine bench --workload radix` measures the caches and orders on larger workloads.
@@ -997,9 +1001,10 @@ for e in "XYZ":
 # T + X, T + Y and T + Z fill the two trunk blocks and one leaf block each: 5 blocks, 1 free. W needs 3: it takes the
 # free one and evicts two leaves, least recently used first, Y's and Z's (X's was used again by the second T + X). The
 # trunk's blocks are never candidates while they have children, so T + Y and T + Z still find 8 tokens, and T + X all
-# 12. A hashed cache evicts blocks, not leaves: least recently released first, it can drop a trunk block while blocks
-# behind it stay cached, and those can then never hit, since a hit needs every block before it. The tree evicts only
-# leaves, so everything it keeps is reachable, and a trunk goes only after every branch under it.
+# 12. A hashed cache evicts blocks, not leaves, least recently released first; a block it kept whose predecessor it
+# dropped could never hit, since a hit needs every block before it. What prevents that is the order of release: each
+# request frees its blocks tail first (vLLM and this engine both do), so a block's predecessors always leave the queue
+# after it. The tree needs no such rule: it evicts only leaves, so a trunk goes only after every branch under it.
 # </details>
 #
 # **Lab.** [Lab 08](../labs/lab08_notebook.ipynb) has you write the hash chain and a prefix cache with
